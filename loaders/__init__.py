@@ -1,0 +1,3 @@
+"""loaders: a rank-aware, drop-in DataLoader over staged WebDataset shards (being built)."""
+
+__all__: list[str] = []

@@ -1,0 +1,7 @@
+"""``python -m stager COMMAND ...``"""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

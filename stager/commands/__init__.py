@@ -1,0 +1,1 @@
+"""One module per CLI command: ``add_parser``/``configure`` declare flags, ``run`` calls the library."""

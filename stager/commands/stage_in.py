@@ -1,0 +1,94 @@
+"""``stage-in``: flags and the call into :func:`stager.stagein.stage_in`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..dest import resolve_dest_root
+from ..errors import UsageError
+from ..retry import RetryPolicy
+from ..slurm import SlurmEnv
+from ..sources import resolve_source
+from ..stagein import StageInOptions, stage_in
+
+HELP = "copy dataset shards to node-local scratch (run once per node: srun --ntasks-per-node=1)"
+
+EPILOG = """exit codes: 0 ok; 2 usage error; 3 source error (missing source, shards failed after retries);
+4 integrity error (hash mismatch); 5 destination error; 6 scratch full; 8 lock timeout.
+environment: STAGER_DEST (destination root), SLURM_JOB_ID/SLURM_NODEID/... (job layout)."""
+
+
+def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
+    configure(sub.add_parser(name, help=HELP, description=HELP, epilog=EPILOG))
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.description = parser.description or HELP
+    parser.epilog = parser.epilog or EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument(
+        "source", nargs="?", metavar="SOURCE",
+        help="directory, glob, brace pattern (train-{000000..000099}.tar) or single shard; any fsspec URL",
+    )
+    parser.add_argument("--from-list", metavar="FILE", help="read shard URLs from FILE (one per line, # comments)")
+    parser.add_argument(
+        "--dest", metavar="DIR",
+        help="destination root (default: $STAGER_DEST, else /scratch/$SLURM_JOB_ID, else $TMPDIR/stager-$USER/local)",
+    )
+    parser.add_argument("--name", help="dataset name under the destination (default: source directory's basename)")
+    parser.add_argument("--jobs", type=int, default=8, metavar="N", help="concurrent copy streams per node (default 8)")
+    parser.add_argument("--bw-limit", type=float, metavar="MBPS", help="cap on source reads per node, in MB/s")
+    parser.add_argument("--retries", type=int, default=3, metavar="N", help="retries per shard on transient errors (default 3)")
+    parser.add_argument("--retry-delay", type=float, default=0.5, metavar="S", help="first retry delay in s; doubles (default 0.5)")
+    parser.add_argument("--manifest", metavar="PATH", help="manifest to verify against (default: stager-manifest.* beside the source)")
+    parser.add_argument("--report", metavar="PATH.json", help="write the run's summary as JSON")
+    parser.add_argument("--quiet", action="store_true", help="no progress output (summary line still printed)")
+    parser.add_argument(
+        "--progress", choices=("auto", "bar", "lines", "none"), default="auto",
+        help="progress style: bar on a TTY, periodic lines otherwise (default auto)",
+    )
+    parser.add_argument("--progress-interval", type=float, default=10.0, metavar="S", help="seconds between progress lines")
+    parser.add_argument("--jitter-max", type=float, default=2.0, metavar="S", help="max start delay spread over nodes (default 2)")
+    parser.add_argument("--no-count", action="store_true", help="do not count samples of copied shards")
+    parser.add_argument("--fsync", action="store_true", help="fsync each shard before publishing it")
+    parser.add_argument("--min-free", type=int, default=0, metavar="BYTES", help="bytes to keep free on scratch")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.jobs < 1:
+        raise UsageError("--jobs must be at least 1")
+    if args.retries < 0:
+        raise UsageError("--retries must be >= 0")
+    if args.bw_limit is not None and args.bw_limit <= 0:
+        raise UsageError("--bw-limit must be a positive number of MB/s")
+    slurm = SlurmEnv.from_environ()
+    source = resolve_source(args.source, from_list=args.from_list, name=args.name, jobs=args.jobs)
+    options = StageInOptions(
+        dest_root=resolve_dest_root(args.dest, slurm=slurm),
+        name=args.name,
+        jobs=args.jobs,
+        bw_limit_mbps=args.bw_limit,
+        retry=RetryPolicy(attempts=args.retries + 1, base_delay_s=args.retry_delay),
+        manifest=args.manifest,
+        progress="none" if args.quiet else args.progress,
+        progress_interval_s=args.progress_interval,
+        jitter_max_s=args.jitter_max,
+        count_samples=not args.no_count,
+        fsync=args.fsync,
+        min_free_bytes=args.min_free,
+    )
+    try:
+        report = stage_in(source, options, slurm=slurm)
+    except Exception as exc:
+        report = getattr(exc, "report", None)
+        if report is not None:
+            if args.report:
+                report.write(args.report)
+            print(report.summary_line(), file=sys.stderr, flush=True)
+        raise
+    if args.report:
+        report.write(args.report)
+    print(report.summary_line(), file=sys.stderr, flush=True)
+    return 0

@@ -1,0 +1,143 @@
+"""Copy one file from any fsspec filesystem to a local path, atomically and verified.
+
+The bytes go to ``<final>.partial``; only after the size (and, when one is known, the hash)
+check out is the file renamed to its final name. A file with its final name is therefore always
+whole: a kill at any moment leaves at most a ``.partial``, which the next run deletes. This is
+the single boundary where fsspec/OS errors on the byte path become stager errors.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import fsspec
+
+from .errors import IntegrityError, ScratchFull, SourceError
+from .hashing import DEFAULT_ALGORITHM, new_hasher, split_digest
+from .paths import PARTIAL_SUFFIX
+from .throttle import Throttle
+
+__all__ = ["CopyResult", "copy_file", "partial_path", "SizeMismatch", "HashMismatch", "DEFAULT_BLOCK_BYTES"]
+
+DEFAULT_BLOCK_BYTES = 4 << 20
+
+
+class SizeMismatch(IntegrityError):
+    """The copy's size differs from the listing's: the file may be changing; worth a retry."""
+
+    transient = True
+
+
+class HashMismatch(IntegrityError):
+    """The copy's hash differs from the manifest's: the source changed or is corrupt."""
+
+    transient = False
+
+
+@dataclass(frozen=True)
+class CopyResult:
+    size: int
+    hash: str  # "<algorithm>:<hex>"
+    bytes_read: int
+
+
+def partial_path(final: Path) -> Path:
+    return final.with_name(final.name + PARTIAL_SUFFIX)
+
+
+def _open_source(fs: fsspec.AbstractFileSystem, path: str, url: str, block_bytes: int):
+    try:
+        return fs.open(path, "rb", block_size=block_bytes)
+    except FileNotFoundError as exc:
+        raise SourceError(f"source shard not found: {url}") from exc
+    except PermissionError as exc:
+        raise SourceError(f"source shard not readable (permission denied): {url}") from exc
+
+
+def copy_file(
+    fs: fsspec.AbstractFileSystem,
+    src_path: str,
+    final: Path,
+    *,
+    url: str | None = None,
+    expected_size: int | None = None,
+    expected_hash: str | None = None,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    throttle: Throttle | None = None,
+    on_bytes: Callable[[int], None] | None = None,
+    fsync: bool = False,
+) -> CopyResult:
+    """Copy ``src_path`` on ``fs`` to ``final``; return its size and content hash.
+
+    Raises :class:`SizeMismatch`/:class:`HashMismatch` on verification failure,
+    :class:`ScratchFull` when the local filesystem runs out of space, and lets other transient
+    ``OSError``s through for the caller's retry loop. The partial file is removed on any error.
+    """
+    url = url or src_path
+    algorithm = split_digest(expected_hash)[0] if expected_hash else DEFAULT_ALGORITHM
+    hasher = new_hasher(algorithm)
+    partial = partial_path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    copied = 0
+    try:
+        with _open_source(fs, src_path, url, block_bytes) as src, open(partial, "wb", buffering=0) as dst:
+            buf = bytearray(block_bytes)
+            view = memoryview(buf)
+            while True:
+                n = src.readinto(view) if hasattr(src, "readinto") else _read_into(src, view)
+                if not n:
+                    break
+                chunk = view[:n]
+                hasher.update(chunk)
+                written = 0
+                while written < n:
+                    written += dst.write(chunk[written:])
+                copied += n
+                if throttle is not None:
+                    throttle.consume(n)
+                if on_bytes is not None:
+                    on_bytes(n)
+            if fsync:
+                os.fsync(dst.fileno())
+        if expected_size is not None and copied != expected_size:
+            raise SizeMismatch(
+                f"{url}: copied {copied} bytes but the source listed {expected_size}; "
+                "the file may be changing or truncated on the source"
+            )
+        digest = f"{algorithm}:{hasher.hexdigest()}"
+        if expected_hash is not None and digest != expected_hash:
+            raise HashMismatch(
+                f"{url}: hash {digest} does not match the manifest's {expected_hash}; "
+                "the source changed or is corrupt (re-run stager index if the change is intended)"
+            )
+        os.replace(partial, final)
+    except OSError as exc:
+        _discard(partial)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise ScratchFull(
+                f"no space left on {final.parent} while writing {final.name} from {url} "
+                f"({copied} bytes written); free space or pass --dest elsewhere",
+                where=str(final.parent),
+            ) from exc
+        raise
+    except BaseException:
+        _discard(partial)
+        raise
+    return CopyResult(size=copied, hash=digest, bytes_read=copied)
+
+
+def _read_into(src, view: memoryview) -> int:
+    data = src.read(len(view))
+    view[: len(data)] = data
+    return len(data)
+
+
+def _discard(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,220 @@
+"""Turn what the user typed into a list of shards: directory, glob, brace pattern or list file.
+
+Every source goes through fsspec (``url_to_fs``), so ``/nfs/ds``, ``file://``, ``s3://`` and
+``https://`` behave alike. Listing errors are translated into :class:`SourceError` here, once.
+The shard's *relative path* (where it lands under ``DEST/<name>/``) is its path relative to the
+source root: the directory for a directory source, the fixed prefix for a glob, the common
+parent directory for a brace pattern or a list.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import fsspec
+from braceexpand import braceexpand
+from fsspec.core import url_to_fs
+
+from .errors import SourceError, UsageError
+from .paths import safe_relpath
+
+__all__ = ["SourceShard", "SourceSet", "resolve_source", "SHARD_SUFFIXES", "is_shard_name"]
+
+SHARD_SUFFIXES = (".tar", ".tgz", ".tar.gz")
+_GLOB_CHARS = set("*?[")
+
+
+def is_shard_name(name: str) -> bool:
+    """True for the file names stage-in treats as shards in a directory source."""
+    return name.endswith(SHARD_SUFFIXES)
+
+
+@dataclass(frozen=True)
+class SourceShard:
+    """One shard to stage: where it is read from and where it lands relative to the dataset."""
+
+    url: str  # full URL (with protocol for remote filesystems), shown to the user
+    path: str  # the path as the filesystem object understands it
+    relpath: str  # POSIX path under DEST/<name>/
+    size: int | None  # None when the listing could not tell; the copy finds out
+
+
+@dataclass(frozen=True)
+class SourceSet:
+    """The resolved source: its filesystem, its root and its shards."""
+
+    fs: fsspec.AbstractFileSystem
+    root_url: str
+    name: str
+    shards: tuple[SourceShard, ...]
+    missing: tuple[str, ...] = ()  # URLs named explicitly (brace/list) that do not exist
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.size or 0 for s in self.shards)
+
+
+def _display(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return path if protocol in ("file", "local") else fs.unstrip_protocol(path)
+
+
+def _translate(exc: Exception, url: str) -> SourceError:
+    if isinstance(exc, FileNotFoundError):
+        return SourceError(f"source not found: {url}; check the path (is the filesystem mounted?)")
+    if isinstance(exc, PermissionError):
+        return SourceError(f"source not readable: {url} (permission denied); check its mode and owner")
+    return SourceError(f"cannot list source {url}: {exc}; check the URL and credentials")
+
+
+def _has_glob(text: str) -> bool:
+    return any(c in _GLOB_CHARS for c in text)
+
+
+def _common_dir(paths: list[str]) -> str:
+    dirs = [posixpath.dirname(p) for p in paths]
+    common = posixpath.commonpath(dirs) if all(d.startswith("/") for d in dirs) else _prefix_dir(dirs)
+    return common
+
+
+def _prefix_dir(dirs: list[str]) -> str:
+    split = [d.split("/") for d in dirs]
+    out: list[str] = []
+    for parts in zip(*split):
+        if len(set(parts)) != 1:
+            break
+        out.append(parts[0])
+    return "/".join(out)
+
+
+def _stat_many(fs: fsspec.AbstractFileSystem, paths: list[str], jobs: int) -> list[dict | None]:
+    """``fs.info`` for each path, in parallel because each is a metadata round trip on NFS."""
+
+    def info(path: str) -> dict | None:
+        try:
+            return fs.info(path)
+        except FileNotFoundError:
+            return None
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        return list(pool.map(info, paths))
+
+
+def _from_paths(
+    fs: fsspec.AbstractFileSystem, paths: list[str], root: str, name: str | None, jobs: int, root_url: str
+) -> SourceSet:
+    infos = _stat_many(fs, paths, jobs)
+    shards, missing = [], []
+    for path, info in zip(paths, infos):
+        if info is None or info.get("type") == "directory":
+            missing.append(_display(fs, path))
+            continue
+        rel = posixpath.relpath(path, root) if root else path
+        shards.append(SourceShard(_display(fs, path), path, safe_relpath(rel), int(info.get("size") or 0)))
+    return SourceSet(fs, root_url, name or _basename(root), tuple(shards), tuple(missing))
+
+
+def _basename(root: str) -> str:
+    base = posixpath.basename(root.rstrip("/"))
+    return base or "dataset"
+
+
+def _split_fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    try:
+        return url_to_fs(url)
+    except (ImportError, ValueError) as exc:
+        raise UsageError(f"cannot open {url!r}: {exc}; install the fsspec backend (e.g. s3fs)") from exc
+
+
+def _read_list(list_url: str) -> list[str]:
+    try:
+        with fsspec.open(list_url, "rt") as handle:
+            lines = handle.read().splitlines()
+    except Exception as exc:  # noqa: BLE001 - translated at this boundary
+        raise _translate(exc, list_url) from exc
+    urls = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+    if not urls:
+        raise UsageError(f"list file {list_url} names no shards")
+    return urls
+
+
+def resolve_source(
+    spec: str | None = None, *, from_list: str | None = None, name: str | None = None, jobs: int = 16
+) -> SourceSet:
+    """Resolve a stage-in source into shards with sizes.
+
+    ``spec`` is a directory, a glob, a brace pattern (``train-{000000..000099}.tar``) or a single
+    file, each optionally an fsspec URL; ``from_list`` is a file listing URLs instead.
+    Raises :class:`SourceError` when the source does not exist or lists no shards.
+    """
+    if (spec is None) == (from_list is None):
+        raise UsageError("give exactly one of SOURCE or --from-list")
+    if from_list is not None:
+        urls = _read_list(from_list)
+        fs, _ = _split_fs(urls[0])
+        paths = []
+        for url in urls:
+            other_fs, path = _split_fs(url)
+            if type(other_fs) is not type(fs):
+                raise UsageError(f"list {from_list} mixes filesystems ({url}); use one list per filesystem")
+            paths.append(path)
+        root = _common_dir(paths)
+        return _from_paths(fs, paths, root, name, jobs, from_list)
+
+    assert spec is not None
+    if "{" in spec and "}" in spec:
+        expanded = list(braceexpand(spec))
+        fs, _ = _split_fs(expanded[0])
+        paths = [_split_fs(u)[1] for u in expanded]
+        root = _common_dir(paths)
+        result = _from_paths(fs, paths, root, name, jobs, spec)
+        if not result.shards:
+            raise SourceError(f"source not found: none of the {len(paths)} files of {spec} exist; check the pattern")
+        return result
+
+    fs, path = _split_fs(spec)
+    if _has_glob(path):
+        try:
+            matches = sorted(fs.glob(path, detail=True).items())
+        except Exception as exc:  # noqa: BLE001 - translated at this boundary
+            raise _translate(exc, spec) from exc
+        files = [(p, info) for p, info in matches if info.get("type") != "directory"]
+        if not files:
+            raise SourceError(f"source not found: no file matches {spec}; check the pattern")
+        fixed = path[: min(path.index(c) for c in _GLOB_CHARS if c in path)]
+        root = fixed if fixed.endswith("/") else posixpath.dirname(fixed)
+        shards = tuple(
+            SourceShard(_display(fs, p), p, safe_relpath(posixpath.relpath(p, root)), int(info.get("size") or 0))
+            for p, info in files
+        )
+        return SourceSet(fs, spec, name or _basename(root), shards)
+
+    try:
+        info = fs.info(path)
+    except Exception as exc:  # noqa: BLE001 - translated at this boundary
+        raise _translate(exc, spec) from exc
+    if info.get("type") != "directory":
+        root = posixpath.dirname(path)
+        shard = SourceShard(_display(fs, path), path, safe_relpath(posixpath.basename(path)), int(info.get("size") or 0))
+        return SourceSet(fs, spec, name or _basename(root), (shard,))
+    try:
+        found = fs.find(path, detail=True)
+    except Exception as exc:  # noqa: BLE001 - translated at this boundary
+        raise _translate(exc, spec) from exc
+    root = path.rstrip("/")
+    shards = tuple(
+        SourceShard(_display(fs, p), p, safe_relpath(posixpath.relpath(p, root)), int(info.get("size") or 0))
+        for p, info in sorted(found.items())
+        if is_shard_name(p) and info.get("type") != "directory"
+    )
+    if not shards:
+        raise SourceError(f"no shards (*.tar, *.tgz, *.tar.gz) under {spec}; check the directory")
+    return SourceSet(fs, spec, name or _basename(root), shards)
+
+
+def dataset_names(shards: Iterable[SourceShard]) -> list[str]:
+    """Relative paths of the shards, in order (for manifests and reports)."""
+    return [s.relpath for s in shards]

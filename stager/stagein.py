@@ -1,0 +1,380 @@
+"""stage-in: copy a dataset's shards to node-local scratch, in parallel, verified, resumable.
+
+The flow, per node:
+
+1. take the node lock (one copier per node; other tasks wait and adopt its result);
+2. plan: shards whose final file exists with the right size (and hash, when the manifest has
+   one) are skipped; leftover ``.partial`` files from a killed run are deleted;
+3. preflight: refuse before copying anything if the bytes to copy exceed the free space;
+4. wait a jitter derived from the node id, so hundreds of nodes do not hit NFS at once;
+5. copy with ``jobs`` concurrent streams under a per-node bandwidth cap, retrying transient
+   errors with backoff; each file is published by rename only after verification;
+6. write the staged manifest (sizes, hashes, sample counts) that the loader reads, and the
+   result that waiting tasks adopt.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from . import tarindex
+from .copy import DEFAULT_BLOCK_BYTES, copy_file
+from .dest import ensure_private_dir
+from .errors import (
+    AdoptedFailure,
+    IntegrityError,
+    ScratchFull,
+    ShardFailure,
+    ShardsFailed,
+    StagerError,
+    UsageError,
+    exit_code_for,
+)
+from .hashing import hash_file
+from .lock import NodeLock
+from .manifest import Manifest, ManifestEntry, find_manifest
+from .paths import PARTIAL_SUFFIX, safe_join, safe_relpath
+from .progress import Progress, human_bytes
+from .report import StageInReport
+from .retry import RetryPolicy, call_with_retries
+from .slurm import SlurmEnv
+from .sources import SourceSet, SourceShard
+from .throttle import Throttle
+
+__all__ = ["StageInOptions", "stage_in", "staged_manifest_path", "STAGED_META_DIR", "jitter_s"]
+
+STAGED_META_DIR = ".stager"
+
+
+def staged_manifest_path(dataset_dir: str | Path) -> Path:
+    """Where the staged copy keeps its manifest (read by the loader)."""
+    return Path(dataset_dir) / STAGED_META_DIR / "manifest.json"
+
+
+@dataclass(frozen=True)
+class StageInOptions:
+    """Everything that tunes one stage-in run; the CLI builds this from its flags."""
+
+    dest_root: Path
+    name: str | None = None
+    jobs: int = 8
+    bw_limit_mbps: float | None = None
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    manifest: str | None = None
+    block_bytes: int = DEFAULT_BLOCK_BYTES
+    progress: str = "auto"  # auto | bar | lines | none
+    progress_interval_s: float = 10.0
+    jitter_max_s: float = 2.0
+    count_samples: bool = True
+    fsync: bool = False
+    lock_timeout_s: float = 24 * 3600
+    min_free_bytes: int = 0
+    subset: str = "all"
+    log: TextIO | None = None
+
+
+def jitter_s(node_id: int, num_nodes: int, max_s: float) -> float:
+    """Start delay for a node: spread evenly over ``[0, max_s)`` by node id, zero on one node.
+
+    Derived (golden-ratio sequence), not random, so reruns behave the same and neighbours in the
+    node list land far apart.
+    """
+    if num_nodes <= 1 or max_s <= 0:
+        return 0.0
+    return ((node_id * 0.6180339887498949) % 1.0) * max_s
+
+
+def _load_manifest(source: SourceSet, options: StageInOptions) -> Manifest | None:
+    if options.manifest:
+        if "://" in options.manifest:
+            import fsspec
+
+            with fsspec.open(options.manifest, "rb") as handle:
+                local = Path(options.dest_root) / ".stager-source-manifest" / Path(options.manifest).name
+                local.parent.mkdir(parents=True, exist_ok=True)
+                local.write_bytes(handle.read())
+            return Manifest.read(local)
+        return Manifest.read(options.manifest)
+    protocol = source.fs.protocol if isinstance(source.fs.protocol, str) else source.fs.protocol[0]
+    if protocol not in ("file", "local") or not source.shards:
+        return None
+    root = Path(source.shards[0].path[: len(source.shards[0].path) - len(source.shards[0].relpath)])
+    found = find_manifest(root)
+    return Manifest.read(found) if found else None
+
+
+def _read_previous(dataset_dir: Path) -> dict[str, ManifestEntry]:
+    path = staged_manifest_path(dataset_dir)
+    if not path.is_file():
+        return {}
+    try:
+        return Manifest.read(path).by_relpath()
+    except StagerError:
+        return {}  # a damaged staged manifest only costs re-verification by size
+
+
+def _clean_partials(dataset_dir: Path) -> int:
+    removed = 0
+    for leftover in dataset_dir.rglob(f"*{PARTIAL_SUFFIX}"):
+        try:
+            leftover.unlink()
+            removed += 1
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def _count(final: Path, log: TextIO) -> int | None:
+    if not final.name.endswith((".tar", ".tgz", ".tar.gz")):
+        return None
+    try:
+        return tarindex.count_samples(final)
+    except IntegrityError as exc:
+        print(f"warning: {exc}", file=log, flush=True)
+        return None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return " ".join(text.split())
+
+
+@dataclass
+class _Plan:
+    to_copy: list[tuple[SourceShard, Path, int | None, str | None]]
+    kept: dict[str, ManifestEntry]
+
+
+def _plan(
+    shards: Sequence[SourceShard],
+    dataset_dir: Path,
+    expected: dict[str, ManifestEntry],
+    previous: dict[str, ManifestEntry],
+    options: StageInOptions,
+    log: TextIO,
+) -> _Plan:
+    to_copy, kept = [], {}
+    for shard in shards:
+        final = safe_join(dataset_dir, shard.relpath)
+        want = expected.get(shard.relpath)
+        size = want.size if want is not None else shard.size
+        want_hash = want.hash if want is not None else None
+        if final.is_file() and (size is None or final.stat().st_size == size):
+            before = previous.get(shard.relpath)
+            have_hash = before.hash if before is not None and before.size == final.stat().st_size else None
+            if want_hash is not None and have_hash != want_hash:
+                have_hash = hash_file(final, want_hash.split(":", 1)[0])
+            if want_hash is None or have_hash == want_hash:
+                samples = want.samples if want is not None and want.samples is not None else None
+                if samples is None and before is not None:
+                    samples = before.samples
+                if samples is None and options.count_samples:
+                    samples = _count(final, log)
+                kept[shard.relpath] = ManifestEntry(shard.relpath, final.stat().st_size, have_hash, samples)
+                continue
+        to_copy.append((shard, final, size, want_hash))
+    return _Plan(to_copy, kept)
+
+
+def _preflight(dataset_dir: Path, needed: int, options: StageInOptions, node: str) -> None:
+    free = shutil.disk_usage(dataset_dir).free
+    if needed + options.min_free_bytes > free:
+        raise ScratchFull(
+            f"[{node}] not enough space on {dataset_dir}: need {human_bytes(needed)} ({needed} bytes), "
+            f"free {human_bytes(free)} ({free} bytes); nothing was copied. Free space, stage a subset "
+            "(--subset node) or pass --dest to a larger filesystem",
+            needed_bytes=needed,
+            free_bytes=free,
+            where=str(dataset_dir),
+        )
+
+
+def stage_in(
+    source: SourceSet,
+    options: StageInOptions,
+    *,
+    slurm: SlurmEnv | None = None,
+    select: Callable[[SourceSet], Sequence[SourceShard]] | None = None,
+) -> StageInReport:
+    """Stage ``source`` into ``options.dest_root / name`` on this node and return the report.
+
+    ``select`` narrows the shards (``--subset node``); default: all of them. Raises a
+    :class:`StagerError` (with ``.report`` attached) when anything failed; everything that
+    succeeded stays staged and is skipped by a rerun.
+    """
+    slurm = slurm or SlurmEnv.from_environ()
+    log = options.log or sys.stderr
+    name = safe_relpath(options.name or source.name)
+    if "/" in name:
+        raise UsageError(f"dataset name {name!r} must not contain '/'")
+    root = ensure_private_dir(options.dest_root)
+    dataset_dir = ensure_private_dir(root / name)
+    result_path = root / f".stager-{name}.result.json"
+    wait_started = time.time()
+    with NodeLock(root / f".stager-{name}.lock", timeout_s=options.lock_timeout_s) as lock:
+        if lock.contended:
+            adopted = _adopt(result_path, wait_started)
+            if adopted is not None:
+                return adopted
+        report = StageInReport(
+            node=slurm.node_name, job_id=slurm.job_id, dataset_dir=str(dataset_dir), source=source.root_url,
+            subset=options.subset,
+        )
+        try:
+            _run(source, options, slurm, select, dataset_dir, report, log)
+        except BaseException as exc:
+            report.exit_code = exit_code_for(exc)
+            _write_result(result_path, report, _one_line(exc))
+            if isinstance(exc, StagerError):
+                exc.report = report  # type: ignore[attr-defined]
+            raise
+        _write_result(result_path, report, "")
+        return report
+
+
+def _adopt(result_path: Path, wait_started: float) -> StageInReport | None:
+    """The result of the copier we waited for, if it finished after we started waiting."""
+    try:
+        payload = json.loads(result_path.read_text())
+    except (OSError, ValueError):
+        return None
+    if payload.get("finished_at", 0) < wait_started:
+        return None  # stale, from an earlier run; the holder died: do the work ourselves
+    report = StageInReport.from_json(payload["report"])
+    report.role = "waiter"
+    if report.exit_code != 0:
+        raise AdoptedFailure(payload.get("error") or "the copier on this node failed", report.exit_code)
+    return report
+
+
+def _write_result(result_path: Path, report: StageInReport, error: str) -> None:
+    tmp = result_path.with_name(result_path.name + PARTIAL_SUFFIX)
+    tmp.write_text(json.dumps({"finished_at": time.time(), "error": error, "report": report.to_json()}))
+    tmp.replace(result_path)
+
+
+def _run(
+    source: SourceSet,
+    options: StageInOptions,
+    slurm: SlurmEnv,
+    select: Callable[[SourceSet], Sequence[SourceShard]] | None,
+    dataset_dir: Path,
+    report: StageInReport,
+    log: TextIO,
+) -> None:
+    started = time.monotonic()
+    shards = list(select(source) if select is not None else source.shards)
+    manifest = _load_manifest(source, options)
+    expected = manifest.by_relpath() if manifest is not None else {}
+    _clean_partials(dataset_dir)
+    plan = _plan(shards, dataset_dir, expected, _read_previous(dataset_dir), options, log)
+    report.files_total = len(shards) + len(source.missing)
+    report.files_skipped = len(plan.kept)
+    report.bytes_total = sum(e.size for e in plan.kept.values()) + sum(s or 0 for _, _, s, _ in plan.to_copy)
+    for url in source.missing:
+        report.add_failure(ShardFailure(url, "not found on the source"))
+    needed = sum(size or 0 for _, _, size, _ in plan.to_copy)
+    _preflight(dataset_dir, needed, options, slurm.node_name)
+
+    entries: dict[str, ManifestEntry] = dict(plan.kept)
+    if plan.to_copy:
+        time.sleep(jitter_s(slurm.node_id, slurm.num_nodes, options.jitter_max_s))
+        known_samples = {k: e.samples for k, e in expected.items()}
+        _copy_all(source, plan, options, report, entries, known_samples, log)
+
+    staged = Manifest(
+        tuple(entries[s.relpath] for s in shards if s.relpath in entries),
+        {"source": source.root_url, "subset": options.subset, "node": slurm.node_name, "job_id": slurm.job_id},
+    )
+    staged_path = staged_manifest_path(dataset_dir)
+    staged_path.parent.mkdir(exist_ok=True)
+    staged.write(staged_path)
+    report.seconds = time.monotonic() - started
+    if report.failures:
+        full = [f for f in report.failures if f["reason"].startswith("no space left")]
+        failures = [ShardFailure(f["url"], f["reason"]) for f in report.failures]
+        if full:
+            raise ScratchFull(f"[{slurm.node_name}] {full[0]['reason']}", where=str(dataset_dir))
+        raise ShardsFailed(failures)
+
+
+def _copy_all(
+    source: SourceSet,
+    plan: _Plan,
+    options: StageInOptions,
+    report: StageInReport,
+    entries: dict[str, ManifestEntry],
+    known_samples: dict[str, int | None],
+    log: TextIO,
+) -> None:
+    progress = Progress(
+        sum(size or 0 for _, _, size, _ in plan.to_copy),
+        len(plan.to_copy),
+        label=f"[{report.node}] stage-in",
+        mode=options.progress,
+        interval_s=options.progress_interval_s,
+        stream=log,
+    )
+    throttle = Throttle(options.bw_limit_mbps * 1e6) if options.bw_limit_mbps else None
+    lock = threading.Lock()
+    stop = threading.Event()  # set when scratch is full: the remaining copies cannot succeed
+
+    def on_bytes(n: int) -> None:
+        with lock:
+            report.bytes_read_source += n
+        progress.advance(n)
+
+    def on_retry(attempt: int, exc: BaseException) -> None:
+        with lock:
+            report.retries += 1
+        print(f"[{report.node}] retry {attempt} after: {_one_line(exc)}", file=log, flush=True)
+
+    def copy_one(item: tuple[SourceShard, Path, int | None, str | None]) -> None:
+        shard, final, size, want_hash = item
+        if stop.is_set():
+            failure = ShardFailure(shard.url, "not attempted: scratch is full")
+        else:
+            try:
+                result = call_with_retries(
+                    lambda: copy_file(
+                        source.fs, shard.path, final, url=shard.url, expected_size=size, expected_hash=want_hash,
+                        block_bytes=options.block_bytes, throttle=throttle, on_bytes=on_bytes, fsync=options.fsync,
+                    ),
+                    options.retry,
+                    on_retry=on_retry,
+                )
+            except ScratchFull as exc:
+                stop.set()
+                failure = ShardFailure(shard.url, _one_line(exc))
+            except Exception as exc:  # noqa: BLE001 - every failure becomes one report line
+                failure = ShardFailure(shard.url, _one_line(exc))
+            else:
+                samples = known_samples.get(shard.relpath)
+                if samples is None and options.count_samples:
+                    samples = _count(final, log)
+                entry = ManifestEntry(shard.relpath, result.size, result.hash, samples)
+                with lock:
+                    entries[shard.relpath] = entry
+                    report.files_copied += 1
+                    report.bytes_copied += result.size
+                progress.file_done()
+                return
+        with lock:
+            report.add_failure(failure)
+
+    report.streams = max(1, min(options.jobs, len(plan.to_copy)))
+    try:
+        with ThreadPoolExecutor(max_workers=report.streams, thread_name_prefix="stage-in") as pool:
+            list(pool.map(copy_one, plan.to_copy))
+    finally:
+        progress.close()
+
