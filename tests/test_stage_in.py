@@ -1,0 +1,230 @@
+"""stage-in end to end through its console script, on real tar shards."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from stager.dest import resolve_dest_root
+from stager.errors import EXIT_FULL, EXIT_SOURCE, EXIT_USAGE
+from stager.manifest import Manifest
+from stager.stagein import staged_manifest_path
+from stager.synth import SyntheticSpec, write_synthetic_dataset
+from stager.tarindex import count_samples
+
+from .conftest import BIN, clean_env, run_cli
+
+
+def _shards(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*.tar") if ".stager" not in p.parts)
+
+
+def _assert_identical(src: Path, staged: Path) -> None:
+    src_files = {p.relative_to(src) for p in _shards(src)}
+    staged_files = {p.relative_to(staged) for p in _shards(staged)}
+    assert staged_files == src_files
+    for rel in src_files:
+        assert filecmp.cmp(src / rel, staged / rel, shallow=False), rel
+
+
+def test_directory_source_is_copied_byte_identical(small_dataset: Path, tmp_path: Path) -> None:
+    report_path = tmp_path / "report.json"
+    result = run_cli("stage-in", str(small_dataset), "--dest", str(tmp_path / "scratch"), "--report", str(report_path))
+    assert result.returncode == 0, result.stderr
+    staged = tmp_path / "scratch" / "ds"
+    _assert_identical(small_dataset, staged)
+    assert stat.S_IMODE((tmp_path / "scratch").stat().st_mode) == 0o700
+    report = json.loads(report_path.read_text())
+    total = sum(p.stat().st_size for p in _shards(small_dataset))
+    assert report["files_copied"] == 8 and report["files_failed"] == 0
+    assert report["bytes_read_source"] == total and report["dataset_dir"] == str(staged)
+    assert "[" in result.stderr and "8 copied" in result.stderr  # the one summary line
+    manifest = Manifest.read(staged_manifest_path(staged))
+    for entry in manifest.entries:
+        assert entry.samples == count_samples(small_dataset / entry.relpath)
+        assert entry.hash and entry.hash.startswith("xxh3_64:")
+
+
+def test_rerun_copies_nothing(small_dataset: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "scratch"
+    assert run_cli("stage-in", str(small_dataset), "--dest", str(dest)).returncode == 0
+    inodes = {p: p.stat().st_ino for p in _shards(dest)}
+    result = run_cli("stage-in", str(small_dataset), "--dest", str(dest), "--report", str(tmp_path / "r.json"))
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert (report["files_copied"], report["files_skipped"], report["bytes_read_source"]) == (0, 8, 0)
+    assert {p: p.stat().st_ino for p in _shards(dest)} == inodes
+
+
+def test_brace_pattern_glob_and_list_sources(small_dataset: Path, tmp_path: Path) -> None:
+    brace = f"{small_dataset}/train-{{000002..000004}}.tar"
+    result = run_cli("stage-in", brace, "--dest", str(tmp_path / "a"), "--name", "b")
+    assert result.returncode == 0, result.stderr
+    assert [p.name for p in _shards(tmp_path / "a" / "b")] == ["train-000002.tar", "train-000003.tar", "train-000004.tar"]
+
+    result = run_cli("stage-in", f"{small_dataset}/train-00000[0-1].tar", "--dest", str(tmp_path / "g"))
+    assert result.returncode == 0, result.stderr
+    assert [p.name for p in _shards(tmp_path / "g" / "ds")] == ["train-000000.tar", "train-000001.tar"]
+
+    listing = tmp_path / "list.txt"
+    listing.write_text(f"# two shards\nfile://{small_dataset}/train-000005.tar\n{small_dataset}/train-000006.tar\n")
+    result = run_cli("stage-in", "--from-list", str(listing), "--dest", str(tmp_path / "l"), "--name", "x")
+    assert result.returncode == 0, result.stderr
+    assert [p.name for p in _shards(tmp_path / "l" / "x")] == ["train-000005.tar", "train-000006.tar"]
+
+
+def test_nested_directories_keep_relative_paths(tmp_path: Path) -> None:
+    src = tmp_path / "nested"
+    write_synthetic_dataset(src / "train", SyntheticSpec(num_shards=2, samples_per_shard=3))
+    write_synthetic_dataset(src / "val", SyntheticSpec(num_shards=1, samples_per_shard=3, prefix="val"))
+    (src / "README.txt").write_text("not a shard")
+    result = run_cli("stage-in", f"file://{src}", "--dest", str(tmp_path / "s"))
+    assert result.returncode == 0, result.stderr
+    _assert_identical(src, tmp_path / "s" / "nested")
+    assert not (tmp_path / "s" / "nested" / "README.txt").exists()
+
+
+def test_missing_source_is_one_clear_line_and_exit_3(tmp_path: Path) -> None:
+    result = run_cli("stage-in", str(tmp_path / "nope"), "--dest", str(tmp_path / "s"))
+    assert result.returncode == EXIT_SOURCE
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "source not found" in lines[0] and str(tmp_path / "nope") in lines[0]
+
+
+def test_missing_members_of_a_pattern_fail_alone(small_dataset: Path, tmp_path: Path) -> None:
+    result = run_cli("stage-in", f"{small_dataset}/train-{{000006..000009}}.tar", "--dest", str(tmp_path / "s"))
+    assert result.returncode == EXIT_SOURCE
+    failed = [line for line in result.stderr.splitlines() if line.startswith("FAILED")]
+    assert len(failed) == 2 and "train-000008.tar" in failed[0] and "not found" in failed[0]
+    assert [p.name for p in _shards(tmp_path / "s" / "ds")] == ["train-000006.tar", "train-000007.tar"]
+
+
+def test_usage_errors_exit_2(small_dataset: Path, tmp_path: Path) -> None:
+    result = run_cli("stage-in", str(small_dataset), "--jobs", "0", "--dest", str(tmp_path))
+    assert result.returncode == EXIT_USAGE and "--jobs" in result.stderr
+    assert run_cli("stage-in").returncode == EXIT_USAGE
+
+
+@pytest.fixture()
+def big_dataset(tmp_path: Path) -> Path:
+    """4 shards of ~2 MB: slow enough under --bw-limit to be killed mid-copy."""
+    src = tmp_path / "big"
+    write_synthetic_dataset(src, SyntheticSpec(num_shards=4, samples_per_shard=20, image_bytes=100_000))
+    return src
+
+
+def test_kill_mid_copy_leaves_no_partial_visible_and_rerun_completes(big_dataset: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "scratch"
+    proc = subprocess.Popen(
+        [str(BIN / "stage-in"), str(big_dataset), "--dest", str(dest), "--bw-limit", "2", "--jobs", "2", "--quiet"],
+        env=clean_env(),
+        stderr=subprocess.DEVNULL,
+    )
+    staged = dest / "big"
+    deadline = time.monotonic() + 30
+    while not list(staged.glob("*.partial")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert list(staged.glob("*.partial")), "the copy should have been caught in flight"
+    for final in _shards(staged):  # anything with a final name is whole
+        assert filecmp.cmp(final, big_dataset / final.name, shallow=False)
+    survivors = {p.name: p.stat().st_ino for p in _shards(staged)}
+
+    result = run_cli("stage-in", str(big_dataset), "--dest", str(dest), "--report", str(tmp_path / "r.json"))
+    assert result.returncode == 0, result.stderr
+    _assert_identical(big_dataset, staged)
+    assert not list(staged.rglob("*.partial"))
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["files_skipped"] == len(survivors) and report["files_copied"] == 4 - len(survivors)
+    assert all(staged.joinpath(name).stat().st_ino == ino for name, ino in survivors.items())
+
+
+def test_concurrent_stage_in_on_one_node_copies_each_shard_once(big_dataset: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "scratch"
+    procs = [
+        subprocess.Popen(
+            [str(BIN / "stage-in"), str(big_dataset), "--dest", str(dest), "--quiet", "--report", str(tmp_path / f"r{i}.json")],
+            env=clean_env(),
+            stderr=subprocess.PIPE,
+        )
+        for i in range(4)
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+    reports = [json.loads((tmp_path / f"r{i}.json").read_text()) for i in range(4)]
+    copiers = [r for r in reports if r["role"] == "copier" and r["files_copied"]]
+    assert len(copiers) == 1 and copiers[0]["files_copied"] == 4
+    assert sum(r["bytes_read_source"] for r in reports if r["role"] == "copier") == sum(
+        p.stat().st_size for p in _shards(big_dataset)
+    )
+    _assert_identical(big_dataset, dest / "big")
+
+
+def _mount_tmpfs(path: Path, size: str) -> None:
+    path.mkdir(parents=True)
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount tmpfs here: {result.stderr.decode().strip()}")
+
+
+def test_preflight_refuses_on_a_small_tmpfs_before_copying(big_dataset: Path, tmp_path: Path) -> None:
+    scratch = tmp_path / "tmpfs"
+    _mount_tmpfs(scratch, "2M")
+    try:
+        result = run_cli("stage-in", str(big_dataset), "--dest", str(scratch))
+        assert result.returncode == EXIT_FULL
+        assert "not enough space" in result.stderr and "need" in result.stderr and "free" in result.stderr
+        assert str(scratch) in result.stderr
+        assert not _shards(scratch) and not list(scratch.rglob("*.partial"))
+    finally:
+        subprocess.run(["umount", str(scratch)], check=False)
+
+
+def test_non_tty_progress_is_plain_lines(big_dataset: Path, tmp_path: Path) -> None:
+    result = run_cli(
+        "stage-in", str(big_dataset), "--dest", str(tmp_path / "s"), "--progress-interval", "0.2", "--bw-limit", "8"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "\r" not in result.stderr
+    assert any("MB/s" in line and "%" in line for line in result.stderr.splitlines()[:-1])
+
+
+def test_python_m_and_umbrella_command_work(small_dataset: Path, tmp_path: Path) -> None:
+    env = clean_env()
+    by_module = subprocess.run(
+        [sys.executable, "-m", "stager", "stage-in", str(small_dataset), "--dest", str(tmp_path / "m")],
+        env=env, capture_output=True, text=True, timeout=60,
+    )
+    assert by_module.returncode == 0, by_module.stderr
+    umbrella = run_cli("stager", "stage-in", str(small_dataset), "--dest", str(tmp_path / "u"), env=env)
+    assert umbrella.returncode == 0, umbrella.stderr
+    _assert_identical(small_dataset, tmp_path / "u" / "ds")
+
+
+def test_import_stager_does_not_import_torch() -> None:
+    code = "import sys, stager, stager.cli, stager.stagein; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_destination_resolution_order(tmp_path: Path) -> None:
+    job = {"SLURM_JOB_ID": "77"}
+    assert resolve_dest_root("/x", env={"STAGER_DEST": "/y", **job}) == Path("/x")
+    assert resolve_dest_root(None, env={"STAGER_DEST": "/y", **job}) == Path("/y")
+    assert resolve_dest_root(None, env=job) == Path("/scratch/77")
+    assert resolve_dest_root(None, env={"TMPDIR": "/t", "USER": "ann"}) == Path("/t/stager-ann/local")
+    assert resolve_dest_root(None, env={"USER": "ann"}) == Path("/tmp/stager-ann/local")
