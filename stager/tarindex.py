@@ -16,10 +16,12 @@ import re
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from .errors import IntegrityError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["TarIndex", "index_tar", "count_samples", "split_key", "is_compressed"]
 
@@ -114,6 +116,8 @@ def index_tar(path: str | Path) -> TarIndex:
                 "re-stage this shard or pass on_error='skip'"
             ) from exc
     starts.append(len(exts))
+    import numpy as np  # deferred: stage-in's start-up should not pay for numpy
+
     return TarIndex(
         keys=keys,
         member_start=np.asarray(starts, dtype=np.int64),
@@ -126,13 +130,15 @@ def index_tar(path: str | Path) -> TarIndex:
 def count_samples(path: str | Path) -> int:
     """Number of samples in a shard, compressed or not."""
     path = Path(path)
-    if not is_compressed(path):
-        return index_tar(path).num_samples
+    mode = "r|gz" if is_compressed(path) else "r:"
     count, last_key, last_name = 0, None, "<start of archive>"
-    with _open_tar(path, "r|gz") as tar:
+    file_size = path.stat().st_size
+    with _open_tar(path, mode) as tar:
         try:
             for info in tar:
                 last_name = info.name
+                if mode == "r:" and info.offset_data + info.size > file_size:
+                    raise IntegrityError(f"{path}: member {info.name!r} is truncated")
                 parts = split_key(info.name) if info.isfile() else None
                 if parts and parts[0] != last_key:
                     count += 1
