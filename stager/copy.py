@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,8 @@ class CopyResult:
     size: int
     hash: str  # "<algorithm>:<hex>"
     bytes_read: int
+    first_byte_s: float = 0.0  # open + first read: the per-file latency of the source
+    seconds: float = 0.0
 
 
 def partial_path(final: Path) -> Path:
@@ -83,12 +86,16 @@ def copy_file(
     partial = partial_path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     copied = 0
+    started = time.perf_counter()
+    first_byte_s = 0.0
     try:
         with _open_source(fs, src_path, url, block_bytes) as src, open(partial, "wb", buffering=0) as dst:
             buf = bytearray(block_bytes)
             view = memoryview(buf)
             while True:
                 n = src.readinto(view) if hasattr(src, "readinto") else _read_into(src, view)
+                if not first_byte_s:
+                    first_byte_s = time.perf_counter() - started
                 if not n:
                     break
                 chunk = view[:n]
@@ -127,7 +134,9 @@ def copy_file(
     except BaseException:
         _discard(partial)
         raise
-    return CopyResult(size=copied, hash=digest, bytes_read=copied)
+    return CopyResult(
+        size=copied, hash=digest, bytes_read=copied, first_byte_s=first_byte_s, seconds=time.perf_counter() - started
+    )
 
 
 def _read_into(src, view: memoryview) -> int:

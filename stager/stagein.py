@@ -48,6 +48,7 @@ from .report import StageInReport
 from .retry import RetryPolicy, call_with_retries
 from .slurm import SlurmEnv
 from .sources import SourceSet, SourceShard
+from .streams import StreamController
 from .throttle import Throttle
 
 __all__ = ["StageInOptions", "stage_in", "staged_manifest_path", "STAGED_META_DIR", "jitter_s"]
@@ -66,7 +67,9 @@ class StageInOptions:
 
     dest_root: Path
     name: str | None = None
-    jobs: int = 8
+    jobs: int = 32
+    min_jobs: int = 4
+    adaptive: bool = True
     bw_limit_mbps: float | None = None
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     manifest: str | None = None
@@ -343,6 +346,8 @@ def _copy_all(
         if stop.is_set():
             failure = ShardFailure(shard.url, "not attempted: scratch is full")
         else:
+            streams.acquire()
+            result = None
             try:
                 result = call_with_retries(
                     lambda: copy_file(
@@ -357,7 +362,9 @@ def _copy_all(
                 failure = ShardFailure(shard.url, _one_line(exc))
             except Exception as exc:  # noqa: BLE001 - every failure becomes one report line
                 failure = ShardFailure(shard.url, _one_line(exc))
-            else:
+            finally:
+                streams.release(result.first_byte_s if result else None, result.seconds if result else None)
+            if result is not None:
                 samples = known_samples.get(shard.relpath)
                 if samples is None and options.count_samples:
                     samples = _count(final, log)
@@ -371,10 +378,12 @@ def _copy_all(
         with lock:
             report.add_failure(failure)
 
-    report.streams = max(1, min(options.jobs, len(plan.to_copy)))
+    # A thread per possible stream; the controller decides how many copy at once.
+    ceiling = max(1, min(options.jobs, len(plan.to_copy)))
+    streams = StreamController(ceiling, floor=options.min_jobs, adaptive=options.adaptive)
     try:
-        with ThreadPoolExecutor(max_workers=report.streams, thread_name_prefix="stage-in") as pool:
+        with ThreadPoolExecutor(max_workers=ceiling, thread_name_prefix="stage-in") as pool:
             list(pool.map(copy_one, plan.to_copy))
     finally:
         progress.close()
-
+        report.streams = streams.peak

@@ -37,7 +37,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="destination root (default: $STAGER_DEST, else /scratch/$SLURM_JOB_ID, else $TMPDIR/stager-$USER/local)",
     )
     parser.add_argument("--name", help="dataset name under the destination (default: source directory's basename)")
-    parser.add_argument("--jobs", type=int, default=8, metavar="N", help="concurrent copy streams per node (default 8)")
+    parser.add_argument(
+        "--jobs", type=int, default=32, metavar="N",
+        help="most concurrent copy streams per node (default 32); the count adapts to the source's latency",
+    )
+    parser.add_argument("--min-jobs", type=int, default=4, metavar="N", help="fewest concurrent streams (default 4)")
+    parser.add_argument("--fixed-jobs", action="store_true", help="always run --jobs streams (no adaptation)")
     parser.add_argument("--bw-limit", type=float, metavar="MBPS", help="cap on source reads per node, in MB/s")
     parser.add_argument("--retries", type=int, default=3, metavar="N", help="retries per shard on transient errors (default 3)")
     parser.add_argument("--retry-delay", type=float, default=0.5, metavar="S", help="first retry delay in s; doubles (default 0.5)")
@@ -57,18 +62,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.jobs < 1:
-        raise UsageError("--jobs must be at least 1")
+    if args.jobs < 1 or args.min_jobs < 1:
+        raise UsageError("--jobs and --min-jobs must be at least 1")
     if args.retries < 0:
         raise UsageError("--retries must be >= 0")
     if args.bw_limit is not None and args.bw_limit <= 0:
         raise UsageError("--bw-limit must be a positive number of MB/s")
     slurm = SlurmEnv.from_environ()
-    source = resolve_source(args.source, from_list=args.from_list, name=args.name, jobs=args.jobs)
+    source = resolve_source(args.source, from_list=args.from_list, name=args.name, jobs=min(args.jobs, 16))
     options = StageInOptions(
         dest_root=resolve_dest_root(args.dest, slurm=slurm),
         name=args.name,
         jobs=args.jobs,
+        min_jobs=args.min_jobs,
+        adaptive=not args.fixed_jobs,
         bw_limit_mbps=args.bw_limit,
         retry=RetryPolicy(attempts=args.retries + 1, base_delay_s=args.retry_delay),
         manifest=args.manifest,

@@ -1,0 +1,63 @@
+"""How many copy streams to run at once, chosen from the latency the copies observe.
+
+A fixed stream count is wrong at one end or the other: on a local disk or a bandwidth-bound
+link a few streams saturate it, while on NFS each small file costs metadata round trips
+(lookup, open, first read) during which a stream moves no bytes. If a file takes ``L`` seconds
+of latency and ``T`` seconds of transfer, ``(L + T) / T`` streams keep the link busy. The
+controller measures both per file (time to first byte, then the rest), keeps the medians of a
+sliding window, and sets the limit to that ratio, clamped to ``[floor, ceiling]`` where the
+ceiling is ``--jobs``. When the link is shared, ``T`` grows as streams are added, so the
+target falls back by itself: it never overloads a server that is slow for lack of bandwidth.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import threading
+from collections import deque
+
+__all__ = ["StreamController"]
+
+
+class StreamController:
+    """A resizable limit on concurrent copies; threads ``acquire`` before and ``release`` after."""
+
+    def __init__(self, ceiling: int, *, floor: int = 4, window: int = 32, adaptive: bool = True):
+        if ceiling < 1:
+            raise ValueError("ceiling must be >= 1")
+        self.ceiling = ceiling
+        self.floor = max(1, min(floor, ceiling))
+        self.adaptive = adaptive
+        self.limit = self.floor if adaptive else ceiling
+        self.peak = self.limit
+        self._active = 0
+        self._latency_s: deque[float] = deque(maxlen=window)
+        self._transfer_s: deque[float] = deque(maxlen=window)
+        self._cond = threading.Condition()
+
+    def acquire(self) -> None:
+        with self._cond:
+            while self._active >= self.limit:
+                self._cond.wait()
+            self._active += 1
+
+    def release(self, first_byte_s: float | None = None, total_s: float | None = None) -> None:
+        """Give the slot back, reporting the finished file's timing (None after a failure)."""
+        with self._cond:
+            self._active -= 1
+            if self.adaptive and first_byte_s is not None and total_s is not None:
+                self._latency_s.append(max(0.0, first_byte_s))
+                self._transfer_s.append(max(0.0, total_s - first_byte_s))
+                self.limit = self.target()
+                self.peak = max(self.peak, self.limit)
+            self._cond.notify_all()
+
+    def target(self) -> int:
+        """The stream count the current window of timings asks for."""
+        if not self._latency_s:
+            return self.limit
+        latency = statistics.median(self._latency_s)
+        transfer = max(statistics.median(self._transfer_s), 1e-4)
+        wanted = math.ceil((latency + transfer) / transfer)
+        return max(self.floor, min(self.ceiling, wanted))
