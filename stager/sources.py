@@ -9,7 +9,9 @@ parent directory for a brace pattern or a list.
 
 from __future__ import annotations
 
+import itertools
 import posixpath
+import re
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,6 +26,8 @@ from .paths import safe_relpath
 __all__ = ["SourceShard", "SourceSet", "resolve_source", "SHARD_SUFFIXES", "is_shard_name"]
 
 SHARD_SUFFIXES = (".tar", ".tgz", ".tar.gz")
+#: A brace pattern expanding past this is a typo (``{0..99999999999}``), not a dataset.
+MAX_PATTERN_SHARDS = 1_000_000
 _GLOB_CHARS = set("*?[")
 
 
@@ -68,6 +72,37 @@ def _translate(exc: Exception, url: str) -> SourceError:
     if isinstance(exc, PermissionError):
         return SourceError(f"source not readable: {url} (permission denied); check its mode and owner")
     return SourceError(f"cannot list source {url}: {exc}; check the URL and credentials")
+
+
+_INNER_BRACE = re.compile(r"\{([^{}]*)\}")
+_RANGE = re.compile(r"^(-?\d+|[A-Za-z])\.\.(-?\d+|[A-Za-z])(?:\.\.(-?\d+))?$")
+
+
+def pattern_size_bound(spec: str) -> int:
+    """An upper bound on how many names a brace pattern expands to, computed without expanding.
+
+    ``braceexpand`` materialises products eagerly, so ``{0..99999999}{0..9999}`` would exhaust
+    memory before any limit could be checked; this bound lets us refuse such a typo first.
+    """
+    bound, text = 1, spec
+    while True:
+        match = _INNER_BRACE.search(text)
+        if match is None:
+            return bound
+        body = match.group(1)
+        rng = _RANGE.match(body)
+        if rng:
+            lo, hi, step = rng.group(1), rng.group(2), rng.group(3)
+            if lo.lstrip("-").isdigit() and hi.lstrip("-").isdigit():
+                count = abs(int(hi) - int(lo)) // max(1, abs(int(step or 1))) + 1
+            else:
+                count = abs(ord(hi[0]) - ord(lo[0])) + 1
+        else:
+            count = body.count(",") + 1
+        bound *= max(1, count)
+        if bound > 10 * MAX_PATTERN_SHARDS:
+            return bound
+        text = text[: match.start()] + "x" + text[match.end() :]
 
 
 def _has_glob(text: str) -> bool:
@@ -166,7 +201,11 @@ def resolve_source(
 
     assert spec is not None
     if "{" in spec and "}" in spec:
-        expanded = list(braceexpand(spec))
+        if pattern_size_bound(spec) > MAX_PATTERN_SHARDS:
+            raise UsageError(f"brace pattern {spec!r} expands to more than {MAX_PATTERN_SHARDS} shards; check the ranges")
+        expanded = list(itertools.islice(braceexpand(spec), MAX_PATTERN_SHARDS + 1))
+        if len(expanded) > MAX_PATTERN_SHARDS:
+            raise UsageError(f"brace pattern {spec!r} expands to more than {MAX_PATTERN_SHARDS} shards; check the ranges")
         fs, _ = _split_fs(expanded[0])
         paths = [_split_fs(u)[1] for u in expanded]
         root = _common_dir(paths)

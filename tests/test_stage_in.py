@@ -228,3 +228,8 @@ def test_destination_resolution_order(tmp_path: Path) -> None:
     assert resolve_dest_root(None, env=job) == Path("/scratch/77")
     assert resolve_dest_root(None, env={"TMPDIR": "/t", "USER": "ann"}) == Path("/t/stager-ann/local")
     assert resolve_dest_root(None, env={"USER": "ann"}) == Path("/tmp/stager-ann/local")
+
+
+def test_runaway_brace_pattern_is_refused_without_expanding(tmp_path: Path) -> None:
+    result = run_cli("stage-in", "/nfs/x-{0..99999999999}-{0..99999}.tar", "--dest", str(tmp_path), timeout=20)
+    assert result.returncode == EXIT_USAGE and "expands to more than" in result.stderr
