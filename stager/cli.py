@@ -21,6 +21,7 @@ COMMANDS = {
     "stage-in": "stage_in",
     "stage-out": "stage_out",
     "index": "index",
+    "doctor": "doctor",
     "make-dataset": "make_dataset",
 }
 
