@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import UsageError
+from .errors import StagerError, UsageError
 from .paths import safe_relpath
 
 __all__ = [
@@ -71,9 +71,20 @@ class Manifest:
         """Write atomically (temp file + rename) as JSON or Parquet by suffix."""
         path = Path(path)
         tmp = path.with_name(path.name + ".partial")
-        if path.suffix == ".parquet":
+        if path.suffix not in (".parquet", ".json"):
+            raise UsageError(f"manifest path {path} must end in .json or .parquet")
+        try:
+            self._write_to(tmp, path.suffix)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # e.g. ENOSPC half-way: leave no .partial behind
+            raise
+        return path
+
+    def _write_to(self, tmp: Path, suffix: str) -> None:
+        if suffix == ".parquet":
             _write_parquet(self, tmp)
-        elif path.suffix == ".json":
+        else:
             payload = {
                 "format": "stager-manifest",
                 "version": _FORMAT_VERSION,
@@ -84,10 +95,6 @@ class Manifest:
                 ],
             }
             tmp.write_text(json.dumps(payload, indent=1) + "\n")
-        else:
-            raise UsageError(f"manifest path {path} must end in .json or .parquet")
-        os.replace(tmp, path)
-        return path
 
     @classmethod
     def read(cls, path: str | os.PathLike[str]) -> Manifest:
@@ -97,8 +104,8 @@ class Manifest:
             if path.suffix == ".parquet":
                 return _read_parquet(path)
             return _from_json(json.loads(path.read_text()), path)
-        except UsageError:
-            raise
+        except StagerError:
+            raise  # UsageError, or UnsafePath for a hostile entry: keep its meaning and exit code
         except FileNotFoundError as exc:
             raise UsageError(f"manifest not found: {path}") from exc
         except Exception as exc:  # noqa: BLE001 - any parse failure is a bad manifest

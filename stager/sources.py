@@ -203,7 +203,10 @@ def resolve_source(
     if "{" in spec and "}" in spec:
         if pattern_size_bound(spec) > MAX_PATTERN_SHARDS:
             raise UsageError(f"brace pattern {spec!r} expands to more than {MAX_PATTERN_SHARDS} shards; check the ranges")
-        expanded = list(itertools.islice(braceexpand(spec), MAX_PATTERN_SHARDS + 1))
+        try:
+            expanded = list(itertools.islice(braceexpand(spec), MAX_PATTERN_SHARDS + 1))
+        except ValueError as exc:  # braceexpand.UnbalancedBracesError
+            raise UsageError(f"bad brace pattern {spec!r} ({exc}); e.g. train-{{000000..000099}}.tar") from exc
         if len(expanded) > MAX_PATTERN_SHARDS:
             raise UsageError(f"brace pattern {spec!r} expands to more than {MAX_PATTERN_SHARDS} shards; check the ranges")
         fs, _ = _split_fs(expanded[0])

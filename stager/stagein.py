@@ -15,6 +15,7 @@ The flow, per node:
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 import sys
@@ -30,7 +31,9 @@ from . import tarindex
 from .copy import DEFAULT_BLOCK_BYTES, copy_file
 from .dest import ensure_private_dir
 from .errors import (
+    EXIT_INTEGRITY,
     AdoptedFailure,
+    DestinationError,
     IntegrityError,
     ScratchFull,
     ShardFailure,
@@ -41,7 +44,7 @@ from .errors import (
 )
 from .hashing import hash_file
 from .lock import NodeLock
-from .manifest import Manifest, ManifestEntry, find_manifest
+from .manifest import MANIFEST_NAMES, Manifest, ManifestEntry, find_manifest
 from .paths import PARTIAL_SUFFIX, safe_join, safe_relpath
 from .progress import Progress, human_bytes
 from .report import StageInReport
@@ -107,12 +110,26 @@ def _load_manifest(source: SourceSet, options: StageInOptions) -> Manifest | Non
                 local.write_bytes(handle.read())
             return Manifest.read(local)
         return Manifest.read(options.manifest)
-    protocol = source.fs.protocol if isinstance(source.fs.protocol, str) else source.fs.protocol[0]
-    if protocol not in ("file", "local") or not source.shards:
+    if not source.shards:
         return None
-    root = Path(source.shards[0].path[: len(source.shards[0].path) - len(source.shards[0].relpath)])
-    found = find_manifest(root)
-    return Manifest.read(found) if found else None
+    protocol = source.fs.protocol if isinstance(source.fs.protocol, str) else source.fs.protocol[0]
+    root = source.shards[0].path[: len(source.shards[0].path) - len(source.shards[0].relpath)]
+    if protocol in ("file", "local"):
+        found = find_manifest(root)
+        return Manifest.read(found) if found else None
+    # A remote dataset (s3://...): look for the same names beside it, fetch the first found.
+    for candidate in MANIFEST_NAMES:
+        remote = root.rstrip("/") + "/" + candidate
+        try:
+            if not source.fs.isfile(remote):
+                continue
+            local = Path(options.dest_root) / ".stager-source-manifest" / candidate
+            local.parent.mkdir(parents=True, exist_ok=True)
+            source.fs.get_file(remote, str(local))
+        except (OSError, ValueError):
+            continue  # no manifest is not an error: sizes are still verified
+        return Manifest.read(local)
+    return None
 
 
 def _read_previous(dataset_dir: Path) -> dict[str, ManifestEntry]:
@@ -260,9 +277,17 @@ def _adopt(result_path: Path, wait_started: float) -> StageInReport | None:
 
 
 def _write_result(result_path: Path, report: StageInReport, error: str) -> None:
+    """Publish the result for waiting tasks; best effort.
+
+    On a full scratch this write fails too, and must not mask the error being reported: a
+    waiter that finds no fresh result takes the lock and re-plans, which skips what is staged.
+    """
     tmp = result_path.with_name(result_path.name + PARTIAL_SUFFIX)
-    tmp.write_text(json.dumps({"finished_at": time.time(), "error": error, "report": report.to_json()}))
-    tmp.replace(result_path)
+    try:
+        tmp.write_text(json.dumps({"finished_at": time.time(), "error": error, "report": report.to_json()}))
+        tmp.replace(result_path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 def _run(
@@ -289,10 +314,11 @@ def _run(
     _preflight(dataset_dir, needed, options, slurm.node_name)
 
     entries: dict[str, ManifestEntry] = dict(plan.kept)
+    corrupt = False
     if plan.to_copy:
         time.sleep(jitter_s(slurm.node_id, slurm.num_nodes, options.jitter_max_s))
         known_samples = {k: e.samples for k, e in expected.items()}
-        _copy_all(source, plan, options, report, entries, known_samples, log)
+        corrupt = _copy_all(source, plan, options, report, entries, known_samples, log)
 
     staged = Manifest(
         tuple(entries[s.relpath] for s in shards if s.relpath in entries),
@@ -300,14 +326,32 @@ def _run(
     )
     staged_path = staged_manifest_path(dataset_dir)
     staged_path.parent.mkdir(exist_ok=True)
-    staged.write(staged_path)
+    try:
+        staged.write(staged_path)
+    except OSError as exc:
+        if not report.failures:
+            raise _manifest_write_error(exc, staged_path) from exc
+        # else the shard failures raised below say more; a rerun re-verifies and rewrites it
     report.seconds = time.monotonic() - started
     if report.failures:
         full = [f for f in report.failures if f["reason"].startswith("no space left")]
         failures = [ShardFailure(f["url"], f["reason"]) for f in report.failures]
         if full:
             raise ScratchFull(f"[{slurm.node_name}] {full[0]['reason']}", where=str(dataset_dir))
-        raise ShardsFailed(failures)
+        failed = ShardsFailed(failures)
+        if corrupt:  # a hash mismatch is an integrity problem (exit 4), not a flaky source (3)
+            failed.exit_code = EXIT_INTEGRITY
+        raise failed
+
+
+def _manifest_write_error(exc: OSError, staged_path: Path) -> DestinationError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return ScratchFull(
+            f"no space left on {staged_path.parent} for the staged manifest; the shards are staged. "
+            "Free space and rerun stage-in (it copies nothing again)",
+            where=str(staged_path.parent),
+        )
+    return DestinationError(f"cannot write {staged_path}: {exc.strerror or exc}; check the destination")
 
 
 def _copy_all(
@@ -318,7 +362,8 @@ def _copy_all(
     entries: dict[str, ManifestEntry],
     known_samples: dict[str, int | None],
     log: TextIO,
-) -> None:
+) -> bool:
+    """Copy the planned shards; True when any failed verification against the manifest."""
     progress = Progress(
         sum(size or 0 for _, _, size, _ in plan.to_copy),
         len(plan.to_copy),
@@ -330,6 +375,7 @@ def _copy_all(
     throttle = Throttle(options.bw_limit_mbps * 1e6) if options.bw_limit_mbps else None
     lock = threading.Lock()
     stop = threading.Event()  # set when scratch is full: the remaining copies cannot succeed
+    corrupt = threading.Event()  # set when a copy's hash differed from the manifest's
 
     def on_bytes(n: int) -> None:
         with lock:
@@ -361,6 +407,8 @@ def _copy_all(
                 stop.set()
                 failure = ShardFailure(shard.url, _one_line(exc))
             except Exception as exc:  # noqa: BLE001 - every failure becomes one report line
+                if isinstance(exc, IntegrityError) and not getattr(exc, "transient", False):
+                    corrupt.set()
                 failure = ShardFailure(shard.url, _one_line(exc))
             finally:
                 streams.release(result.first_byte_s if result else None, result.seconds if result else None)
@@ -387,3 +435,4 @@ def _copy_all(
     finally:
         progress.close()
         report.streams = streams.peak
+    return corrupt.is_set()

@@ -7,23 +7,31 @@ members into samples the way WebDataset does: the key is the path up to the firs
 file name, the extension is the rest.
 
 Compressed shards (``.tgz``/``.tar.gz``) cannot be indexed by offset; :func:`count_samples`
-still counts their samples by streaming them once.
+still counts their samples by streaming them once, and :func:`count_samples_stream` does the
+same for any readable stream (a remote shard being indexed).
+
+``tarfile`` stops *silently* at a damaged header or a file cut at a member boundary, as if the
+archive had ended there. Both readers therefore check that the archive really ends with a
+zero block where ``tarfile`` stopped; otherwise they raise :class:`IntegrityError` naming the
+shard and the last good member, so a bad shard never turns into silently missing samples.
 """
 
 from __future__ import annotations
 
+import gzip
 import re
 import tarfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 from .errors import IntegrityError
 
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["TarIndex", "index_tar", "count_samples", "split_key", "is_compressed"]
+__all__ = ["TarIndex", "index_tar", "count_samples", "count_samples_stream", "split_key", "is_compressed"]
 
 _KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")
 
@@ -73,6 +81,20 @@ def _open_tar(path: Path, mode: str) -> tarfile.TarFile:
         raise IntegrityError(f"{path}: not a readable tar ({exc}); re-stage or re-create this shard") from exc
 
 
+def _check_end(tail: bytes, where: str, offset: int, last_name: str) -> None:
+    """Raise unless ``tail`` (the bytes where tarfile stopped) is an end-of-archive zero block."""
+    if len(tail) < tarfile.BLOCKSIZE:
+        raise IntegrityError(
+            f"{where}: truncated after member {last_name!r} (no end-of-archive block at byte {offset}); "
+            "re-stage or re-create this shard"
+        )
+    if any(tail[: tarfile.BLOCKSIZE]):
+        raise IntegrityError(
+            f"{where}: corrupt tar header at byte {offset}, after member {last_name!r}; "
+            "re-stage or re-create this shard"
+        )
+
+
 def index_tar(path: str | Path) -> TarIndex:
     """Walk the headers of an uncompressed tar and return the offsets of its samples.
 
@@ -115,6 +137,8 @@ def index_tar(path: str | Path) -> TarIndex:
                 f"{path}: corrupt tar header after member {last_name!r} ({exc}); "
                 "re-stage this shard or pass on_error='skip'"
             ) from exc
+        tar.fileobj.seek(tar.offset)
+        _check_end(tar.fileobj.read(tarfile.BLOCKSIZE), str(path), tar.offset, last_name)
     starts.append(len(exts))
     import numpy as np  # deferred: stage-in's start-up should not pay for numpy
 
@@ -130,19 +154,66 @@ def index_tar(path: str | Path) -> TarIndex:
 def count_samples(path: str | Path) -> int:
     """Number of samples in a shard, compressed or not."""
     path = Path(path)
-    mode = "r|gz" if is_compressed(path) else "r:"
+    if not is_compressed(path):
+        return index_tar(path).num_samples
+    with open(path, "rb") as handle:
+        return count_samples_stream(handle, str(path), compressed=True)
+
+
+class _TailReader:
+    """A read-only stream that remembers its position and the last bytes it returned.
+
+    ``tarfile`` in stream mode cannot seek back to the block where it stopped; this keeps the
+    recent bytes so :func:`_check_end` can look at them after the fact.
+    """
+
+    _KEEP = 1 << 16
+
+    def __init__(self, raw: BinaryIO):
+        self._raw = raw
+        self.pos = 0
+        self._recent = b""
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._raw.read(size)
+        self.pos += len(data)
+        self._recent = (self._recent + data)[-self._KEEP :]
+        return data
+
+    def bytes_from(self, offset: int, count: int) -> bytes:
+        """Up to ``count`` bytes starting at absolute ``offset``, reading ahead if needed."""
+        while self.pos < offset + count and self.read(count):
+            pass
+        start = offset - (self.pos - len(self._recent))
+        if start < 0:
+            raise IntegrityError(f"cannot re-read byte {offset} of the tar stream")  # never with tarfile's buffers
+        return self._recent[start : start + count]
+
+
+def count_samples_stream(stream: BinaryIO, name: str, *, compressed: bool = False) -> int:
+    """Count the samples of a tar read sequentially from ``stream``, to its very end.
+
+    The whole stream is consumed (a caller hashing the bytes as they pass gets the full
+    file's hash), and for gzip the trailer's CRC is checked. Corruption raises
+    :class:`IntegrityError` naming ``name`` and the member; I/O errors of ``stream`` propagate
+    unchanged so the caller can retry them.
+    """
+    source: BinaryIO = gzip.GzipFile(fileobj=stream, mode="rb") if compressed else stream  # type: ignore[assignment]
+    reader = _TailReader(source)
     count, last_key, last_name = 0, None, "<start of archive>"
-    file_size = path.stat().st_size
-    with _open_tar(path, mode) as tar:
-        try:
+    try:
+        with tarfile.open(fileobj=reader, mode="r|") as tar:  # type: ignore[call-overload]
             for info in tar:
                 last_name = info.name
-                if mode == "r:" and info.offset_data + info.size > file_size:
-                    raise IntegrityError(f"{path}: member {info.name!r} is truncated")
                 parts = split_key(info.name) if info.isfile() else None
                 if parts and parts[0] != last_key:
                     count += 1
                     last_key = parts[0]
-        except (tarfile.TarError, EOFError, OSError) as exc:
-            raise IntegrityError(f"{path}: corrupt or truncated after member {last_name!r} ({exc})") from exc
+            _check_end(reader.bytes_from(tar.offset, tarfile.BLOCKSIZE), name, tar.offset, last_name)
+            while reader.read(1 << 20):
+                pass  # the padding, and for gzip the trailer whose CRC is checked on the way
+    except (tarfile.TarError, EOFError, gzip.BadGzipFile, zlib.error) as exc:
+        raise IntegrityError(
+            f"{name}: corrupt or truncated tar after member {last_name!r} ({exc}); re-create this shard"
+        ) from exc
     return count

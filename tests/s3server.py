@@ -1,0 +1,146 @@
+"""A real S3-compatible server on loopback for the object-storage tests.
+
+moto's server mode (``python -m moto.server``) runs in its own process on a free port of
+127.0.0.1, so stage-in talks to it over HTTP exactly as it would to S3: s3fs -> aiobotocore ->
+TCP. Nothing in the test process is mocked. Clients find it through ``AWS_ENDPOINT_URL``,
+which botocore (and therefore s3fs) honours; ``FSSPEC_S3_ENDPOINT_URL`` works as well.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+__all__ = ["moto_server", "s3_env", "free_port"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def s3_env(endpoint_url: str) -> dict[str, str]:
+    """Environment that points boto/s3fs at the server, with moto's dummy credentials."""
+    return {
+        "AWS_ENDPOINT_URL": endpoint_url,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "NO_PROXY": "127.0.0.1,localhost",
+    }
+
+
+@contextmanager
+def moto_server(timeout_s: float = 30.0) -> Iterator[str]:
+    """Start moto's S3 server on a free loopback port; yield its endpoint URL; stop it."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"moto server exited with code {proc.returncode} before listening")
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"moto server did not listen on port {port} within {timeout_s} s") from None
+                time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class FlakyProxy:
+    """A TCP proxy in front of the server that cuts every ``every``-th connection short.
+
+    On a cut connection the client's request goes through but only the first ``cut_bytes`` of
+    the response come back before both sockets close: to the client it looks like a server or
+    network failure mid-response (a truncated header or body), which must be retried and must
+    never produce a short file.
+    """
+
+    def __init__(self, upstream_port: int, *, every: int = 3, cut_bytes: int = 1500):
+        self.upstream_port = upstream_port
+        self.every = every
+        self.cut_bytes = cut_bytes
+        self.connections = 0
+        self.cuts = 0
+        self._listener = socket.socket()
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(64)
+        self.port = self._listener.getsockname()[1]
+        self._threads: list = []
+        self._closed = False
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> FlakyProxy:
+        import threading
+
+        thread = threading.Thread(target=self._serve, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._closed = True
+        self._listener.close()
+
+    def _serve(self) -> None:
+        import threading
+
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            cut = self.connections % self.every == 0
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            limit = self.cut_bytes if cut else None
+            if cut:
+                self.cuts += 1
+            threading.Thread(target=self._pipe, args=(client, upstream, None), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, limit), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket, limit: int | None) -> None:
+        sent = 0
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                if limit is not None and sent + len(data) >= limit:
+                    dst.sendall(data[: max(0, limit - sent)])
+                    break
+                dst.sendall(data)
+                sent += len(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                sock.close()

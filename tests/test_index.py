@@ -1,0 +1,183 @@
+"""`stager index`: one parallel scan per dataset gives sizes, hashes and sample counts that
+stage-in verifies against; corrupt shards are named (shard and member), never indexed."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+import tarfile
+from pathlib import Path
+
+import pytest
+
+import stager.manifest
+from stager.cli import main
+from stager.errors import EXIT_INTEGRITY, EXIT_SOURCE, EXIT_USAGE, IntegrityError
+from stager.hashing import hash_file
+from stager.indexer import IndexOptions, build_manifest, index_source
+from stager.manifest import Manifest
+from stager.sources import resolve_source
+from stager.stagein import staged_manifest_path
+from stager.synth import SyntheticSpec, write_synthetic_dataset
+from stager.tarindex import count_samples, count_samples_stream, index_tar
+
+from .conftest import run_cli
+from .faulty_fs import FaultyFileSystem
+from .inproc import clean_process_env, run_main
+
+SPEC = SyntheticSpec(num_shards=6, samples_per_shard=10, image_bytes=3000, uneven=True, seed=5)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("index") / "ds"
+    write_synthetic_dataset(root, SPEC)
+    return root
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch: pytest.MonkeyPatch) -> None:
+    clean_process_env(monkeypatch)
+
+
+@pytest.fixture()
+def fresh(dataset: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "ds"
+    shutil.copytree(dataset, copy)
+    return copy
+
+
+def test_index_writes_sizes_hashes_and_sample_counts_beside_the_dataset(fresh: Path) -> None:
+    result = run_cli("stager", "index", str(fresh))
+    assert result.returncode == 0, result.stderr
+    assert "6 shards" in result.stderr and str(fresh / "stager-manifest.json") in result.stderr
+    manifest = Manifest.read(fresh / "stager-manifest.json")
+    shards = sorted(fresh.glob("*.tar"))
+    assert [e.relpath for e in manifest.entries] == [p.name for p in shards]
+    for entry, path, samples in zip(manifest.entries, shards, SPEC.shard_sizes(), strict=True):
+        assert entry.size == path.stat().st_size
+        assert entry.hash == hash_file(path, "xxh3_64")
+        assert entry.samples == samples
+    assert manifest.total_samples == sum(SPEC.shard_sizes())
+
+
+def test_sha256_and_parquet_out(fresh: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "elsewhere" / "m.parquet"
+    result = run_main(capsys, "stager", "index", str(fresh), "--hash", "sha256", "--out", str(out), "--jobs", "3")
+    assert result.returncode == 0, result.stderr
+    manifest = Manifest.read(out)
+    assert all(e.hash == hash_file(fresh / e.relpath, "sha256") for e in manifest.entries)
+    assert all(e.hash.startswith("sha256:") for e in manifest.entries)
+    assert not (fresh / "stager-manifest.json").exists()
+
+
+def test_large_datasets_default_to_parquet(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stager.manifest, "JSON_MAX_ENTRIES", 3)
+    manifest, where, _ = index_source(resolve_source(str(fresh)))
+    assert where == str(fresh / "stager-manifest.parquet")
+    assert Manifest.read(where).entries == manifest.entries
+
+
+def test_compressed_shards_are_counted_and_hashed_as_stored(tmp_path: Path) -> None:
+    spec = SyntheticSpec(num_shards=3, samples_per_shard=7, image_bytes=500, compress=True)
+    paths = write_synthetic_dataset(tmp_path / "gz", spec)
+    manifest = build_manifest(resolve_source(str(tmp_path / "gz")))
+    assert [e.samples for e in manifest.entries] == [7, 7, 7]
+    assert [e.hash for e in manifest.entries] == [hash_file(p) for p in paths]
+
+
+def test_each_shard_is_read_once(dataset: Path) -> None:
+    FaultyFileSystem.reset()
+    build_manifest(resolve_source(f"faulty://{dataset}"), IndexOptions(jobs=4))
+    opens = {k: v for k, v in FaultyFileSystem.counts().items() if k.startswith("open:")}
+    assert len(opens) == SPEC.num_shards and set(opens.values()) == {1}
+
+
+def test_stage_in_verifies_against_the_index_and_carries_its_sample_counts(
+    fresh: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run_main(capsys, "stager", "index", str(fresh)).returncode == 0
+    dest = tmp_path / "scratch"
+    result = run_main(capsys, "stage-in", str(fresh), "--dest", str(dest), "--no-count", "--jitter-max", "0", "--quiet")
+    assert result.returncode == 0, result.stderr
+    staged = Manifest.read(staged_manifest_path(dest / "ds"))
+    indexed = Manifest.read(fresh / "stager-manifest.json")
+    # --no-count: the sample counts can only have come from the manifest
+    assert staged.entries == indexed.entries
+
+
+def test_explicit_manifest_elsewhere_is_used(fresh: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "m.json"
+    assert run_main(capsys, "stager", "index", str(fresh), "--out", str(out)).returncode == 0
+    data = json.loads(out.read_text())
+    data["shards"][0]["hash"] = "xxh3_64:0000000000000000"  # a manifest that disagrees
+    out.write_text(json.dumps(data))
+    result = run_main(capsys, "stage-in", str(fresh), "--dest", str(tmp_path / "s"), "--manifest", str(out), "--jitter-max", "0")
+    assert result.returncode == EXIT_INTEGRITY
+    assert f"FAILED {fresh / 'train-000000.tar'}:" in result.stderr
+
+
+def test_usage_and_source_errors(fresh: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["index", str(fresh), "--out", str(tmp_path / "m.txt")]) == EXIT_USAGE
+    assert main(["index", str(fresh), "--jobs", "0"]) == EXIT_USAGE
+    capsys.readouterr()
+    assert main(["index", str(tmp_path / "nope")]) == EXIT_SOURCE
+    assert "not found" in capsys.readouterr().err
+    assert not list(tmp_path.rglob("stager-manifest.*"))
+
+
+# -- corrupt and truncated tars ------------------------------------------------------------------
+def _member_header_offset(path: Path, member: int) -> tuple[int, str, str]:
+    """Byte offset of the header of member number ``member`` and the names around it."""
+    with tarfile.open(path) as tar:
+        members = tar.getmembers()
+    return members[member].offset, members[member - 1].name, members[member].name
+
+
+def _count_streaming(path: Path) -> int:
+    with open(path, "rb") as handle:
+        return count_samples_stream(handle, str(path))
+
+
+def test_corrupt_header_names_shard_and_member(fresh: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    shard = fresh / "train-000001.tar"
+    offset, before, _ = _member_header_offset(shard, 5)
+    data = bytearray(shard.read_bytes())
+    data[offset : offset + 100] = b"Z" * 100
+    shard.write_bytes(bytes(data))
+    for read in (index_tar, count_samples, _count_streaming):
+        with pytest.raises(IntegrityError) as info:
+            read(shard)
+        assert str(shard) in str(info.value) and repr(before) in str(info.value)
+
+    result = run_main(capsys, "stager", "index", str(fresh))
+    assert result.returncode == EXIT_INTEGRITY
+    failed = [line for line in result.stderr.splitlines() if line.startswith("FAILED")]
+    assert len(failed) == 1 and str(shard) in failed[0] and before in failed[0]
+    assert not (fresh / "stager-manifest.json").exists()
+
+
+@pytest.mark.parametrize("where", ["at a member boundary", "inside a member"])
+def test_truncated_tar_names_shard_and_member(fresh: Path, where: str) -> None:
+    shard = fresh / "train-000002.tar"
+    offset, before, inside = _member_header_offset(shard, 4)
+    cut = offset if where == "at a member boundary" else offset + 700
+    shard.write_bytes(shard.read_bytes()[:cut])
+    expected = before if where == "at a member boundary" else inside
+    for read in (index_tar, _count_streaming):
+        with pytest.raises(IntegrityError) as info:
+            read(shard)
+        assert str(shard) in str(info.value) and repr(expected) in str(info.value)
+
+
+def test_truncated_gzip_shard_names_shard(tmp_path: Path) -> None:
+    [path] = write_synthetic_dataset(tmp_path / "gz", SyntheticSpec(num_shards=1, samples_per_shard=5, compress=True))
+    raw = gzip.decompress(path.read_bytes())
+    assert count_samples(path) == 5
+    path.write_bytes(path.read_bytes()[:-12])  # the gzip trailer (CRC, length) and a little more
+    with pytest.raises(IntegrityError, match=str(path)):
+        count_samples(path)
+    path.write_bytes(gzip.compress(raw[: len(raw) // 2]))  # a valid gzip of half a tar
+    with pytest.raises(IntegrityError, match="after member 's00000-"):
+        count_samples(path)

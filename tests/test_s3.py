@@ -1,0 +1,152 @@
+"""Object storage for real: stage-in and index against moto's S3 server on loopback, via s3fs.
+
+The server runs in its own process (tests/s3server.py) and stage-in runs as its console
+script, finding the server through ``AWS_ENDPOINT_URL``; boto3 is used only to upload and
+tamper with objects, over HTTP too.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+
+from stager.errors import EXIT_INTEGRITY, EXIT_SOURCE
+from stager.hashing import hash_file
+from stager.indexer import build_manifest
+from stager.manifest import Manifest
+from stager.sources import resolve_source
+from stager.stagein import staged_manifest_path
+from stager.synth import SyntheticSpec, write_synthetic_dataset
+
+from .conftest import clean_env, run_cli
+from .s3server import FlakyProxy, moto_server, s3_env
+
+pytestmark = pytest.mark.s3
+
+BUCKET = "stager-test"
+FAST = ["--jitter-max", "0", "--retry-delay", "0.05", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def endpoint() -> str:
+    with moto_server() as url:
+        client = _client(url)
+        client.create_bucket(Bucket=BUCKET)
+        client.close()
+        yield url
+
+
+def _client(url: str):
+    import boto3
+
+    return boto3.client(
+        "s3", endpoint_url=url, aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1"
+    )
+
+
+@pytest.fixture(scope="module")
+def local_ds(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("s3src") / "ds"
+    write_synthetic_dataset(root, SyntheticSpec(num_shards=5, samples_per_shard=8, image_bytes=3000, uneven=True))
+    return root
+
+
+@pytest.fixture()
+def prefix(endpoint: str, local_ds: Path) -> str:
+    """A fresh prefix holding the dataset's shards: ``<uuid>/ds``."""
+    key_prefix = f"{uuid.uuid4().hex[:8]}/ds"
+    client = _client(endpoint)
+    for path in sorted(local_ds.glob("*.tar")):
+        client.upload_file(str(path), BUCKET, f"{key_prefix}/{path.name}")
+    client.close()
+    return key_prefix
+
+
+def _env(endpoint: str) -> dict[str, str]:
+    return clean_env(**s3_env(endpoint))
+
+
+def _assert_staged(local_ds: Path, staged: Path, names: list[str]) -> None:
+    assert sorted(p.name for p in staged.glob("*.tar")) == sorted(names)
+    for name in names:
+        assert filecmp.cmp(local_ds / name, staged / name, shallow=False), name
+    assert not list(staged.rglob("*.partial"))
+
+
+def test_stage_in_a_prefix_directory(endpoint: str, prefix: str, local_ds: Path, tmp_path: Path) -> None:
+    report = tmp_path / "r.json"
+    result = run_cli(
+        "stage-in", f"s3://{BUCKET}/{prefix}/", "--dest", str(tmp_path), "--report", str(report), *FAST,
+        env=_env(endpoint),
+    )
+    assert result.returncode == 0, result.stderr
+    names = [p.name for p in sorted(local_ds.glob("*.tar"))]
+    _assert_staged(local_ds, tmp_path / "ds", names)
+    staged = Manifest.read(staged_manifest_path(tmp_path / "ds"))
+    assert [e.hash for e in staged.entries] == [hash_file(local_ds / n) for n in names]
+    assert json.loads(report.read_text())["bytes_read_source"] == sum((local_ds / n).stat().st_size for n in names)
+
+
+def test_stage_in_a_brace_pattern(endpoint: str, prefix: str, local_ds: Path, tmp_path: Path) -> None:
+    pattern = f"s3://{BUCKET}/{prefix}/train-{{000001..000003}}.tar"
+    result = run_cli("stage-in", pattern, "--dest", str(tmp_path), *FAST, env=_env(endpoint))
+    assert result.returncode == 0, result.stderr
+    _assert_staged(local_ds, tmp_path / "ds", [f"train-{i:06d}.tar" for i in (1, 2, 3)])
+
+
+def test_index_on_s3_then_stage_in_verifies_against_it(
+    endpoint: str, prefix: str, local_ds: Path, tmp_path: Path
+) -> None:
+    env = _env(endpoint)
+    result = run_cli("stager", "index", f"s3://{BUCKET}/{prefix}/", env=env)
+    assert result.returncode == 0, result.stderr
+    body = _client(endpoint).get_object(Bucket=BUCKET, Key=f"{prefix}/stager-manifest.json")["Body"].read()
+    remote = tmp_path / "remote.json"
+    remote.write_bytes(body)
+    indexed = Manifest.read(remote)
+    assert indexed.entries == build_manifest(resolve_source(str(local_ds))).entries  # same as a local scan
+
+    # The manifest beside the prefix is found; --no-count: sample counts come from it.
+    dest = tmp_path / "a"
+    result = run_cli("stage-in", f"s3://{BUCKET}/{prefix}/", "--dest", str(dest), "--no-count", *FAST, env=env)
+    assert result.returncode == 0, result.stderr
+    assert Manifest.read(staged_manifest_path(dest / "ds")).entries == indexed.entries
+
+    # Same bytes count, different content: only the manifest's hash can catch it.
+    tampered = bytearray((local_ds / "train-000004.tar").read_bytes())
+    tampered[2000] ^= 0x55
+    _client(endpoint).put_object(Bucket=BUCKET, Key=f"{prefix}/train-000004.tar", Body=bytes(tampered))
+    dest = tmp_path / "b"
+    pattern = f"s3://{BUCKET}/{prefix}/train-{{000000..000004}}.tar"
+    manifest_url = f"s3://{BUCKET}/{prefix}/stager-manifest.json"
+    result = run_cli("stage-in", pattern, "--dest", str(dest), "--manifest", manifest_url, *FAST, env=env)
+    assert result.returncode == EXIT_INTEGRITY, result.stderr
+    failed = [line for line in result.stderr.splitlines() if line.startswith("FAILED")]
+    assert len(failed) == 1 and f"s3://{BUCKET}/{prefix}/train-000004.tar" in failed[0]
+    assert "does not match the manifest" in failed[0]
+    _assert_staged(local_ds, dest / "ds", [f"train-{i:06d}.tar" for i in range(4)])
+
+
+def test_missing_prefix_is_a_source_error(endpoint: str, tmp_path: Path) -> None:
+    result = run_cli("stage-in", f"s3://{BUCKET}/no-such-prefix/", "--dest", str(tmp_path), *FAST, env=_env(endpoint))
+    assert result.returncode == EXIT_SOURCE
+    assert "no-such-prefix" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_server_that_drops_connections_mid_response_is_retried(
+    endpoint: str, prefix: str, local_ds: Path, tmp_path: Path
+) -> None:
+    port = int(endpoint.rsplit(":", 1)[1])
+    with FlakyProxy(port, every=3, cut_bytes=1500) as proxy:
+        report = tmp_path / "r.json"
+        result = run_cli(
+            "stage-in", f"s3://{BUCKET}/{prefix}/", "--dest", str(tmp_path), "--report", str(report), "--jobs", "2",
+            *FAST, env=_env(proxy.url),
+        )
+        assert proxy.cuts >= 2, "the proxy should have cut some responses"
+    assert result.returncode == 0, result.stderr
+    _assert_staged(local_ds, tmp_path / "ds", [p.name for p in sorted(local_ds.glob("*.tar"))])

@@ -1,0 +1,192 @@
+"""Security: hostile names never escape the dataset root, scratch is private and ours, and no
+shell ever sees a user-provided string."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import stat
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from stager.errors import EXIT_DEST, StagerError, UnsafePath
+from stager.manifest import Manifest
+from stager.synth import SyntheticSpec, write_synthetic_dataset
+
+from .conftest import REPO
+from .inproc import clean_process_env, run_main
+
+HOSTILE_NAMES = [
+    "../evil.tar",
+    "a/../../evil.tar",
+    "/etc/passwd",
+    "..\\evil.tar",
+    "C:/evil.tar",
+    "ok/\x00.tar",
+    "",
+    ".",
+    "a/./../..",
+    "train-000000.tar.partial",
+]
+FAST = ["--jitter-max", "0", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("sec") / "ds"
+    write_synthetic_dataset(root, SyntheticSpec(num_shards=3, samples_per_shard=4, image_bytes=500))
+    return root
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch: pytest.MonkeyPatch) -> None:
+    clean_process_env(monkeypatch)
+
+
+def _json_manifest(path: Path, name: str) -> Path:
+    shard = {"path": name, "size": 10, "hash": None, "samples": None}
+    path.write_text(json.dumps({"format": "stager-manifest", "version": 1, "meta": {}, "shards": [shard]}))
+    return path
+
+
+def _parquet_manifest(path: Path, name: str) -> Path:
+    table = pa.table({"path": [name], "size": [10], "hash": [None], "samples": [None]})
+    table = table.replace_schema_metadata({b"stager.format": b"stager-manifest", b"stager.version": b"1"})
+    pq.write_table(table, path)
+    return path
+
+
+@pytest.mark.parametrize("name", HOSTILE_NAMES)
+@pytest.mark.parametrize("writer", [_json_manifest, _parquet_manifest], ids=["json", "parquet"])
+def test_hostile_manifest_entries_are_refused(tmp_path: Path, name: str, writer) -> None:
+    suffix = ".json" if writer is _json_manifest else ".parquet"
+    with pytest.raises(StagerError) as info:
+        Manifest.read(writer(tmp_path / f"m{suffix}", name))
+    assert isinstance(info.value, UnsafePath) or "manifest" in str(info.value)
+
+
+def test_stage_in_with_a_hostile_manifest_writes_nothing(dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    manifest = _json_manifest(tmp_path / "m.json", "../../../escaped.tar")
+    dest = tmp_path / "deep" / "er" / "scratch"
+    result = run_main(capsys, "stage-in", str(dataset), "--dest", str(dest), "--manifest", str(manifest), *FAST)
+    assert result.returncode == EXIT_DEST, result.stderr
+    assert "../../../escaped.tar" in result.stderr and "refused" in result.stderr
+    assert not list(tmp_path.rglob("escaped.tar")) and not list(dest.rglob("*.tar"))
+
+
+def test_list_file_naming_a_path_outside_the_dataset_is_refused(dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = tmp_path / "src" / "ds"
+    src.mkdir(parents=True)
+    (src / "train-000000.tar").write_bytes((dataset / "train-000000.tar").read_bytes())
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "evil.tar").write_bytes((dataset / "train-000000.tar").read_bytes())
+    listing = tmp_path / "list.txt"
+    listing.write_text(f"{src}/train-000000.tar\n{src}/../../outside/evil.tar\n")
+    dest = tmp_path / "scratch"
+    result = run_main(capsys, "stage-in", "--from-list", str(listing), "--dest", str(dest), "--name", "ds", *FAST)
+    assert result.returncode == EXIT_DEST, result.stderr
+    assert "evil.tar" in result.stderr and "refused" in result.stderr
+    assert not list(dest.rglob("*.tar")) if dest.exists() else True
+    assert sorted(p.name for p in tmp_path.rglob("evil.tar")) == ["evil.tar"]  # only the original
+
+
+def test_dest_that_is_a_symlink_is_refused(dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    target = tmp_path / "victim"
+    target.mkdir()
+    link = tmp_path / "scratch"
+    link.symlink_to(target)
+    result = run_main(capsys, "stage-in", str(dataset), "--dest", str(link), *FAST)
+    assert result.returncode == EXIT_DEST and "symlink" in result.stderr
+    assert not list(target.iterdir())
+
+
+def test_dataset_dir_pre_created_as_a_symlink_is_refused(dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    target = tmp_path / "victim"
+    target.mkdir()
+    dest = tmp_path / "scratch"
+    dest.mkdir(mode=0o700)
+    (dest / "ds").symlink_to(target)  # another user planted DEST/<name> -> their directory
+    result = run_main(capsys, "stage-in", str(dataset), "--dest", str(dest), *FAST)
+    assert result.returncode == EXIT_DEST and "symlink" in result.stderr
+    assert not list(target.iterdir())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+def test_dest_owned_by_another_user_is_refused(dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    dest = tmp_path / "scratch"
+    dest.mkdir(mode=0o777)
+    os.chown(dest, 12345, 12345)
+    result = run_main(capsys, "stage-in", str(dataset), "--dest", str(dest), *FAST)
+    assert result.returncode == EXIT_DEST and "owned by uid 12345" in result.stderr
+    assert not list(dest.iterdir())
+
+
+def test_scratch_dirs_are_private(dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    dest = tmp_path / "scratch"
+    dest.mkdir(mode=0o755)
+    os.chmod(dest, 0o755)  # pre-existing and ours, but readable by others: tightened
+    result = run_main(capsys, "stage-in", str(dataset), "--dest", str(dest), *FAST)
+    assert result.returncode == 0, result.stderr
+    for path in (dest, dest / "ds"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o700, path
+
+
+def test_paths_with_spaces_quotes_and_newlines(dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    odd = "my ds 'single' \"double\" $HOME `x` ;\nline2"
+    src = tmp_path / odd
+    src.mkdir()
+    for shard in dataset.glob("*.tar"):
+        (src / shard.name).write_bytes(shard.read_bytes())
+    dest = tmp_path / f"scratch {odd}"
+    result = run_main(capsys, "stage-in", str(src), "--dest", str(dest), *FAST)
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in (dest / odd).glob("*.tar")) == sorted(p.name for p in dataset.glob("*.tar"))
+    index = run_main(capsys, "stager", "index", str(src))
+    assert index.returncode == 0 and (src / "stager-manifest.json").is_file()
+
+
+# -- no shell, anywhere -------------------------------------------------------------------------
+_SHELL_CALLS = {
+    ("os", "system"),
+    ("os", "popen"),
+    ("subprocess", "getoutput"),
+    ("subprocess", "getstatusoutput"),
+}
+
+
+def shell_uses(source: str, filename: str = "<source>") -> list[str]:
+    """Places in ``source`` that start a shell: ``shell=<anything but False>``, os.system & co."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if not isinstance(node, ast.Call):
+            continue
+        for keyword in node.keywords:
+            if keyword.arg == "shell" and not (isinstance(keyword.value, ast.Constant) and keyword.value.value is False):
+                found.append(f"{filename}:{node.lineno}: shell=...")
+        func = node.func
+        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+            if (func.value.id, func.attr) in _SHELL_CALLS or (func.value.id == "os" and func.attr.startswith("spawn")):
+                found.append(f"{filename}:{node.lineno}: {func.value.id}.{func.attr}")
+    return found
+
+
+def test_the_detector_finds_shell_uses() -> None:
+    sample = "import os, subprocess\nsubprocess.run(cmd, shell=True)\nos.system('x')\nsubprocess.run(['ls'])\n"
+    assert shell_uses(sample) == ["<source>:2: shell=...", "<source>:3: os.system"]
+
+
+@pytest.mark.parametrize("package", ["stager", "loaders"])
+def test_no_shell_anywhere_in_the_package(package: str) -> None:
+    files = sorted((REPO / package).rglob("*.py"))
+    assert files
+    found = []
+    for path in files:
+        text = path.read_text()
+        found += shell_uses(text, str(path.relative_to(REPO)))
+        found += [f"{path.relative_to(REPO)}: text 'shell=True'" for line in text.splitlines() if "shell=True" in line]
+    assert found == []
