@@ -11,6 +11,8 @@ The tree::
     │   ├── ScratchFull              not enough free space               exit 6
     │   └── UnsafePath               path escapes the root / not ours    exit 5
     ├── CheckpointError              stage-out / restore problems        exit 7
+    │   ├── DeadlineTooShort         not enough time left to commit one  exit 7
+    │   └── NoCheckpoint             nothing committed at DEST yet       exit 9
     ├── LockTimeout(TimeoutError)    another copier never finished       exit 8
     └── AdoptedFailure               another task's failure, re-raised   its code
 
@@ -32,6 +34,7 @@ __all__ = [
     "EXIT_FULL",
     "EXIT_CHECKPOINT",
     "EXIT_LOCK",
+    "EXIT_NO_CHECKPOINT",
     "StagerError",
     "UsageError",
     "SourceError",
@@ -42,6 +45,8 @@ __all__ = [
     "ScratchFull",
     "UnsafePath",
     "CheckpointError",
+    "DeadlineTooShort",
+    "NoCheckpoint",
     "LockTimeout",
     "AdoptedFailure",
     "exit_code_for",
@@ -55,6 +60,7 @@ EXIT_DEST = 5
 EXIT_FULL = 6
 EXIT_CHECKPOINT = 7
 EXIT_LOCK = 8
+EXIT_NO_CHECKPOINT = 9
 
 
 class StagerError(Exception):
@@ -133,6 +139,16 @@ class CheckpointError(StagerError):
     """A checkpoint could not be staged out or restored."""
 
     exit_code = EXIT_CHECKPOINT
+
+
+class DeadlineTooShort(CheckpointError):
+    """The time left before the job ends is too short to commit a checkpoint; nothing partial was left."""
+
+
+class NoCheckpoint(CheckpointError):
+    """The destination holds no committed checkpoint yet: a first start, not a failure to hide."""
+
+    exit_code = EXIT_NO_CHECKPOINT
 
 
 class LockTimeout(StagerError, TimeoutError):
