@@ -1,0 +1,173 @@
+"""Random access to samples of local, uncompressed tar shards by byte offset.
+
+Staged shards sit on node-local disk, so a sample is a few slices of a memory-mapped file at
+offsets known from the index: no per-member tar parsing on the hot path, any order is as cheap
+as sequential order, and a batch can be fetched in one call (``__getitems__``).
+
+With nothing to decode, a whole batch is copied into one uint8 tensor (:class:`PackedBatch`):
+torch moves tensors from workers to the main process through shared memory, while a batch of
+``bytes`` would be pickled through a pipe. The main process cuts the tensor into per-member
+views (``torch.split``), so no payload is copied again.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, get_worker_info
+
+from stager.errors import IntegrityError
+
+from .index import FlatIndex
+from .samples import SamplePipeline, select_fields
+
+__all__ = ["StagedTarDataset", "PackedBatch"]
+
+
+@dataclass
+class PackedBatch:
+    """A batch of undecoded samples: one payload tensor plus where each member lies in it."""
+
+    payload: torch.Tensor  # uint8, every member of every sample, back to back
+    keys: list[str]
+    member_sample: np.ndarray  # int32: which sample of the batch owns each member
+    member_ext: np.ndarray  # int16 codes into ext_names
+    member_size: np.ndarray  # int64
+    ext_names: tuple[str, ...]
+
+    def pin_memory(self, device: str | None = None) -> PackedBatch:
+        """Called by DataLoader's pin-memory thread (``pin_memory=True``): pin the one payload."""
+        pinned = self.payload.pin_memory(device) if device else self.payload.pin_memory()
+        return PackedBatch(pinned, self.keys, self.member_sample, self.member_ext, self.member_size, self.ext_names)
+
+    def columns(self) -> dict[str, list[torch.Tensor | None]]:
+        """``{"__key__": [...], ext: [uint8 tensor or None per sample]}`` (views, no copy)."""
+        views = torch.split(self.payload, self.member_size.tolist()) if len(self.member_size) else ()
+        count = len(self.keys)
+        out: dict[str, list[Any]] = {"__key__": self.keys}
+        for code in np.unique(self.member_ext).tolist():
+            column: list[Any] = [None] * count
+            for m in np.flatnonzero(self.member_ext == code).tolist():
+                column[self.member_sample[m]] = views[m]
+            out[self.ext_names[code]] = column
+        return out
+
+    def unpack(self, to_tuple: Sequence[str] | None) -> Any:
+        """The batch as the user sees it: a dict of lists, or a tuple of lists."""
+        columns = self.columns()
+        if to_tuple is None:
+            return columns
+        return select_fields(columns, to_tuple)
+
+
+class StagedTarDataset(Dataset):
+    """Map-style dataset over local tar shards; index ``g`` is the global sample number.
+
+    ``pipeline=None`` means raw batches (:class:`PackedBatch`); otherwise each sample dict
+    (``__key__``, ``__shard__`` and one ``bytes`` per member) goes through ``pipeline``.
+    """
+
+    def __init__(self, shard_paths: Sequence[Path], index: FlatIndex, pipeline: SamplePipeline | None = None):
+        self.shard_paths = [str(p) for p in shard_paths]
+        self.index = index
+        self.pipeline = pipeline
+        self._maps: dict[int, np.ndarray] = {}
+        self._pid = os.getpid()
+
+    def __len__(self) -> int:
+        return self.index.num_samples
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_maps"] = {}  # mappings never cross processes; each process maps lazily
+        return state
+
+    def _map(self, shard: int) -> np.ndarray:
+        if self._pid != os.getpid():  # forked worker: drop the parent's mappings
+            self._maps, self._pid = {}, os.getpid()
+        array = self._maps.get(shard)
+        if array is None:
+            path = self.shard_paths[shard]
+            try:
+                with open(path, "rb") as handle:
+                    mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError) as exc:
+                raise IntegrityError(f"{path}: cannot map shard ({exc}); re-stage it") from exc
+            array = np.frombuffer(mapped, dtype=np.uint8)
+            self._maps[shard] = array
+        return array
+
+    def _members(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Member numbers of ``samples`` in order, the batch position owning each, and shards."""
+        starts = self.index.member_start[samples]
+        counts = self.index.member_start[samples + 1] - starts
+        owner = np.repeat(np.arange(len(samples), dtype=np.int32), counts)
+        first = np.repeat(starts - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
+        members = first + np.arange(int(counts.sum()), dtype=np.int64)
+        return members, owner, self.index.shard_of(samples)
+
+    def _read(self, shard: int, offset: int, size: int, sample: int) -> np.ndarray:
+        view = self._map(shard)[offset : offset + size]
+        if len(view) != size:
+            key = self.index.keys[sample].decode()
+            raise IntegrityError(
+                f"{self.shard_paths[shard]}: member of sample {key!r} is truncated "
+                f"(wanted {size} bytes at {offset}); re-stage this shard"
+            )
+        return view
+
+    def __getitems__(self, indices: Sequence[int]) -> Any:
+        samples = np.asarray(indices, dtype=np.int64)
+        if self.pipeline is not None:
+            return [self._sample_dict(int(g)) for g in samples]
+        members, owner, shards = self._members(samples)
+        sizes = self.index.member_size[members]
+        offsets = self.index.member_offset[members]
+        member_shard = shards[owner]
+        payload = torch.empty(int(sizes.sum()), dtype=torch.uint8)
+        if get_worker_info() is not None:
+            # Allocate in shared memory up front: otherwise torch copies the batch into shared
+            # memory again when the worker hands it to the main process.
+            payload.share_memory_()
+        out = payload.numpy()
+        maps = {shard: self._map(shard) for shard in np.unique(shards).tolist()}
+        ends = np.cumsum(sizes).tolist()
+        starts = [0, *ends[:-1]]
+        try:
+            # The hot loop: one slice copy per member, nothing else (index checks ran at build time).
+            for shard, offset, lo, hi in zip(member_shard.tolist(), offsets.tolist(), starts, ends, strict=True):
+                out[lo:hi] = maps[shard][offset : offset + hi - lo]
+        except ValueError:
+            for shard, offset, size, who in zip(member_shard.tolist(), offsets.tolist(), sizes.tolist(), owner.tolist(), strict=True):
+                self._read(shard, offset, size, int(samples[who]))  # raises, naming shard and sample
+            raise
+        return PackedBatch(
+            payload=payload,
+            keys=[k.decode() for k in self.index.keys[samples].tolist()],
+            member_sample=owner,
+            member_ext=self.index.member_ext[members],
+            member_size=sizes,
+            ext_names=self.index.ext_names,
+        )
+
+    def _sample_dict(self, g: int) -> Any:
+        shard = int(self.index.shard_of(np.asarray([g]))[0])
+        sample: dict[str, Any] = {"__key__": self.index.keys[g].decode(), "__shard__": self.shard_paths[shard]}
+        lo, hi = int(self.index.member_start[g]), int(self.index.member_start[g + 1])
+        for m in range(lo, hi):
+            ext = self.index.ext_names[self.index.member_ext[m]]
+            sample[ext] = self._read(shard, int(self.index.member_offset[m]), int(self.index.member_size[m]), g).tobytes()
+        return self.pipeline(sample) if self.pipeline is not None else sample
+
+    def __getitem__(self, g: int) -> Any:
+        """One sample as a dict of bytes (or through the pipeline): for tools that index singly."""
+        if not 0 <= g < len(self):
+            raise IndexError(g)
+        return self._sample_dict(int(g))

@@ -1,0 +1,174 @@
+"""One flat, numpy-only index of every sample member of a list of local tar shards.
+
+Why flat numpy arrays rather than a list of :class:`stager.tarindex.TarIndex`: DataLoader
+workers are forked, and arrays (unlike millions of Python strings and ints) are not touched by
+reference counting, so the index stays shared copy-on-write instead of being copied into every
+worker. Walking tar headers costs ~60 us per member in Python, so each shard's index is cached
+beside the staged copy (``<dataset>/.stager/index/<relpath>.npz``) and a rerun, a requeue or a
+second rank on the node reads it in milliseconds. The cache is published atomically (temp
+file + rename); racing writers write identical content, so the loser's rename is harmless.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from stager.errors import IntegrityError
+from stager.tarindex import TarIndex, index_tar
+
+__all__ = ["FlatIndex", "build_flat_index", "cached_index"]
+
+log = logging.getLogger("loaders")
+
+_CACHE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class FlatIndex:
+    """Members of all shards, sample by sample, in shard order.
+
+    Global sample ``g`` belongs to shard ``shard_of(g)``; its members are
+    ``member_start[g]:member_start[g + 1]``, member ``m`` has extension
+    ``ext_names[member_ext[m]]`` and ``member_size[m]`` payload bytes at ``member_offset[m]``.
+    """
+
+    shard_samples: np.ndarray  # int64 per shard (0 for a skipped shard)
+    sample_offsets: np.ndarray  # int64, cumsum of shard_samples with a leading 0
+    keys: np.ndarray  # bytes ("S") per sample, utf-8
+    member_start: np.ndarray  # int64, num_samples + 1
+    member_ext: np.ndarray  # int16 per member
+    member_offset: np.ndarray  # int64 per member
+    member_size: np.ndarray  # int64 per member
+    ext_names: tuple[str, ...]
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.sample_offsets[-1])
+
+    def shard_of(self, samples: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.sample_offsets, samples, side="right") - 1
+
+
+def _cache_path(shard: Path, cache_dir: Path | None, relpath: str) -> Path | None:
+    if cache_dir is None:
+        return None
+    return cache_dir / (relpath + ".idx.npz")
+
+
+def cached_index(shard: Path, *, cache_dir: Path | None = None, relpath: str | None = None) -> TarIndex:
+    """:func:`stager.tarindex.index_tar`, memoised on disk keyed by the shard's size and mtime."""
+    stat = shard.stat()
+    stamp = np.asarray([_CACHE_VERSION, stat.st_size, stat.st_mtime_ns], dtype=np.int64)
+    path = _cache_path(shard, cache_dir, relpath or shard.name)
+    if path is not None and path.is_file():
+        try:
+            with np.load(path, allow_pickle=False) as stored:
+                if np.array_equal(stored["stamp"], stamp):
+                    return TarIndex(
+                        keys=[k.decode() for k in stored["keys"].tolist()],
+                        member_start=stored["member_start"],
+                        exts=[e.decode() for e in stored["exts"].tolist()],
+                        offsets=stored["offsets"],
+                        sizes=stored["sizes"],
+                    )
+        except (OSError, ValueError, KeyError) as exc:
+            log.info("ignoring unreadable index cache %s (%s); rebuilding it", path, exc)
+    index = index_tar(shard)
+    if path is not None:
+        _write_cache(path, index, stamp)
+    return index
+
+
+def _write_cache(path: Path, index: TarIndex, stamp: np.ndarray) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.partial.npz")
+        np.savez(
+            tmp,
+            stamp=stamp,
+            keys=np.asarray([k.encode() for k in index.keys], dtype="S") if index.keys else np.zeros(0, "S1"),
+            member_start=index.member_start,
+            exts=np.asarray([e.encode() for e in index.exts], dtype="S") if index.exts else np.zeros(0, "S1"),
+            offsets=index.offsets,
+            sizes=index.sizes,
+        )
+        os.replace(tmp, path)
+    except OSError as exc:  # a read-only staged copy still loads, only slower next time
+        log.info("cannot cache the index of %s at %s (%s)", path.name, path, exc)
+
+
+def build_flat_index(
+    shards: Sequence[Path],
+    *,
+    relpaths: Sequence[str] | None = None,
+    expected_samples: Sequence[int | None] | None = None,
+    cache_dir: Path | None = None,
+    on_error: str = "raise",
+) -> tuple[FlatIndex, list[str]]:
+    """Index ``shards`` and flatten them; returns the index and the shards skipped as corrupt.
+
+    A shard whose tar headers are corrupt or truncated raises :class:`IntegrityError` naming
+    the shard and the member, or with ``on_error="skip"`` contributes zero samples and is
+    listed. A sample count that differs from the manifest's is corruption too (a stale copy).
+    """
+    relpaths = list(relpaths) if relpaths is not None else [p.name for p in shards]
+    expected = list(expected_samples) if expected_samples is not None else [None] * len(shards)
+    per_shard: list[TarIndex | None] = []
+    skipped: list[str] = []
+    for path, rel, want in zip(shards, relpaths, expected, strict=True):
+        try:
+            index = cached_index(path, cache_dir=cache_dir, relpath=rel)
+            if want is not None and index.num_samples != want:
+                raise IntegrityError(
+                    f"{path}: has {index.num_samples} samples but the manifest says {want} "
+                    f"(truncated or replaced; last member {index.keys[-1] if index.keys else None!r}); "
+                    "re-stage this shard or pass on_error='skip'"
+                )
+        except IntegrityError:
+            if on_error != "skip":
+                raise
+            skipped.append(rel)
+            per_shard.append(None)
+            continue
+        per_shard.append(index)
+    if skipped:
+        log.warning("skipped %d corrupt shard(s): %s", len(skipped), ", ".join(skipped[:5]))
+    return _flatten(per_shard), skipped
+
+
+def _flatten(per_shard: list[TarIndex | None]) -> FlatIndex:
+    ext_codes: dict[str, int] = {}
+    counts, keys, starts, exts, offsets, sizes = [], [], [], [], [], []
+    member_base = 0
+    for index in per_shard:
+        if index is None:
+            counts.append(0)
+            continue
+        counts.append(index.num_samples)
+        keys.extend(k.encode() for k in index.keys)
+        starts.append(index.member_start[:-1] + member_base)
+        exts.append(np.asarray([ext_codes.setdefault(e, len(ext_codes)) for e in index.exts], dtype=np.int16))
+        offsets.append(index.offsets)
+        sizes.append(index.sizes)
+        member_base += len(index.exts)
+    shard_samples = np.asarray(counts, dtype=np.int64)
+
+    def cat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
+        return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
+
+    return FlatIndex(
+        shard_samples=shard_samples,
+        sample_offsets=np.concatenate([np.zeros(1, np.int64), np.cumsum(shard_samples)]),
+        keys=np.asarray(keys, dtype="S") if keys else np.zeros(0, "S1"),
+        member_start=np.concatenate([cat(starts, np.int64), np.asarray([member_base], np.int64)]),
+        member_ext=cat(exts, np.int16),
+        member_offset=cat(offsets, np.int64),
+        member_size=cat(sizes, np.int64),
+        ext_names=tuple(ext_codes),
+    )

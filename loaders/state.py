@@ -1,0 +1,70 @@
+"""The loader's resumable position: small, JSON-able, and checked before it is trusted.
+
+All ranks of a DDP job consume the same number of batches in lockstep, so the state saved by
+rank 0 resumes every rank: the position is "batch k of epoch e", and each rank recomputes its
+own batches from the plan (:mod:`loaders.sharding`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, asdict, dataclass, fields
+from typing import Any
+
+from .errors import ResumeMismatch
+
+__all__ = ["LoaderState", "STATE_VERSION"]
+
+STATE_VERSION = 1
+
+# Fields that must match for the saved position to mean the same samples.
+_MUST_MATCH = ("fingerprint", "num_samples", "world_size", "batch_size", "seed", "shuffle", "even", "subset")
+
+
+@dataclass(frozen=True)
+class LoaderState:
+    """Epoch, batches consumed in it, and what fixes the order (see ``_MUST_MATCH``)."""
+
+    epoch: int
+    batches_consumed: int
+    batches_per_epoch: int
+    seed: int
+    batch_size: int
+    world_size: int
+    num_nodes: int
+    ranks_per_node: int
+    shuffle: str
+    even: str
+    subset: str
+    fingerprint: str
+    num_samples: int
+    version: int = STATE_VERSION
+    # Set in an epoch resumed elastically: the world it came from and where that world stopped.
+    elastic_from: dict[str, int] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, payload: dict[str, Any]) -> LoaderState:
+        if not isinstance(payload, dict) or payload.get("version") != STATE_VERSION:
+            raise ResumeMismatch([f"state format {payload.get('version') if isinstance(payload, dict) else payload!r} "
+                                  f"is not version {STATE_VERSION}"])
+        required = {f.name for f in fields(cls) if f.default is MISSING}
+        missing = required - set(payload)
+        if missing:
+            raise ResumeMismatch([f"state lacks {sorted(missing)}"])
+        return cls(**{f.name: payload[f.name] for f in fields(cls) if f.name in payload})
+
+    def check_resumable_by(self, current: LoaderState, *, elastic: bool = False) -> None:
+        """Raise :class:`ResumeMismatch` listing every field that differs from ``current``.
+
+        ``elastic`` tolerates a different world size (the loader redistributes the rest).
+        """
+        names = [n for n in _MUST_MATCH if not (elastic and n == "world_size")]
+        differences = [
+            f"{name} was {getattr(self, name)!r}, is now {getattr(current, name)!r}"
+            for name in names
+            if getattr(self, name) != getattr(current, name)
+        ]
+        if differences:
+            raise ResumeMismatch(differences)

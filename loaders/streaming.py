@@ -1,0 +1,236 @@
+"""The streaming path: remote sources and compressed shards, read front to back.
+
+Random access is impossible on a gzip stream or too slow over a network, so here the plan is
+coarser than on staged data, but still a pure function of (counts, layout, epoch, seed):
+
+* shards are visited in a seeded order and their samples concatenated; the even-ed sequence is
+  cut into one contiguous range per rank and one per worker (``StreamingPlan``);
+* each worker streams its range (skipping the samples before it by counting tar members, never
+  decoding them), passes samples through a bounded shuffle buffer seeded by (seed, epoch, rank,
+  worker), and yields batches tagged with (worker, batch number);
+* the main process re-emits batches in the plan's round-robin order (``reorder_batches``), so
+  the sequence does not depend on worker timing, and resume after ``k`` batches means: each
+  worker skips the batches of its own that were delivered (read, shuffled, not decoded).
+
+Limits (see docs/loader.md): skipping re-reads the skipped bytes; ``on_error="skip"`` ends the
+bad shard's range early, which shortens that rank's epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+import tarfile
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+from torch.utils.data import IterableDataset, get_worker_info
+
+from stager.errors import IntegrityError, SourceError
+from stager.tarindex import count_samples, split_key
+
+from .samples import SamplePipeline
+from .sharding import PlanOptions, WorldLayout, _rng, num_batches, shard_offsets
+
+__all__ = ["StreamingPlan", "StreamingShards", "count_remote_samples", "reorder_batches", "iter_tar_samples"]
+
+log = logging.getLogger("loaders")
+
+
+def _open(location: str) -> Any:
+    import fsspec
+
+    try:
+        return fsspec.open(location, "rb").open()
+    except FileNotFoundError as exc:
+        raise SourceError(f"shard not found: {location}; re-run stage-in or check the source") from exc
+    except OSError as exc:
+        raise SourceError(f"cannot open shard {location}: {exc}; check the source") from exc
+
+
+def iter_tar_samples(location: str) -> Iterator[dict[str, Any]]:
+    """Samples of one tar/tgz stream as dicts of bytes, grouped by key the way webdataset does."""
+    last_name = "<start of archive>"
+    current: dict[str, Any] | None = None
+    with _open(location) as handle:
+        try:
+            with tarfile.open(fileobj=handle, mode="r|*") as stream:
+                for info in stream:
+                    last_name = info.name
+                    parts = split_key(info.name) if info.isfile() else None
+                    if parts is None:
+                        continue
+                    key, ext = parts
+                    if current is not None and current["__key__"] != key:
+                        yield current
+                        current = None
+                    if current is None:
+                        current = {"__key__": key, "__shard__": location}
+                    member = stream.extractfile(info)
+                    current[ext] = member.read() if member is not None else b""
+        except (tarfile.TarError, EOFError, OSError) as exc:
+            raise IntegrityError(
+                f"{location}: corrupt or truncated after member {last_name!r} ({exc}); "
+                "re-stage this shard or pass on_error='skip'"
+            ) from exc
+    if current is not None:
+        yield current
+
+
+def count_remote_samples(location: str) -> int:
+    """Samples in a shard without a manifest count: tar headers read once, payloads skipped."""
+    if "://" not in location:
+        return count_samples(location)
+    return sum(1 for _ in iter_tar_samples(location))
+
+
+class StreamingPlan:
+    """Per worker of this rank: the (shard, first, stop) ranges it streams, and its batch count."""
+
+    def __init__(self, counts: np.ndarray, layout: WorldLayout, options: PlanOptions, per_rank: int, workers: int):
+        self.counts = np.asarray(counts, dtype=np.int64)
+        self.layout = layout
+        self.options = options
+        self.per_rank = per_rank
+        self.workers = workers
+        base, extra = divmod(per_rank, workers)
+        self.worker_samples = [base + (1 if w < extra else 0) for w in range(workers)]
+        self.worker_batches = [num_batches(n, options.batch_size, options.even) for n in self.worker_samples]
+
+    @property
+    def num_batches(self) -> int:
+        return sum(self.worker_batches)
+
+    def delivery_order(self) -> list[tuple[int, int]]:
+        """(worker, batch number) in the order the loader yields them: round robin, as torch does."""
+        order, cursor = [], [0] * self.workers
+        while len(order) < self.num_batches:
+            for w in range(self.workers):
+                if cursor[w] < self.worker_batches[w]:
+                    order.append((w, cursor[w]))
+                    cursor[w] += 1
+        return order
+
+    def segments(self, epoch: int, worker: int) -> list[tuple[int, int, int]]:
+        """``(shard, first sample, stop sample)`` ranges streamed by ``worker`` this epoch."""
+        shard_order = np.arange(len(self.counts))
+        salt = 1 + self.layout.node_rank if self.options.subset == "node" else 0
+        if self.options.shuffle != "none":
+            shard_order = _rng(self.options.seed, epoch, salt).permutation(len(self.counts))
+        offsets = shard_offsets(self.counts[shard_order])
+        total = int(offsets[-1])
+        position = self.layout.rank_of_node if self.options.subset == "node" else self.layout.rank
+        lo = position * self.per_rank + sum(self.worker_samples[:worker])
+        hi = lo + self.worker_samples[worker]
+        out: list[tuple[int, int, int]] = []
+        while lo < hi:
+            if total == 0:
+                raise ValueError("cannot pad an empty dataset")
+            base = lo % total
+            k = int(np.searchsorted(offsets, base, side="right") - 1)
+            take = min(hi - lo, int(offsets[k + 1]) - base)
+            first = base - int(offsets[k])
+            out.append((int(shard_order[k]), first, first + take))
+            lo += take
+        return out
+
+
+class StreamingShards(IterableDataset):
+    """Each worker streams its ranges and yields ``(worker, batch number, batch)``."""
+
+    def __init__(
+        self,
+        locations: Sequence[str],
+        plan: StreamingPlan,
+        pipeline: SamplePipeline,
+        collate: Callable[[list[Any]], Any],
+        *,
+        buffer_samples: int = 1000,
+        on_error: str = "raise",
+    ):
+        self.locations = list(locations)
+        self.plan = plan
+        self.pipeline = pipeline
+        self.collate = collate
+        self.buffer_samples = buffer_samples
+        self.on_error = on_error
+        self.epoch = 0
+        self.skip_batches = [0] * plan.workers
+
+    def configure(self, epoch: int, start_batch: int) -> None:
+        """Set the epoch and the batches already delivered (per worker) before workers start."""
+        self.epoch = epoch
+        done = Counter(w for w, _ in self.plan.delivery_order()[:start_batch])
+        self.skip_batches = [done.get(w, 0) for w in range(self.plan.workers)]
+
+    def _raw(self, worker: int) -> Iterator[dict[str, Any]]:
+        for shard, first, stop in self.plan.segments(self.epoch, worker):
+            location = self.locations[shard]
+            try:
+                for i, sample in enumerate(iter_tar_samples(location)):
+                    if i >= stop:
+                        break
+                    if i >= first:
+                        yield sample
+            except IntegrityError:
+                if self.on_error != "skip":
+                    raise
+                log.warning("skipping the rest of corrupt shard %s", location)
+
+    def _shuffled(self, samples: Iterable[dict[str, Any]], worker: int) -> Iterator[dict[str, Any]]:
+        if self.buffer_samples <= 0:
+            yield from samples
+            return
+        rng = _rng(self.plan.options.seed, self.epoch, 1000 + self.plan.layout.rank * 4096 + worker)
+        buffer: list[dict[str, Any]] = []
+        for sample in samples:
+            buffer.append(sample)
+            if len(buffer) >= self.buffer_samples:
+                pick = int(rng.integers(len(buffer)))
+                buffer[pick], buffer[-1] = buffer[-1], buffer[pick]
+                yield buffer.pop()
+        while buffer:
+            pick = int(rng.integers(len(buffer)))
+            buffer[pick], buffer[-1] = buffer[-1], buffer[pick]
+            yield buffer.pop()
+
+    def __iter__(self) -> Iterator[tuple[int, int, Any]]:
+        info = get_worker_info()
+        worker = info.id if info is not None else 0
+        size = self.plan.options.batch_size
+        limit = self.plan.worker_batches[worker]
+        skip_samples = self.skip_batches[worker] * size
+        number, batch = self.skip_batches[worker], []
+        for i, sample in enumerate(self._shuffled(self._raw(worker), worker)):
+            if i < skip_samples:
+                continue  # resume: delivered before the checkpoint; read but never decoded
+            batch.append(self.pipeline(sample))
+            if len(batch) == size:
+                yield worker, number, self.collate(batch)
+                number, batch = number + 1, []
+        if batch and number < limit:
+            yield worker, number, self.collate(batch)
+
+
+def reorder_batches(tagged: Iterable[tuple[int, int, Any]], expected: Sequence[tuple[int, int]]) -> Iterator[Any]:
+    """Yield batches in ``expected`` order whatever order workers produced them in.
+
+    Torch already delivers round robin, so the buffer holds about one batch per worker; it
+    only matters after a resume, when workers have different numbers of batches left.
+    """
+    pending: dict[tuple[int, int], Any] = {}
+    position = 0
+    for worker, number, batch in tagged:
+        pending[(worker, number)] = batch
+        while position < len(expected) and expected[position] in pending:
+            yield pending.pop(expected[position])
+            position += 1
+    if pending or position < len(expected):
+        log.warning(
+            "streaming epoch ended after %d of %d batches (a shard was skipped or shorter than counted)",
+            position, len(expected),
+        )
+    for key in sorted(pending):
+        yield pending.pop(key)
+

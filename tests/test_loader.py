@@ -1,0 +1,303 @@
+"""ShardedLoader in one process: locality, decoding, determinism, corrupt shards, resume refusal."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import loaders
+from loaders import (
+    LoaderOptions,
+    ResumeMismatch,
+    ShardedLoader,
+    capture_rng_state,
+    restore_rng_state,
+)
+from stager.errors import IntegrityError
+from stager.slurm import SlurmEnv
+from stager.sources import resolve_source
+from stager.stagein import StageInOptions, stage_in, staged_manifest_path
+from stager.synth import SyntheticSpec, sample_key, sample_label, write_synthetic_dataset
+
+from .conftest import REPO, clean_env, run_cli
+
+SPEC = SyntheticSpec(num_shards=8, samples_per_shard=50, uneven=True, seed=1)  # the small_dataset fixture
+
+
+def all_keys(spec: SyntheticSpec = SPEC) -> set[str]:
+    return {sample_key(s, i) for s, n in enumerate(spec.shard_sizes()) for i in range(n)}
+
+
+def stage(source: Path, dest: Path) -> Path:
+    options = StageInOptions(dest_root=dest, progress="none", jitter_max_s=0)
+    report = stage_in(resolve_source(str(source)), options, slurm=SlurmEnv.from_environ({}))
+    return Path(report.dataset_dir)
+
+
+def keys_of(loader: ShardedLoader) -> list[str]:
+    return [k for batch in loader for k in batch[0]]
+
+
+def test_public_api_is_pinned_and_planner_is_torch_free() -> None:
+    assert sorted(loaders.__all__) == [
+        "LoaderMetrics", "LoaderOptions", "LoaderState", "PlanOptions", "ResumeMismatch", "ShardedLoader",
+        "WorldLayout",
+        "capture_rng_state", "restore_rng_state", "select_node_shards",
+    ]
+    for name in loaders.__all__:
+        assert getattr(loaders, name) is not None
+    code = "import sys, loaders.sharding, loaders.subset; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
+
+
+def test_staged_copy_is_read_alone_source_deleted(dataset_copy: Path, tmp_path: Path, caplog) -> None:
+    dest = tmp_path / "scratch"
+    staged = stage(dataset_copy, dest)
+    shutil.rmtree(dataset_copy)  # any read of the source would now fail
+    with caplog.at_level(logging.WARNING, logger="loaders"):
+        loader = ShardedLoader(dataset_copy, batch_size=16, to_tuple=("__key__", "npy"), options=LoaderOptions(dest=str(dest)))
+        got = keys_of(loader)
+    assert isinstance(loader, DataLoader)
+    assert loader.shards.staged_dir == staged and loader.shards.from_source == 0
+    assert all(Path(s.location).is_relative_to(staged) for s in loader.shards.shards)
+    assert set(got) == all_keys() and len(got) - len(all_keys()) < 1  # world of one: no padding
+    assert len(loader) == -(-len(all_keys()) // 16)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    # the index cache was written beside the staged copy, so the next loader skips the header walk
+    assert list((staged / ".stager" / "index").glob("*.idx.npz"))
+
+
+def test_missing_staged_shard_falls_back_with_one_warning(dataset_copy: Path, tmp_path: Path, caplog) -> None:
+    dest = tmp_path / "scratch"
+    staged = stage(dataset_copy, dest)
+    (staged / "train-000003.tar").unlink()
+    with caplog.at_level(logging.WARNING, logger="loaders"):
+        loader = ShardedLoader(dataset_copy, batch_size=32, to_tuple=("__key__",), options=LoaderOptions(dest=str(dest)))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith("1 of 8 shard(s) are read from the source")
+    assert [s.relpath for s in loader.shards.shards if s.from_source] == ["train-000003.tar"]
+    assert set(keys_of(loader)) == all_keys()
+
+
+def test_decode_npy_and_cls_with_workers(small_dataset: Path, tmp_path: Path) -> None:
+    loader = ShardedLoader(
+        small_dataset, batch_size=10, num_workers=2, decode="rgb8", to_tuple=("__key__", "npy", "cls"),
+        options=LoaderOptions(dest=str(tmp_path)),
+    )
+    seen = 0
+    for keys, images, labels in loader:
+        assert images.dtype == torch.uint8 and images.shape[1:] == (18, 18, 3)
+        for key, label in zip(keys, labels.tolist(), strict=True):
+            shard, index = int(key[1:6]), int(key[7:])
+            assert label == sample_label(SPEC.seed, shard, index)
+        seen += len(keys)
+    assert seen == len(all_keys())
+
+
+def test_raw_members_are_tensors_and_match_the_tar(small_dataset: Path, tmp_path: Path) -> None:
+    loader = ShardedLoader(small_dataset, batch_size=7, num_workers=1, options=LoaderOptions(dest=str(tmp_path)))
+    batch = next(iter(loader))
+    assert set(batch) == {"__key__", "npy", "cls"}
+    key, cls = batch["__key__"][0], batch["cls"][0]
+    assert isinstance(cls, torch.Tensor) and cls.dtype == torch.uint8
+    shard, index = int(key[1:6]), int(key[7:])
+    assert bytes(cls.numpy()) == str(sample_label(SPEC.seed, shard, index)).encode()
+    image = np.load(__import__("io").BytesIO(bytes(batch["npy"][0].numpy())))
+    assert image.shape == (18, 18, 3)
+
+
+def test_same_seed_and_epoch_same_order_other_epoch_differs(small_dataset: Path, tmp_path: Path) -> None:
+    def order(epoch: int, seed: int = 4) -> list[str]:
+        loader = ShardedLoader(small_dataset, batch_size=16, seed=seed, to_tuple=("__key__",), options=LoaderOptions(dest=str(tmp_path)))
+        loader.set_epoch(epoch)
+        return keys_of(loader)
+
+    first = order(1)
+    assert first == order(1)
+    assert first != order(2) and sorted(first) == sorted(order(2))
+    assert first != order(1, seed=5)
+
+
+def test_ranks_of_a_simulated_world_split_the_epoch(small_dataset: Path, tmp_path: Path) -> None:
+    per_rank = []
+    for rank in range(3):
+        loader = ShardedLoader(
+            small_dataset, batch_size=8, rank=rank, world_size=3, even="drop", to_tuple=("__key__",),
+            options=LoaderOptions(dest=str(tmp_path)),
+        )
+        per_rank.append([batch[0] for batch in loader])
+    assert len({len(batches) for batches in per_rank}) == 1
+    flat = [k for batches in per_rank for b in batches for k in b]
+    assert len(flat) == len(set(flat)) and len(all_keys()) - len(flat) < 3 * 8 + 3
+
+
+def test_corrupt_header_names_shard_and_member_or_is_skipped(dataset_copy: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "scratch"
+    staged = stage(dataset_copy, dest)
+    victim = staged / "train-000002.tar"
+    raw = bytearray(victim.read_bytes())
+    raw[512 * 12 : 512 * 13] = b"\x7f" * 512  # same size, so the staged copy still looks whole
+    victim.write_bytes(bytes(raw))
+    with pytest.raises(IntegrityError) as caught:
+        ShardedLoader(dataset_copy, batch_size=8, options=LoaderOptions(dest=str(dest)))
+    message = str(caught.value)
+    assert "train-000002.tar" in message and "member" in message and "s00002-" in message
+    loader = ShardedLoader(dataset_copy, batch_size=8, to_tuple=("__key__",), options=LoaderOptions(dest=str(dest), on_error="skip"))
+    assert loader.skipped_shards == ["train-000002.tar"]
+    got = set(keys_of(loader))
+    assert got == {k for k in all_keys() if not k.startswith("s00002-")}
+
+
+def test_truncated_unstaged_shard_is_refused(dataset_copy: Path, tmp_path: Path) -> None:
+    victim = dataset_copy / "train-000005.tar"
+    victim.write_bytes(victim.read_bytes()[:3000])
+    with pytest.raises(IntegrityError, match="train-000005.tar"):
+        ShardedLoader(dataset_copy, batch_size=8, options=LoaderOptions(dest=str(tmp_path / "none")))
+
+
+def test_compressed_shards_stream_with_exact_len(tmp_path: Path) -> None:
+    spec = SyntheticSpec(num_shards=3, samples_per_shard=20, uneven=True, seed=2, compress=True)
+    write_synthetic_dataset(tmp_path / "tgz", spec)
+    loader = ShardedLoader(tmp_path / "tgz", batch_size=6, decode="rgb8", to_tuple=("__key__", "cls"),
+                           options=LoaderOptions(dest=str(tmp_path / "none")))
+    assert not loader.shards.random_access
+    batches = list(loader)
+    assert len(batches) == len(loader)
+    assert {k for b in batches for k in b[0]} == all_keys(spec)
+
+
+def test_resume_mismatch_is_refused_with_what_differs(small_dataset: Path, dataset_copy: Path, tmp_path: Path) -> None:
+    def make(source: Path = small_dataset, **kw) -> ShardedLoader:
+        return ShardedLoader(source, options=LoaderOptions(dest=str(tmp_path)), **{"batch_size": 8, **kw})
+
+    state = make().state_dict()
+    with pytest.raises(ResumeMismatch, match="batch_size was 8, is now 16"):
+        make(batch_size=16).load_state_dict(state)
+    with pytest.raises(ResumeMismatch, match="world_size was 1, is now 2"):
+        make(rank=1, world_size=2).load_state_dict(state)
+    (dataset_copy / "train-000007.tar").unlink()
+    with pytest.raises(ResumeMismatch, match="fingerprint"):
+        make(dataset_copy).load_state_dict(state)
+    make().load_state_dict(json.loads(json.dumps(state)))  # JSON round trip is accepted
+
+
+def test_resume_in_process_and_set_epoch_keeps_position(small_dataset: Path, tmp_path: Path) -> None:
+    def make() -> ShardedLoader:
+        return ShardedLoader(small_dataset, batch_size=16, to_tuple=("__key__",), options=LoaderOptions(dest=str(tmp_path)))
+
+    full = make()
+    full.set_epoch(3)
+    expected = [b[0] for b in full]
+    first = make()
+    first.set_epoch(3)
+    it = iter(first)
+    head = [next(it)[0] for _ in range(5)]
+    state = first.state_dict()
+    assert state["epoch"] == 3 and state["batches_consumed"] == 5
+    second = make()
+    second.load_state_dict(state)
+    second.set_epoch(3)  # the training loop's usual call must not reset the resumed position
+    assert head + [b[0] for b in second] == expected
+    second.set_epoch(4)
+    assert len(list(second)) == len(second)
+
+
+def test_rng_state_round_trip() -> None:
+    state = capture_rng_state()
+    drawn = (random.random(), np.random.rand(), torch.rand(1).item())
+    restore_rng_state(state)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == drawn
+
+
+def test_stage_in_subset_node_and_loader_agree(small_dataset: Path, tmp_path: Path) -> None:
+    staged_sets = []
+    for node in (0, 1):
+        env = clean_env(
+            SLURM_JOB_ID="77", SLURM_NODEID=str(node), SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="n[0-1]",
+            SLURM_PROCID=str(node), SLURM_NTASKS="2", SLURMD_NODENAME=f"n{node}",
+        )
+        dest = tmp_path / f"node{node}"
+        done = run_cli("stage-in", str(small_dataset), "--dest", str(dest), "--subset", "node", "--jitter-max", "0", "--quiet", env=env)
+        assert done.returncode == 0, done.stderr
+        manifest = staged_manifest_path(dest / "ds").read_text()
+        assert '"subset": "node"' in manifest
+        staged_sets.append({p.name for p in (dest / "ds").glob("*.tar")})
+    assert not staged_sets[0] & staged_sets[1]
+    assert staged_sets[0] | staged_sets[1] == {p.name for p in small_dataset.glob("*.tar")}
+    loader = ShardedLoader(small_dataset, batch_size=8, to_tuple=("__key__",), rank=0, world_size=1,
+                           options=LoaderOptions(dest=str(tmp_path / "node0")))
+    assert loader.plan_options.subset == "node"
+    node_keys = {k for k in all_keys() if f"train-{int(k[1:6]):06d}.tar" in staged_sets[0]}
+    assert set(keys_of(loader)) == node_keys
+
+
+def test_elastic_resume_on_a_smaller_world_repeats_and_loses_nothing(small_dataset: Path, tmp_path: Path) -> None:
+    def make(rank: int, world: int) -> ShardedLoader:
+        return ShardedLoader(small_dataset, batch_size=8, rank=rank, world_size=world, to_tuple=("__key__",),
+                             options=LoaderOptions(dest=str(tmp_path)))
+
+    consumed, state = [], None
+    for rank in range(3):  # the old world: 3 ranks stop after 4 batches each
+        loader = make(rank, 3)
+        loader.set_epoch(2)
+        it = iter(loader)
+        consumed += [k for _ in range(4) for k in next(it)[0]]
+        state = loader.state_dict()
+    assert state is not None
+    with pytest.raises(ResumeMismatch, match="world_size was 3, is now 2"):
+        make(0, 2).load_state_dict(state)
+    new_keys, lengths = [], set()
+    for rank in range(2):
+        loader = make(rank, 2)
+        loader.load_state_dict(state, elastic=True)
+        loader.set_epoch(2)
+        lengths.add(len(loader))
+        it = iter(loader)
+        head = [next(it)[0] for _ in range(2)]
+        mid = loader.state_dict()  # saved inside the elastic epoch: resumable again on this world
+        assert mid["elastic_from"] == {"num_nodes": 1, "ranks_per_node": 3, "batches_consumed": 4}
+        with pytest.raises(ResumeMismatch, match="already resumed elastically"):
+            make(0, 3).load_state_dict(mid, elastic=True)
+        again = make(rank, 2)
+        again.load_state_dict(json.loads(json.dumps(mid)))
+        again.set_epoch(2)
+        tail = [b[0] for b in again]
+        new_keys += [k for b in head + tail for k in b]
+        assert len(head) + len(tail) == len(loader)
+        loader.set_epoch(3)
+        per_rank = -(-len(all_keys()) // 2)
+        assert len(loader) == -(-per_rank // 8), "the next epoch follows the new world's normal plan"
+    assert len(lengths) == 1
+    assert set(consumed) | set(new_keys) == all_keys(), "nothing lost"
+    assert not set(consumed) & set(new_keys), "nothing delivered twice"
+    assert len(new_keys) - len(set(new_keys)) < 2, "only the pad of the new world repeats"
+
+
+def test_memory_does_not_grow_across_epochs(small_dataset: Path, tmp_path: Path) -> None:
+    import os
+
+    def rss_bytes() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    loader = ShardedLoader(small_dataset, batch_size=16, decode="rgb8", to_tuple=("npy", "cls"),
+                           options=LoaderOptions(dest=str(tmp_path)))
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        for _ in loader:
+            pass
+    before = rss_bytes()
+    for epoch in range(2, 8):
+        loader.set_epoch(epoch)
+        for _ in loader:
+            pass
+    assert rss_bytes() - before < 8 << 20, "RSS grew across epochs"
