@@ -34,6 +34,8 @@ class StageInReport:
     streams: int = 0
     subset: str = "all"
     role: str = "copier"
+    fanout: str = "off"  # off | on (stage-in --fanout) | fallback (the group did not form)
+    fanout_form_s: float = 0.0  # of ``seconds``: waiting for the node group to form (torch import included)
     exit_code: int = 0
     failures: list[dict[str, str]] = field(default_factory=list)
 
@@ -49,8 +51,13 @@ class StageInReport:
         return (
             f"[{self.node}] stage-in: {self.files_total} files, {self.files_copied} copied, "
             f"{self.files_skipped} skipped, {self.files_failed} failed; "
-            f"{human_bytes(self.bytes_copied)} in {self.seconds:.2f} s ({self.mb_per_s:.1f} MB/s) "
-            f"-> {self.dataset_dir}"
+            f"{human_bytes(self.bytes_copied)} in {self.seconds:.2f} s ({self.mb_per_s:.1f} MB/s)"
+            + (
+                f" [fan-out {self.fanout}: {human_bytes(self.bytes_read_source)} from the source, "
+                f"{human_bytes(self.bytes_received_peers)} from peers]"
+                if self.fanout != "off" else ""
+            )
+            + f" -> {self.dataset_dir}"
         )
 
     def to_json(self) -> dict:

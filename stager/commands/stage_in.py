@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ..dest import resolve_dest_root
 from ..errors import UsageError
+from ..fanout import add_fanout_arguments, fanout_options_from_args, fanout_stage_in
 from ..retry import RetryPolicy
 from ..slurm import SlurmEnv
 from ..sources import resolve_source
@@ -15,7 +17,10 @@ from ..stagein import StageInOptions, stage_in
 HELP = "copy dataset shards to node-local scratch (run once per node: srun --ntasks-per-node=1)"
 
 EPILOG = """exit codes: 0 ok; 2 usage error; 3 source error (missing source, shards failed after retries);
-4 integrity error (hash mismatch); 5 destination error; 6 scratch full; 8 lock timeout.
+4 integrity error (hash mismatch); 5 destination error; 6 scratch full; 8 lock timeout;
+10 --fanout: a peer node failed after the group formed (rerun to resume).
+with --checkpoint: 0 restored (its local path is the only line on stdout); 9 no committed
+checkpoint at DEST yet (start from scratch); 7 checkpoints committed but none restorable whole.
 environment: STAGER_DEST (destination root), SLURM_JOB_ID/SLURM_NODEID/... (job layout)."""
 
 
@@ -30,6 +35,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "source", nargs="?", metavar="SOURCE",
         help="directory, glob, brace pattern (train-{000000..000099}.tar) or single shard; any fsspec URL",
+    )
+    parser.add_argument(
+        "--checkpoint", metavar="DEST",
+        help="restore the newest committed checkpoint from DEST (stage-out's destination) to --dest/<name>; "
+        "prints its local path on stdout",
     )
     parser.add_argument("--from-list", metavar="FILE", help="read shard URLs from FILE (one per line, # comments)")
     parser.add_argument(
@@ -58,10 +68,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-count", action="store_true", help="do not count samples of copied shards")
     parser.add_argument("--fsync", action="store_true", help="fsync each shard before publishing it")
     parser.add_argument("--min-free", type=int, default=0, metavar="BYTES", help="bytes to keep free on scratch")
+    add_fanout_arguments(parser)
+    parser.add_argument(
+        "--subset", choices=("all", "node"), default="all",
+        help="all: stage every shard (default); node: only this node's share, for the loader's node-local shuffle",
+    )
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.checkpoint is not None:
+        return _restore(args)
     if args.jobs < 1 or args.min_jobs < 1:
         raise UsageError("--jobs and --min-jobs must be at least 1")
     if args.retries < 0:
@@ -85,9 +102,22 @@ def run(args: argparse.Namespace) -> int:
         count_samples=not args.no_count,
         fsync=args.fsync,
         min_free_bytes=args.min_free,
+        subset=args.subset,
     )
+    select = None
+    if args.subset == "node":
+        from loaders.subset import select_node_shards  # torch-free
+
+        def select(src):  # noqa: ANN001, ANN202 - the stage_in callback
+            return select_node_shards(src, num_nodes=slurm.num_nodes, node_id=slurm.node_id)
+
+    if args.fanout and args.subset != "all":
+        raise UsageError("--fanout replicates the whole dataset on every node; it needs --subset all")
     try:
-        report = stage_in(source, options, slurm=slurm)
+        if args.fanout:
+            report = fanout_stage_in(source, options, fanout_options_from_args(args), slurm=slurm)
+        else:
+            report = stage_in(source, options, slurm=slurm, select=select)
     except Exception as exc:
         report = getattr(exc, "report", None)
         if report is not None:
@@ -98,4 +128,15 @@ def run(args: argparse.Namespace) -> int:
     if args.report:
         report.write(args.report)
     print(report.summary_line(), file=sys.stderr, flush=True)
+    return 0
+
+
+def _restore(args: argparse.Namespace) -> int:
+    """``--checkpoint DEST``: stdout carries only the restored path, for ``CKPT=$(stage-in ...)``."""
+    from ..restore import restore_checkpoint
+
+    if args.source or args.from_list:
+        raise UsageError("--checkpoint takes no SOURCE or --from-list; it restores from the DEST it names")
+    path = restore_checkpoint(args.checkpoint, resolve_dest_root(args.dest))
+    print(os.path.abspath(path), flush=True)
     return 0

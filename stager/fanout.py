@@ -1,0 +1,366 @@
+"""``stage-in --fanout``: replicated staging that reads the source once, whatever the node count.
+
+Run as one task per node (``srun --ntasks-per-node=1 stage-in --fanout SRC``). Per node:
+
+1. take the node lock, as plain stage-in does (one copier per node; other tasks on the node
+   wait and adopt its result, so only one task per node ever joins the group);
+2. plan locally: verified shards are kept, leftovers of a killed run deleted, free space checked;
+3. form the node group (:mod:`stager.fanout_group`) and all-gather a handshake: a digest of the
+   shard list (all nodes must have listed the same shards), the preflight verdict, and a bitmap
+   of the shards each node already holds;
+4. plan the exchange (:mod:`stager.fanout_plan`, pure): owners, balanced by bytes, holders first;
+5. exchange (:mod:`stager.fanout_exchange`): owners read their part from the source while the
+   main thread broadcasts, receivers verify and rename;
+6. write the staged manifest and the result waiting tasks adopt, as plain stage-in does.
+
+If the group cannot form (peers absent, torch missing), the node falls back to plain per-node
+copying after a one-line warning: slower for the source, never wrong. Once the group has
+formed, a failing peer makes every other node exit non-zero (:class:`FanoutError`); verified
+shards stay, so a rerun resumes and reads from the source only what no node holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TextIO
+
+import numpy
+
+from .dest import ensure_private_dir
+from .errors import ScratchFull, ShardFailure, ShardsFailed, UsageError, exit_code_for
+from .fanout_exchange import ExchangeShard, run_exchange
+from .fanout_group import (
+    FanoutError,
+    FanoutOptions,
+    GroupUnavailable,
+    NodeGroup,
+    form_group,
+    resolve_endpoint,
+)
+from .fanout_plan import plan_fanout, shard_list_digest
+from .lock import NodeLock
+from .manifest import Manifest, ManifestEntry
+from .paths import safe_join, safe_relpath
+from .progress import Progress
+from .report import StageInReport
+from .slurm import SlurmEnv
+from .sources import SourceSet
+
+# Planning, preflight, lock adoption and the plain copy are stage-in's own; reusing them keeps
+# the two paths' skip/verify/adopt semantics identical.
+from .stagein import (
+    StageInOptions,
+    _adopt,
+    _clean_partials,
+    _count,
+    _load_manifest,
+    _one_line,
+    _plan,
+    _preflight,
+    _read_previous,
+    _run,
+    _write_result,
+    stage_in,
+    staged_manifest_path,
+)
+
+__all__ = [
+    "fanout_stage_in",
+    "FanoutOptions",
+    "FanoutError",
+    "GroupUnavailable",
+    "add_fanout_arguments",
+    "fanout_options_from_args",
+]
+
+
+def add_fanout_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``--fanout*`` flags of ``stage-in``."""
+    parser.add_argument(
+        "--fanout",
+        action="store_true",
+        help="replicated staging that reads the source once in total: the node tasks (srun --ntasks-per-node=1) "
+        "form a gloo group, each reads its part and broadcasts it to the others",
+    )
+    parser.add_argument(
+        "--fanout-host",
+        metavar="HOST",
+        help="rendezvous host (default: $STAGER_FANOUT_HOST, else the job's first node)",
+    )
+    parser.add_argument(
+        "--fanout-port",
+        type=int,
+        metavar="PORT",
+        help="rendezvous TCP port (default: $STAGER_FANOUT_PORT, else derived from the job id)",
+    )
+    parser.add_argument(
+        "--fanout-timeout",
+        type=float,
+        default=120.0,
+        metavar="S",
+        help="seconds to wait for all nodes to join; then fall back to plain copying with a warning (default 120)",
+    )
+    parser.add_argument(
+        "--fanout-op-timeout",
+        type=float,
+        default=900.0,
+        metavar="S",
+        help="seconds one exchange step may wait for a peer (longer than one shard's source read; default 900)",
+    )
+    parser.add_argument(
+        "--fanout-chunk-kib",
+        type=int,
+        default=FanoutOptions.chunk_bytes >> 10,
+        metavar="KIB",
+        help=f"size of one broadcast message in KiB (default {FanoutOptions.chunk_bytes >> 10})",
+    )
+
+
+def fanout_options_from_args(args: argparse.Namespace) -> FanoutOptions:
+    if args.fanout_timeout <= 0 or args.fanout_op_timeout <= 0:
+        raise UsageError("--fanout-timeout and --fanout-op-timeout must be positive seconds")
+    if not 1 <= args.fanout_chunk_kib <= 1 << 20:
+        raise UsageError("--fanout-chunk-kib must be between 1 and 1048576")
+    return FanoutOptions(
+        host=args.fanout_host,
+        port=args.fanout_port,
+        form_timeout_s=args.fanout_timeout,
+        op_timeout_s=args.fanout_op_timeout,
+        chunk_bytes=args.fanout_chunk_kib << 10,
+    )
+
+
+def node_label(slurm: SlurmEnv, rank: int) -> str:
+    """A node's name for messages: its host name when the node list is known, else its rank."""
+    if len(slurm.nodelist) == slurm.num_nodes:
+        return slurm.nodelist[rank]
+    return f"node-rank-{rank}"
+
+
+def fanout_stage_in(
+    source: SourceSet,
+    options: StageInOptions,
+    fanout: FanoutOptions | None = None,
+    *,
+    slurm: SlurmEnv | None = None,
+    env: Mapping[str, str] | None = None,
+) -> StageInReport:
+    """Stage all of ``source`` on this node, reading only this node's part from the source.
+
+    Every node of the job must call it (one task per node). Raises like :func:`stage_in`, plus
+    :class:`FanoutError` (exit 10) when a peer fails after the group formed.
+    """
+    fanout = fanout or FanoutOptions()
+    slurm = slurm or SlurmEnv.from_environ()
+    if slurm.num_nodes <= 1:
+        return stage_in(source, options, slurm=slurm)  # nobody to share with
+    if not 0 <= slurm.node_id < slurm.num_nodes:
+        raise UsageError(
+            f"SLURM_NODEID={slurm.node_id} is outside 0..{slurm.num_nodes - 1}; run under srun"
+        )
+    log = options.log or sys.stderr
+    name = safe_relpath(options.name or source.name)
+    if "/" in name:
+        raise UsageError(f"dataset name {name!r} must not contain '/'")
+    host, port = resolve_endpoint(slurm, fanout, env)
+    root = ensure_private_dir(options.dest_root)
+    dataset_dir = ensure_private_dir(root / name)
+    result_path = root / f".stager-{name}.result.json"
+    wait_started = time.time()
+    # The same lock and result file as plain stage-in: the two exclude each other on a node.
+    with NodeLock(root / f".stager-{name}.lock", timeout_s=options.lock_timeout_s) as lock:
+        if lock.contended:
+            adopted = _adopt(result_path, wait_started)
+            if adopted is not None:
+                return adopted
+        # torch takes seconds to import: do it while this node plans and verifies its shards.
+        threading.Thread(
+            target=_import_torch_distributed, name="fanout-import", daemon=True
+        ).start()
+        report = _new_report(slurm, dataset_dir, source, options, "on")
+        try:
+            try:
+                _run_fanout(source, options, fanout, slurm, (host, port), dataset_dir, report, log)
+            except GroupUnavailable as exc:
+                print(
+                    f"[{slurm.node_name}] warning: {_one_line(exc)}; falling back to plain per-node copying "
+                    "(this node reads the whole dataset from the source)",
+                    file=log,
+                    flush=True,
+                )
+                report = _new_report(slurm, dataset_dir, source, options, "fallback")
+                _run(source, options, slurm, None, dataset_dir, report, log)
+        except BaseException as exc:
+            report.exit_code = exit_code_for(exc)
+            _write_result(result_path, report, _one_line(exc))
+            if hasattr(exc, "exit_code"):
+                exc.report = report  # type: ignore[attr-defined]
+            raise
+        _write_result(result_path, report, "")
+        return report
+
+
+def _import_torch_distributed() -> None:
+    try:
+        import torch.distributed  # noqa: F401
+    except Exception:  # noqa: BLE001 - form_group imports again and reports the failure
+        pass
+
+
+def _new_report(
+    slurm: SlurmEnv, dataset_dir: Path, source: SourceSet, options: StageInOptions, mode: str
+) -> StageInReport:
+    return StageInReport(
+        node=slurm.node_name,
+        job_id=slurm.job_id,
+        dataset_dir=str(dataset_dir),
+        source=source.root_url,
+        subset=options.subset,
+        fanout=mode,
+    )
+
+
+def _run_fanout(
+    source: SourceSet,
+    options: StageInOptions,
+    fanout: FanoutOptions,
+    slurm: SlurmEnv,
+    endpoint: tuple[str, int],
+    dataset_dir: Path,
+    report: StageInReport,
+    log: TextIO,
+) -> None:
+    started = time.monotonic()
+    shards = list(source.shards)
+    manifest = _load_manifest(source, options)
+    expected = manifest.by_relpath() if manifest is not None else {}
+    _clean_partials(dataset_dir)
+    local = _plan(shards, dataset_dir, expected, _read_previous(dataset_dir), options, log)
+    items = []
+    for shard in shards:
+        want, kept = expected.get(shard.relpath), local.kept.get(shard.relpath)
+        items.append(
+            ExchangeShard(
+                shard=shard,
+                final=safe_join(dataset_dir, shard.relpath),
+                size=want.size if want is not None else shard.size,
+                want_hash=want.hash if want is not None else None,
+                have=kept is not None,
+                have_hash=kept.hash if kept is not None else None,
+            )
+        )
+    report.files_total = len(shards) + len(source.missing)
+    report.files_skipped = len(local.kept)
+    report.bytes_total = sum(it.size or 0 for it in items)
+    for url in source.missing:
+        report.add_failure(ShardFailure(url, "not found on the source"))
+    needed = sum(it.size or 0 for it in items if not it.have)
+    refusal: ScratchFull | None = None
+    try:
+        _preflight(dataset_dir, needed, options, slurm.node_name)
+    except ScratchFull as exc:
+        refusal = exc  # told to the peers in the handshake, so they stop too instead of hanging
+
+    def label(rank: int) -> str:
+        return node_label(slurm, rank)
+
+    forming = time.monotonic()
+    with form_group(endpoint[0], endpoint[1], slurm.node_id, slurm.num_nodes, fanout) as group:
+        have = _handshake(group, items, refusal is None, label)
+        report.fanout_form_s = time.monotonic() - forming
+        if refusal is not None:
+            raise refusal
+        plan = plan_fanout([it.size for it in items], have)
+        progress = Progress(
+            needed,
+            sum(not it.have for it in items),
+            label=f"[{report.node}] stage-in --fanout",
+            mode=options.progress,
+            interval_s=options.progress_interval_s,
+            stream=log,
+        )
+        try:
+            outcome = run_exchange(
+                group,
+                plan,
+                items,
+                source=source,
+                options=options,
+                fanout=fanout,
+                report=report,
+                progress=progress,
+                node_label=label,
+                log=log,
+            )
+        finally:
+            progress.close()
+
+    entries: dict[str, ManifestEntry] = dict(local.kept)
+    for index, (size, digest) in outcome.staged.items():
+        relpath = items[index].shard.relpath
+        want = expected.get(relpath)
+        samples = want.samples if want is not None else None
+        if samples is None and options.count_samples:
+            samples = _count(items[index].final, log)
+        entries[relpath] = ManifestEntry(relpath, size, digest, samples)
+    for failure in outcome.failures:
+        report.add_failure(failure)
+    staged = Manifest(
+        tuple(entries[s.relpath] for s in shards if s.relpath in entries),
+        {
+            "source": source.root_url,
+            "subset": options.subset,
+            "node": slurm.node_name,
+            "job_id": slurm.job_id,
+        },
+    )
+    staged_path = staged_manifest_path(dataset_dir)
+    staged_path.parent.mkdir(exist_ok=True)
+    staged.write(staged_path)
+    report.seconds = time.monotonic() - started
+    if report.failures:
+        full = [f for f in report.failures if f["reason"].startswith("no space left")]
+        if full:
+            raise ScratchFull(f"[{slurm.node_name}] {full[0]['reason']}", where=str(dataset_dir))
+        raise ShardsFailed([ShardFailure(f["url"], f["reason"]) for f in report.failures])
+
+
+def _handshake(
+    group: NodeGroup, items: Sequence[ExchangeShard], ready: bool, label
+) -> list[list[bool]]:
+    """All-gather (shard-list digest, preflight verdict, have-bitmap); refuse any disagreement.
+
+    Runs under the short form timeout: a failure here still means "no group", so every node
+    falls back rather than some exchanging and some not.
+    """
+    torch = group.torch
+    digest = shard_list_digest([(it.shard.relpath, it.size) for it in items])
+    meta = torch.tensor([digest, int(ready), len(items)], dtype=torch.int64)
+    # packbits of zero shards is empty; gloo wants at least one element, so pad one byte.
+    bits = numpy.packbits(numpy.array([it.have for it in items] + [False], dtype=bool))
+    try:
+        metas = [m.tolist() for m in group.all_gather(meta, forming=True)]
+        if any(m[0] != metas[0][0] or m[2] != metas[0][2] for m in metas):
+            counts = ", ".join(f"{label(r)}: {m[2]}" for r, m in enumerate(metas))
+            raise FanoutError(
+                f"nodes listed different shards ({counts} shards, or different sizes); the source changed "
+                "while the job started? rerun once it is stable"
+            )
+        gathered = group.all_gather(torch.from_numpy(bits), forming=True)
+    except FanoutError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - torch errors while forming: no group
+        raise GroupUnavailable(f"handshake failed ({_one_line(exc)[:300]})") from exc
+    refusing = [label(r) for r, m in enumerate(metas) if not m[1] and r != group.rank]
+    if refusing and ready:
+        raise FanoutError(
+            f"node(s) {', '.join(refusing)} lack scratch space for the dataset, so nobody copied anything; "
+            "see their error line, free space there or pass --dest"
+        )
+    count = len(items)
+    return [numpy.unpackbits(t.numpy())[:count].astype(bool).tolist() for t in gathered]

@@ -1,0 +1,244 @@
+"""stage-in --fanout with real processes: 2-3 simulated nodes on loopback, a real gloo group.
+
+Bytes read from the source are counted independently of stage-in's own report: each node
+process gets a ``sitecustomize.py`` (on PYTHONPATH) that registers a ``countfile://`` fsspec
+protocol, a local filesystem whose file objects append every read's byte count to a log file.
+The source is given as ``countfile:///...``, so every source byte passes through the counter.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from stager.synth import SyntheticSpec, write_synthetic_dataset
+
+from .conftest import BIN, clean_env
+
+SITECUSTOMIZE = """
+import os
+import fsspec
+from fsspec.implementations.local import LocalFileOpener, LocalFileSystem
+
+_LOG = os.environ["FANOUT_TEST_COUNT_LOG"]
+
+
+def _count(n):
+    if n:
+        fd = os.open(_LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, b"%d\\n" % n)  # O_APPEND: whole lines even with several writers
+        finally:
+            os.close(fd)
+
+
+class CountingOpener(LocalFileOpener):
+    def read(self, *args, **kwargs):
+        data = super().read(*args, **kwargs)
+        _count(len(data))
+        return data
+
+    def readinto(self, buf):
+        n = self.f.readinto(buf)
+        _count(n or 0)
+        return n
+
+
+class CountingFileSystem(LocalFileSystem):
+    protocol = ("countfile",)
+
+    def _open(self, path, mode="rb", block_size=None, **kwargs):
+        return CountingOpener(self._strip_protocol(path), mode, fs=self, **kwargs)
+
+
+fsspec.register_implementation("countfile", CountingFileSystem, clobber=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def fanout_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """9 uneven shards, ~1.3 MB: several per node and several 256 KiB chunks per shard."""
+    src = tmp_path_factory.mktemp("fanout-src") / "ds"
+    write_synthetic_dataset(
+        src,
+        SyntheticSpec(num_shards=9, samples_per_shard=24, image_bytes=6000, uneven=True, seed=5),
+    )
+    return src
+
+
+def _shards(root: Path) -> list[Path]:
+    return sorted(p.relative_to(root) for p in root.rglob("*.tar") if ".stager" not in p.parts)
+
+
+def _assert_identical(src: Path, staged: Path) -> None:
+    assert _shards(staged) == _shards(src)
+    for rel in _shards(src):
+        assert filecmp.cmp(src / rel, staged / rel, shallow=False), rel
+    assert not list(staged.rglob("*.partial"))
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Nodes:
+    """N stage-in processes that see themselves as the nodes of one Slurm job on loopback."""
+
+    def __init__(self, tmp: Path, num_nodes: int):
+        self.tmp, self.num_nodes = tmp, num_nodes
+        (tmp / "site").mkdir(exist_ok=True)
+        (tmp / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
+        self.count_log = tmp / "source-reads.log"
+        self.runs = 0
+
+    def dest(self, rank: int) -> Path:
+        return self.tmp / f"scratch-node{rank}"
+
+    def report(self, rank: int) -> dict:
+        return json.loads((self.tmp / f"report-{self.runs}-{rank}.json").read_text())
+
+    def start(
+        self, src: Path, *extra: str, ranks: list[int] | None = None, timeout_s: float = 60
+    ) -> dict[int, subprocess.Popen]:
+        self.runs += 1
+        self.count_log.write_text("")
+        port = _free_port()
+        procs = {}
+        for rank in range(self.num_nodes) if ranks is None else ranks:
+            env = clean_env(
+                SLURM_JOB_ID="4711",
+                SLURM_NODEID=str(rank),
+                SLURM_JOB_NUM_NODES=str(self.num_nodes),
+                SLURM_JOB_NODELIST="localhost",
+                SLURMD_NODENAME=f"node{rank}",
+                STAGER_FANOUT_PORT=str(port),
+                PYTHONPATH=str(self.tmp / "site"),
+                FANOUT_TEST_COUNT_LOG=str(self.count_log),
+            )
+            argv = [
+                str(BIN / "stage-in"),
+                f"countfile://{src}",
+                "--fanout",
+                "--dest",
+                str(self.dest(rank)),
+                "--quiet",
+                "--report",
+                str(self.tmp / f"report-{self.runs}-{rank}.json"),
+                "--fanout-timeout",
+                str(timeout_s),
+                *extra,
+            ]
+            procs[rank] = subprocess.Popen(
+                argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        return procs
+
+    def source_bytes_read(self) -> int:
+        return sum(int(line) for line in self.count_log.read_text().split())
+
+
+def _finish(procs: dict[int, subprocess.Popen], timeout: float = 120) -> dict[int, tuple[int, str]]:
+    out = {}
+    try:
+        for rank, proc in procs.items():
+            _, err = proc.communicate(timeout=timeout)
+            out[rank] = (proc.returncode, err)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return out
+
+
+def _total(src: Path) -> int:
+    return sum((src / rel).stat().st_size for rel in _shards(src))
+
+
+def test_three_nodes_read_the_source_once_and_end_identical(
+    fanout_dataset: Path, tmp_path: Path
+) -> None:
+    nodes = Nodes(tmp_path, 3)
+    # 64 KiB chunks: several per shard, so multi-chunk broadcasts are exercised.
+    results = _finish(
+        nodes.start(fanout_dataset, "--fanout-op-timeout", "60", "--fanout-chunk-kib", "64")
+    )
+    for rank, (code, err) in results.items():
+        assert code == 0, (rank, err)
+        assert "fan-out on" in err and "warning" not in err, err
+    total = _total(fanout_dataset)
+    assert nodes.source_bytes_read() == total  # counted by the filesystem, not by us
+    reports = [nodes.report(r) for r in range(3)]
+    assert sum(r["bytes_read_source"] for r in reports) == total
+    for rank, report in enumerate(reports):
+        _assert_identical(fanout_dataset, nodes.dest(rank) / "ds")
+        assert report["fanout"] == "on" and report["files_copied"] == 9
+        assert report["bytes_read_source"] + report["bytes_received_peers"] == total
+        assert 0 < report["bytes_read_source"] < total  # every node did a part
+    # Rerun: every node already has everything; nothing is read, nothing is sent.
+    results = _finish(nodes.start(fanout_dataset))
+    assert all(code == 0 for code, _ in results.values()), results
+    assert nodes.source_bytes_read() == 0
+    for rank in range(3):
+        report = nodes.report(rank)
+        assert (
+            report["files_skipped"],
+            report["bytes_read_source"],
+            report["bytes_received_peers"],
+        ) == (9, 0, 0)
+
+
+def test_killed_node_fails_its_peers_and_a_rerun_resumes(
+    fanout_dataset: Path, tmp_path: Path
+) -> None:
+    nodes = Nodes(tmp_path, 2)
+    # ~0.1 MB/s per node stretches the exchange to several seconds, so the kill lands mid-way.
+    procs = nodes.start(fanout_dataset, "--bw-limit", "0.1", "--fanout-op-timeout", "60")
+    victim = nodes.dest(1) / "ds"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and (not victim.exists() or len(_shards(victim)) < 2):
+        assert procs[0].poll() is None and procs[1].poll() is None, _finish(procs)
+        time.sleep(0.05)
+    staged_before_kill = len(_shards(victim))
+    assert 2 <= staged_before_kill < 9, "the kill must land mid-fan-out"
+    procs[1].send_signal(signal.SIGKILL)
+    results = _finish(procs)
+    code, err = results[0]
+    assert code == 10, err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(lines) == 1 and "fan-out failed" in lines[0] and "rerun" in lines[0], err
+    read_first = nodes.source_bytes_read()
+    # The rerun keeps every verified shard of both nodes and reads only what nobody has.
+    results = _finish(nodes.start(fanout_dataset))
+    assert all(code == 0 for code, _ in results.values()), results
+    total = _total(fanout_dataset)
+    held = sum(nodes.report(r)["files_skipped"] for r in range(2))
+    assert held >= staged_before_kill
+    assert nodes.source_bytes_read() < total
+    assert nodes.source_bytes_read() + read_first >= total
+    for rank in range(2):
+        _assert_identical(fanout_dataset, nodes.dest(rank) / "ds")
+
+
+def test_group_that_cannot_form_falls_back_with_one_warning(
+    fanout_dataset: Path, tmp_path: Path
+) -> None:
+    nodes = Nodes(tmp_path, 2)
+    # Node 1 starts alone: the rendezvous host never answers, so it copies everything itself.
+    results = _finish(nodes.start(fanout_dataset, ranks=[1], timeout_s=2))
+    code, err = results[1]
+    assert code == 0, err
+    warnings = [line for line in err.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "falling back to plain per-node copying" in warnings[0], err
+    assert nodes.report(1)["fanout"] == "fallback"
+    assert nodes.source_bytes_read() == _total(fanout_dataset)
+    _assert_identical(fanout_dataset, nodes.dest(1) / "ds")
