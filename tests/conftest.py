@@ -46,3 +46,19 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120,
     return subprocess.run(
         [str(BIN / args[0]), *args[1:]], env=env or clean_env(), capture_output=True, text=True, timeout=timeout, **kw
     )
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A real Slurm cluster (munged, slurmctld, 2 slurmd nodes with private /scratch), per session.
+
+    Started on first use by a ``slurm``-marked test and torn down by PID at the end of the
+    session; see tests/cluster/cluster.py. Skips only where the machine cannot run it.
+    """
+    from .cluster.cluster import SlurmCluster, cannot_run_reason
+
+    reason = cannot_run_reason()
+    if reason:
+        pytest.skip(reason)
+    with SlurmCluster(num_nodes=int(os.environ.get("STAGER_TEST_SLURM_NODES", "2"))) as cluster:
+        yield cluster

@@ -62,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         print("3/3 loading from node-local scratch with ShardedLoader", flush=True)
         from loaders import ShardedLoader
 
-        loader = ShardedLoader(str(source), batch_size=32, num_workers=2, shuffle=True, seed=0, to_tuple=("npy", "cls"))
+        loader = ShardedLoader(
+            str(source), batch_size=32, num_workers=2, shuffle=True, seed=0, decode="torchrgb", to_tuple=("npy", "cls")
+        )
         print(f"    {len(loader)} batches per epoch on this rank")
         loader.set_epoch(0)
         for step, (images, labels) in enumerate(loader):

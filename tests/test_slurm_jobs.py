@@ -1,0 +1,200 @@
+"""The sbatch templates in jobs/, unmodified, on the real test cluster.
+
+Three jobs run at once to keep the tier short: an uninterrupted 2-node run (the reference),
+the same run interrupted by USR1 (stage out, requeue, restore, finish), and the single-node
+template with the torchrun launcher. Paths carry spaces and a quote on purpose.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from stager.synth import SyntheticSpec, write_synthetic_dataset
+
+pytestmark = pytest.mark.slurm
+
+JOBS = Path(__file__).resolve().parent.parent / "jobs"
+STEPS = 40
+# 160 samples, 2 ranks, batch 8: 10 batches per rank per epoch, so 40 steps span 4 epochs.
+TRAIN = f"--steps {STEPS} --ckpt-every 10 --keep-local 10 --batch-size 8 --workers 1 --log-every 10"
+# Submission options that shrink the templates' GPU-sized defaults to the 2-core machine.
+TWO_NODES = ("--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--gres=gpu:1")
+
+
+@dataclass(frozen=True)
+class Job:
+    job_id: str
+    output: Path
+    ckpt_dest: Path
+    key_log: Path
+
+    def text(self) -> str:
+        return self.output.read_text(errors="replace") if self.output.exists() else ""
+
+
+def _submit(
+    cluster,
+    name: str,
+    template: str,
+    data: Path,
+    sbatch_args: tuple[str, ...],
+    train_args: str,
+    **env: str,
+) -> Job:
+    base = cluster.shared_dir / "jobs" / f"{name} it's"
+    base.mkdir(parents=True)
+    job_env = {
+        "DATA_SRC": str(data),
+        "CKPT_DEST": str(base / "ckpt dest"),
+        "TRAIN_SCRIPT": str(JOBS / "examples" / "train.py"),
+        "TRAIN_ARGS": f"{train_args} --key-log {shlex.quote(str(base / 'keys'))}",
+        **env,
+    }
+    output = base / "job.out"
+    job_id = cluster.sbatch(
+        JOBS / template, *sbatch_args, f"--output={output}", f"--job-name={name}", env=job_env
+    )
+    return Job(job_id, output, base / "ckpt dest", base / "keys")
+
+
+@pytest.fixture(scope="module")
+def jobs(slurm_cluster) -> dict[str, Job]:
+    data = slurm_cluster.shared_dir / "datasets" / "train set"
+    write_synthetic_dataset(
+        data, SyntheticSpec(num_shards=4, samples_per_shard=40, image_bytes=300, seed=5)
+    )
+    return {
+        "reference": _submit(
+            slurm_cluster, "reference", "train-multi-node.sbatch", data, TWO_NODES, TRAIN
+        ),
+        # Slowed down so that USR1 lands mid-training.
+        "signalled": _submit(
+            slurm_cluster,
+            "signalled",
+            "train-multi-node.sbatch",
+            data,
+            TWO_NODES,
+            f"{TRAIN} --step-sleep-s 0.3",
+        ),
+        "torchrun": _submit(
+            slurm_cluster,
+            "torchrun",
+            "train-single-node.sbatch",
+            data,
+            ("--ntasks-per-node=1", "--cpus-per-task=2", "--gres=gpu:2"),
+            TRAIN.replace(f"--steps {STEPS}", "--steps 20"),
+            LAUNCHER="torchrun",
+        ),
+    }
+
+
+def _wait_done(cluster, job: Job, timeout_s: float = 240) -> dict[str, str]:
+    record = cluster.wait_job(job.job_id, timeout_s=timeout_s, output=job.output)
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", (record, job.text())
+    return record
+
+
+def _key_log(job: Job, rank: int) -> list[tuple[int, str]]:
+    """(step, keys of that step's batch) in the order the rank logged them."""
+    lines = (job.key_log / f"rank-{rank}.keys").read_text().splitlines()
+    return [(int(step), keys) for step, keys in (line.split(" ", 1) for line in lines)]
+
+
+def _digest(text: str) -> str:
+    found = re.findall(r"done at step (\d+), model (\w+)", text)
+    assert found, text
+    return found[-1][1]
+
+
+def test_two_node_job_stages_in_per_node_trains_and_stages_out(slurm_cluster, jobs) -> None:
+    job = jobs["reference"]
+    _wait_done(slurm_cluster, job)
+    text = job.text()
+    for node in ("node1", "node2"):
+        assert f"[{node}] stage-in: 4 files, 4 copied" in text, text
+        staged = slurm_cluster.scratch(node) / job.job_id / "train set"
+        assert len(list(staged.glob("*.tar"))) == 4  # --subset all: every shard on every node
+    assert "train: rank 0 of 2, backend gloo" in text
+    assert f"done at step {STEPS}" in text
+    # The final checkpoint is committed on the shared filesystem.
+    assert (job.ckpt_dest / f"step-{STEPS:08d}" / "state.pt").is_file()
+    assert f"stage-out: committed step-{STEPS:08d}" in text
+    # DDP over 2 ranks reading disjoint samples: the first epoch covers all 160 samples once.
+    first_epoch = [
+        k
+        for rank in (0, 1)
+        for step, keys in _key_log(job, rank)
+        if step <= 10
+        for k in keys.split()
+    ]
+    assert len(first_epoch) == 160 and len(set(first_epoch)) == 160
+
+
+def test_usr1_stages_out_requeues_and_resumes_exactly(slurm_cluster, jobs) -> None:
+    job, reference = jobs["signalled"], jobs["reference"]
+    deadline = time.monotonic() + 180
+    while "checkpoints/step-00000010" not in job.text():
+        assert time.monotonic() < deadline, f"no first checkpoint in time:\n{job.text()}"
+        assert slurm_cluster.job(job.job_id).get("JobState") in ("PENDING", "RUNNING"), job.text()
+        time.sleep(0.3)
+    slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job.job_id])
+
+    # The trap requeues the job; the cluster's cred_expire (15 s) holds it back that long.
+    record = _wait_done(slurm_cluster, job)
+    assert record["Restarts"] == "1"
+
+    text = job.text()
+    stopped = re.search(r"stopped by signal 10 at step (\d+)", text)
+    assert stopped, text
+    k = int(stopped.group(1))
+    assert 10 <= k < STEPS
+    name = f"step-{k:08d}"
+    assert f"stage-out: committed {name}" in text
+    assert re.search(rf"restored checkpoint: /scratch/{job.job_id}/restore/{name}\b", text), text
+    assert f"resumed from /scratch/{job.job_id}/restore/{name} at step {k}" in text
+    assert (job.ckpt_dest / name).is_dir() and (job.ckpt_dest / f"step-{STEPS:08d}").is_dir()
+
+    _wait_done(slurm_cluster, reference)
+    for rank in (0, 1):
+        interrupted = _key_log(job, rank)
+        # The step count continues exactly: 1..k in the first run, k+1..STEPS after the restore.
+        assert [step for step, _ in interrupted] == list(range(1, STEPS + 1))
+        # ...and so do the samples: the same batches, in the same order, as the uninterrupted run.
+        assert interrupted == _key_log(reference, rank)
+    assert _digest(text) == _digest(reference.text())
+
+
+def test_single_node_template_with_torchrun(slurm_cluster, jobs) -> None:
+    job, reference = jobs["torchrun"], jobs["reference"]
+    _wait_done(slurm_cluster, job)
+    text = job.text()
+    assert "launcher torchrun" in text and "train: rank 0 of 2, backend gloo" in text
+    assert (
+        "[node1] stage-in: 4 files, 4 copied" in text
+        or "[node2] stage-in: 4 files, 4 copied" in text
+    )
+    assert (job.ckpt_dest / "step-00000020" / "state.pt").is_file()
+    # Same world size, data and seed as the srun-launched reference: the same model at step 20.
+    _wait_done(slurm_cluster, reference)
+    ref_node = next(
+        n
+        for n in slurm_cluster.node_names
+        if (slurm_cluster.scratch(n) / reference.job_id / "checkpoints").is_dir()
+    )
+    ref_meta = json.loads(
+        (
+            slurm_cluster.scratch(ref_node)
+            / reference.job_id
+            / "checkpoints"
+            / "step-00000020"
+            / "meta.json"
+        ).read_text()
+    )
+    assert _digest(text) == ref_meta["digest"]
