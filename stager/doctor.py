@@ -170,17 +170,26 @@ def probe_loader(dataset: str, workers: Sequence[int], *, seconds: float = 3.0, 
     rates: dict[int, float] = {}
     bytes_per_sample = 0.0
     for count in workers:
-        loader = ShardedLoader(dataset, batch_size=batch_size, num_workers=count, shuffle=True, decode=None, to_tuple=None)
-        samples, nbytes = 0, 0
-        started = time.perf_counter()
-        for batch in loader:
-            keys = batch["__key__"]
-            samples += len(keys)
-            for name, value in batch.items():
-                if not name.startswith("__"):
-                    nbytes += sum(len(v) for v in value) if isinstance(value, list) else int(value.numel())
-            if time.perf_counter() - started > seconds:
-                break
+        loader = ShardedLoader(
+            dataset, batch_size=batch_size, num_workers=count, shuffle=True, decode=None, to_tuple=None,
+            persistent_workers=count > 0,
+        )
+        samples, nbytes, epoch = 0, 0, 0
+        started = None  # the clock starts at the first batch: worker start-up is not throughput
+        while started is None or time.perf_counter() - started < seconds:
+            loader.set_epoch(epoch)
+            for batch in loader:
+                if started is None:
+                    started = time.perf_counter()
+                    continue
+                keys = batch["__key__"]
+                samples += len(keys)
+                for name, value in batch.items():
+                    if not name.startswith("__"):
+                        nbytes += sum(len(v) for v in value) if isinstance(value, list) else int(value.numel())
+                if time.perf_counter() - started > seconds:
+                    break
+            epoch += 1
         elapsed = time.perf_counter() - started
         rates[count] = samples / elapsed if elapsed > 0 else 0.0
         bytes_per_sample = nbytes / samples if samples else 0.0
