@@ -10,6 +10,7 @@ parent directory for a brace pattern or a list.
 from __future__ import annotations
 
 import itertools
+import os
 import posixpath
 import re
 from collections.abc import Iterable
@@ -103,6 +104,25 @@ def pattern_size_bound(spec: str) -> int:
         if bound > 10 * MAX_PATTERN_SHARDS:
             return bound
         text = text[: match.start()] + "x" + text[match.end() :]
+
+
+def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return protocol in ("file", "local")
+
+
+def _walk_local(root: str) -> list[str]:
+    """Shard file names under ``root``, sorted, from directory reads only (no stat per file)."""
+    found, pending = [], [root]
+    while pending:
+        directory = pending.pop()
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append(entry.path)
+                elif is_shard_name(entry.name):
+                    found.append(entry.path)
+    return sorted(found)
 
 
 def _has_glob(text: str) -> bool:
@@ -242,11 +262,21 @@ def resolve_source(
         root = posixpath.dirname(path)
         shard = SourceShard(_display(fs, path), path, safe_relpath(posixpath.basename(path)), int(info.get("size") or 0))
         return SourceSet(fs, spec, name or _basename(root), (shard,))
+    root = path.rstrip("/")
+    if _is_local(fs):
+        # NFS answers each stat with a round trip: list names (readdir) serially, stat in parallel.
+        try:
+            names = _walk_local(root)
+        except OSError as exc:
+            raise _translate(exc, spec) from exc
+        result = _from_paths(fs, names, root, name, jobs, spec)
+        if not result.shards:
+            raise SourceError(f"no shards (*.tar, *.tgz, *.tar.gz) under {spec}; check the directory")
+        return result
     try:
         found = fs.find(path, detail=True)
     except Exception as exc:  # noqa: BLE001 - translated at this boundary
         raise _translate(exc, spec) from exc
-    root = path.rstrip("/")
     shards = tuple(
         SourceShard(_display(fs, p), p, safe_relpath(posixpath.relpath(p, root)), int(info.get("size") or 0))
         for p, info in sorted(found.items())
