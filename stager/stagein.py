@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TextIO
 
 from . import tarindex
-from .copy import DEFAULT_BLOCK_BYTES, copy_file
+from .copy import DEFAULT_BLOCK_BYTES, CopyResult, copy_file
 from .dest import ensure_private_dir
 from .errors import (
     EXIT_INTEGRITY,
@@ -52,6 +52,7 @@ from .retry import RetryPolicy, call_with_retries
 from .slurm import SlurmEnv
 from .sources import SourceSet, SourceShard
 from .streams import StreamController
+from .tarcount import TarSampleCounter
 from .throttle import Throttle
 
 __all__ = ["StageInOptions", "stage_in", "staged_manifest_path", "STAGED_META_DIR", "jitter_s"]
@@ -394,15 +395,22 @@ def _copy_all(
         else:
             streams.acquire()
             result = None
-            try:
-                result = call_with_retries(
-                    lambda: copy_file(
-                        source.fs, shard.path, final, url=shard.url, expected_size=size, expected_hash=want_hash,
-                        block_bytes=options.block_bytes, throttle=throttle, on_bytes=on_bytes, fsync=options.fsync,
-                    ),
-                    options.retry,
-                    on_retry=on_retry,
+            count_in_flight = (
+                options.count_samples and known_samples.get(shard.relpath) is None and final.name.endswith(".tar")
+            )
+            counter: TarSampleCounter | None = None
+
+            def attempt() -> CopyResult:
+                nonlocal counter
+                counter = TarSampleCounter() if count_in_flight else None  # fresh per attempt
+                return copy_file(
+                    source.fs, shard.path, final, url=shard.url, expected_size=size, expected_hash=want_hash,
+                    block_bytes=options.block_bytes, throttle=throttle, on_bytes=on_bytes,
+                    inspect=counter.feed if counter is not None else None, fsync=options.fsync,
                 )
+
+            try:
+                result = call_with_retries(attempt, options.retry, on_retry=on_retry)
             except ScratchFull as exc:
                 stop.set()
                 failure = ShardFailure(shard.url, _one_line(exc))
@@ -414,8 +422,10 @@ def _copy_all(
                 streams.release(result.first_byte_s if result else None, result.seconds if result else None)
             if result is not None:
                 samples = known_samples.get(shard.relpath)
+                if samples is None and counter is not None:
+                    samples = counter.samples
                 if samples is None and options.count_samples:
-                    samples = _count(final, log)
+                    samples = _count(final, log)  # compressed, or odd enough that the stream parser gave up
                 entry = ManifestEntry(shard.relpath, result.size, result.hash, samples)
                 with lock:
                     entries[shard.relpath] = entry

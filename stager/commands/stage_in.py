@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     if args.bw_limit is not None and args.bw_limit <= 0:
         raise UsageError("--bw-limit must be a positive number of MB/s")
     slurm = SlurmEnv.from_environ()
-    source = resolve_source(args.source, from_list=args.from_list, name=args.name, jobs=min(args.jobs, 16))
+    source = resolve_source(args.source, from_list=args.from_list, name=args.name, jobs=args.jobs)
     options = StageInOptions(
         dest_root=resolve_dest_root(args.dest, slurm=slurm),
         name=args.name,
