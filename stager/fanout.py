@@ -21,7 +21,6 @@ shards stay, so a rerun resumes and reads from the source only what no node hold
 
 from __future__ import annotations
 
-import argparse
 import sys
 import threading
 import time
@@ -74,65 +73,7 @@ __all__ = [
     "FanoutOptions",
     "FanoutError",
     "GroupUnavailable",
-    "add_fanout_arguments",
-    "fanout_options_from_args",
 ]
-
-
-def add_fanout_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``--fanout*`` flags of ``stage-in``."""
-    parser.add_argument(
-        "--fanout",
-        action="store_true",
-        help="replicated staging that reads the source once in total: the node tasks (srun --ntasks-per-node=1) "
-        "form a gloo group, each reads its part and broadcasts it to the others",
-    )
-    parser.add_argument(
-        "--fanout-host",
-        metavar="HOST",
-        help="rendezvous host (default: $STAGER_FANOUT_HOST, else the job's first node)",
-    )
-    parser.add_argument(
-        "--fanout-port",
-        type=int,
-        metavar="PORT",
-        help="rendezvous TCP port (default: $STAGER_FANOUT_PORT, else derived from the job id)",
-    )
-    parser.add_argument(
-        "--fanout-timeout",
-        type=float,
-        default=120.0,
-        metavar="S",
-        help="seconds to wait for all nodes to join; then fall back to plain copying with a warning (default 120)",
-    )
-    parser.add_argument(
-        "--fanout-op-timeout",
-        type=float,
-        default=900.0,
-        metavar="S",
-        help="seconds one exchange step may wait for a peer (longer than one shard's source read; default 900)",
-    )
-    parser.add_argument(
-        "--fanout-chunk-kib",
-        type=int,
-        default=FanoutOptions.chunk_bytes >> 10,
-        metavar="KIB",
-        help=f"size of one broadcast message in KiB (default {FanoutOptions.chunk_bytes >> 10})",
-    )
-
-
-def fanout_options_from_args(args: argparse.Namespace) -> FanoutOptions:
-    if args.fanout_timeout <= 0 or args.fanout_op_timeout <= 0:
-        raise UsageError("--fanout-timeout and --fanout-op-timeout must be positive seconds")
-    if not 1 <= args.fanout_chunk_kib <= 1 << 20:
-        raise UsageError("--fanout-chunk-kib must be between 1 and 1048576")
-    return FanoutOptions(
-        host=args.fanout_host,
-        port=args.fanout_port,
-        form_timeout_s=args.fanout_timeout,
-        op_timeout_s=args.fanout_op_timeout,
-        chunk_bytes=args.fanout_chunk_kib << 10,
-    )
 
 
 def node_label(slurm: SlurmEnv, rank: int) -> str:

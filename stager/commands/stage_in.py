@@ -8,7 +8,7 @@ import sys
 
 from ..dest import resolve_dest_root
 from ..errors import UsageError
-from ..fanout import add_fanout_arguments, fanout_options_from_args, fanout_stage_in
+from ..fanout_group import FanoutOptions
 from ..retry import RetryPolicy
 from ..slurm import SlurmEnv
 from ..sources import resolve_source
@@ -115,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--fanout replicates the whole dataset on every node; it needs --subset all")
     try:
         if args.fanout:
+            from ..fanout import fanout_stage_in  # numpy and, later, torch: only when asked for
+
             report = fanout_stage_in(source, options, fanout_options_from_args(args), slurm=slurm)
         else:
             report = stage_in(source, options, slurm=slurm, select=select)
@@ -140,3 +142,59 @@ def _restore(args: argparse.Namespace) -> int:
     path = restore_checkpoint(args.checkpoint, resolve_dest_root(args.dest))
     print(os.path.abspath(path), flush=True)
     return 0
+
+
+def add_fanout_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``--fanout*`` flags of ``stage-in``."""
+    parser.add_argument(
+        "--fanout",
+        action="store_true",
+        help="replicated staging that reads the source once in total: the node tasks (srun --ntasks-per-node=1) "
+        "form a gloo group, each reads its part and broadcasts it to the others",
+    )
+    parser.add_argument(
+        "--fanout-host",
+        metavar="HOST",
+        help="rendezvous host (default: $STAGER_FANOUT_HOST, else the job's first node)",
+    )
+    parser.add_argument(
+        "--fanout-port",
+        type=int,
+        metavar="PORT",
+        help="rendezvous TCP port (default: $STAGER_FANOUT_PORT, else derived from the job id)",
+    )
+    parser.add_argument(
+        "--fanout-timeout",
+        type=float,
+        default=120.0,
+        metavar="S",
+        help="seconds to wait for all nodes to join; then fall back to plain copying with a warning (default 120)",
+    )
+    parser.add_argument(
+        "--fanout-op-timeout",
+        type=float,
+        default=900.0,
+        metavar="S",
+        help="seconds one exchange step may wait for a peer (longer than one shard's source read; default 900)",
+    )
+    parser.add_argument(
+        "--fanout-chunk-kib",
+        type=int,
+        default=FanoutOptions.chunk_bytes >> 10,
+        metavar="KIB",
+        help=f"size of one broadcast message in KiB (default {FanoutOptions.chunk_bytes >> 10})",
+    )
+
+
+def fanout_options_from_args(args: argparse.Namespace) -> FanoutOptions:
+    if args.fanout_timeout <= 0 or args.fanout_op_timeout <= 0:
+        raise UsageError("--fanout-timeout and --fanout-op-timeout must be positive seconds")
+    if not 1 <= args.fanout_chunk_kib <= 1 << 20:
+        raise UsageError("--fanout-chunk-kib must be between 1 and 1048576")
+    return FanoutOptions(
+        host=args.fanout_host,
+        port=args.fanout_port,
+        form_timeout_s=args.fanout_timeout,
+        op_timeout_s=args.fanout_op_timeout,
+        chunk_bytes=args.fanout_chunk_kib << 10,
+    )
