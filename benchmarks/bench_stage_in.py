@@ -32,7 +32,8 @@ SIZES = {
 }
 
 
-def _drop_caches() -> bool:
+def drop_caches() -> bool:
+    """Drop the page cache (cold condition); False when we may not (not root)."""
     if os.geteuid() != 0:
         return False
     subprocess.run(["sync"], check=True)
@@ -43,23 +44,43 @@ def _drop_caches() -> bool:
     return True
 
 
-def _tools(jobs: int) -> dict[str, list[str] | None]:
-    """Command templates; SRC and DST are substituted. None when the tool is missing."""
-    tools: dict[str, list[str] | None] = {
+def tool_commands(*, transfers: int = 8, stage_in_flags: tuple[str, ...] = ("--quiet",)) -> dict[str, list[str]]:
+    """Command templates of the tools that are installed; SRC and DST are substituted.
+
+    stage-in copies SRC into DST/<basename of SRC>; the others copy SRC to DST, so callers pass
+    DST/<basename> to them (see :func:`target_for`).
+    """
+    tools: dict[str, list[str]] = {
         "cp -r": ["cp", "-r", "SRC", "DST"],
-        "stage-in": [str(BIN / "stage-in"), "SRC", "--dest", "DST", "--quiet", "--jobs", str(jobs), "--no-count"],
+        "stage-in": [str(BIN / "stage-in"), "SRC", "--dest", "DST", *stage_in_flags],
         "rsync -a": ["rsync", "-a", "SRC/", "DST/"],
-        f"rclone --transfers {jobs}": ["rclone", "copy", "--transfers", str(jobs), "SRC", "DST"],
+        f"rclone --transfers {transfers}": ["rclone", "copy", "--transfers", str(transfers), "SRC", "DST"],
     }
-    return {name: cmd if shutil.which(cmd[0]) or cmd[0].startswith("/") else None for name, cmd in tools.items()}
+    return {name: cmd for name, cmd in tools.items() if shutil.which(cmd[0]) or cmd[0].startswith("/")}
 
 
-def _run(cmd: list[str], src: Path, dst: Path) -> float:
+def _tools(jobs: int) -> dict[str, list[str] | None]:
+    return dict(tool_commands(transfers=jobs, stage_in_flags=("--quiet", "--jobs", str(jobs), "--no-count")))
+
+
+def target_for(tool: str, dst: Path, name: str) -> Path:
+    """Where a tool is pointed so that every tool leaves the copy at ``dst / name``."""
+    return dst if tool.startswith("stage-in") else dst / name
+
+
+def run_tool(cmd: list[str], src: Path, dst: Path, timeout_s: float | None = None) -> float:
+    """Run one copy and return its wall time in seconds (startup included, as a user sees it)."""
     argv = [a.replace("SRC", str(src)).replace("DST", str(dst)) for a in cmd]
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     start = time.perf_counter()
-    subprocess.run(argv, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    done = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=timeout_s)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} exited {done.returncode}: {done.stderr.decode(errors='replace')[-1500:]}")
     return time.perf_counter() - start
+
+
+_run = run_tool
+_drop_caches = drop_caches
 
 
 def bench(size: str, repeats: int, jobs: int, workdir: Path) -> list[dict]:
@@ -77,7 +98,7 @@ def bench(size: str, repeats: int, jobs: int, workdir: Path) -> list[dict]:
                 dst = workdir / "dst"
                 shutil.rmtree(dst, ignore_errors=True)
                 dst.mkdir()
-                target = dst if name == "stage-in" else dst / "ds"
+                target = target_for(name, dst, "ds")
                 cold = _drop_caches() and cold
                 times[name].append(_run(cmd, src, target))
         base = statistics.median(times["cp -r"])
