@@ -39,8 +39,8 @@ class LoaderMetrics:
     steps: int = 0
     samples: int = 0
     wait_s: float = 0.0
-    _started: float | None = None
-    _recent: deque = field(default_factory=deque)  # (wait_s, samples, at)
+    _started: float | None = field(default=None, init=False, repr=False)
+    _recent: deque = field(default_factory=deque, init=False, repr=False)  # (wait_s, samples, at)
 
     def start_epoch(self) -> None:
         if self._started is None:
