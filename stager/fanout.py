@@ -30,8 +30,7 @@ from typing import TextIO
 
 import numpy
 
-from .dest import ensure_private_dir
-from .errors import ScratchFull, ShardFailure, ShardsFailed, UsageError, exit_code_for
+from .errors import ScratchFull, ShardFailure, ShardsFailed, UsageError
 from .fanout_exchange import ExchangeShard, run_exchange
 from .fanout_group import (
     FanoutError,
@@ -42,9 +41,8 @@ from .fanout_group import (
     resolve_endpoint,
 )
 from .fanout_plan import plan_fanout, shard_list_digest
-from .lock import NodeLock
 from .manifest import Manifest, ManifestEntry
-from .paths import safe_join, safe_relpath
+from .paths import safe_join
 from .progress import Progress
 from .report import StageInReport
 from .slurm import SlurmEnv
@@ -54,7 +52,6 @@ from .sources import SourceSet
 # the two paths' skip/verify/adopt semantics identical.
 from .stagein import (
     StageInOptions,
-    _adopt,
     _clean_partials,
     _count,
     _load_manifest,
@@ -63,7 +60,8 @@ from .stagein import (
     _preflight,
     _read_previous,
     _run,
-    _write_result,
+    attach_report,
+    run_once_per_node,
     stage_in,
     staged_manifest_path,
 )
@@ -105,24 +103,11 @@ def fanout_stage_in(
             f"SLURM_NODEID={slurm.node_id} is outside 0..{slurm.num_nodes - 1}; run under srun"
         )
     log = options.log or sys.stderr
-    name = safe_relpath(options.name or source.name)
-    if "/" in name:
-        raise UsageError(f"dataset name {name!r} must not contain '/'")
     host, port = resolve_endpoint(slurm, fanout, env)
-    root = ensure_private_dir(options.dest_root)
-    dataset_dir = ensure_private_dir(root / name)
-    result_path = root / f".stager-{name}.result.json"
-    wait_started = time.time()
-    # The same lock and result file as plain stage-in: the two exclude each other on a node.
-    with NodeLock(root / f".stager-{name}.lock", timeout_s=options.lock_timeout_s) as lock:
-        if lock.contended:
-            adopted = _adopt(result_path, wait_started)
-            if adopted is not None:
-                return adopted
+
+    def work(dataset_dir: Path) -> StageInReport:
         # torch takes seconds to import: do it while this node plans and verifies its shards.
-        threading.Thread(
-            target=_import_torch_distributed, name="fanout-import", daemon=True
-        ).start()
+        threading.Thread(target=_import_torch_distributed, name="fanout-import", daemon=True).start()
         report = _new_report(slurm, dataset_dir, source, options, "on")
         try:
             try:
@@ -137,13 +122,12 @@ def fanout_stage_in(
                 report = _new_report(slurm, dataset_dir, source, options, "fallback")
                 _run(source, options, slurm, None, dataset_dir, report, log)
         except BaseException as exc:
-            report.exit_code = exit_code_for(exc)
-            _write_result(result_path, report, _one_line(exc))
-            if hasattr(exc, "exit_code"):
-                exc.report = report  # type: ignore[attr-defined]
+            attach_report(exc, report)
             raise
-        _write_result(result_path, report, "")
         return report
+
+    # The same lock and result file as plain stage-in: the two exclude each other on a node.
+    return run_once_per_node(source, options, work)
 
 
 def _import_torch_distributed() -> None:

@@ -55,7 +55,15 @@ from .streams import StreamController
 from .tarcount import TarSampleCounter
 from .throttle import Throttle
 
-__all__ = ["StageInOptions", "stage_in", "staged_manifest_path", "STAGED_META_DIR", "jitter_s"]
+__all__ = [
+    "StageInOptions",
+    "stage_in",
+    "staged_manifest_path",
+    "STAGED_META_DIR",
+    "jitter_s",
+    "run_once_per_node",
+    "attach_report",
+]
 
 STAGED_META_DIR = ".stager"
 
@@ -234,6 +242,38 @@ def stage_in(
     """
     slurm = slurm or SlurmEnv.from_environ()
     log = options.log or sys.stderr
+
+    def work(dataset_dir: Path) -> StageInReport:
+        report = StageInReport(
+            node=slurm.node_name, job_id=slurm.job_id, dataset_dir=str(dataset_dir), source=source.root_url,
+            subset=options.subset,
+        )
+        try:
+            _run(source, options, slurm, select, dataset_dir, report, log)
+        except BaseException as exc:
+            attach_report(exc, report)
+            raise
+        return report
+
+    return run_once_per_node(source, options, work)
+
+
+def attach_report(exc: BaseException, report: StageInReport) -> None:
+    """Let the caller (the CLI, waiting tasks) see what was done before ``exc`` stopped it."""
+    exc.report = report  # type: ignore[attr-defined]
+
+
+def run_once_per_node(
+    source: SourceSet, options: StageInOptions, work: Callable[[Path], StageInReport]
+) -> StageInReport:
+    """Run ``work(dataset_dir)`` as this node's only copier; tasks that waited adopt its result.
+
+    The first task to take the node lock does the work and publishes its report (or its
+    failure) beside the lock; a task that found the lock held waits, then returns that result or
+    re-raises that failure with the same exit code. If the holder died without a fresh result
+    (``kill -9``), the waiter does the work itself, which skips whatever is already staged.
+    ``work`` attaches its report to any exception it raises (:func:`attach_report`).
+    """
     name = safe_relpath(options.name or source.name)
     if "/" in name:
         raise UsageError(f"dataset name {name!r} must not contain '/'")
@@ -246,17 +286,13 @@ def stage_in(
             adopted = _adopt(result_path, wait_started)
             if adopted is not None:
                 return adopted
-        report = StageInReport(
-            node=slurm.node_name, job_id=slurm.job_id, dataset_dir=str(dataset_dir), source=source.root_url,
-            subset=options.subset,
-        )
         try:
-            _run(source, options, slurm, select, dataset_dir, report, log)
+            report = work(dataset_dir)
         except BaseException as exc:
-            report.exit_code = exit_code_for(exc)
-            _write_result(result_path, report, _one_line(exc))
-            if isinstance(exc, StagerError):
-                exc.report = report  # type: ignore[attr-defined]
+            failed: StageInReport | None = getattr(exc, "report", None)
+            if failed is not None:
+                failed.exit_code = exit_code_for(exc)
+                _write_result(result_path, failed, _one_line(exc))
             raise
         _write_result(result_path, report, "")
         return report
