@@ -13,7 +13,7 @@ want_test=0
 
 if [[ $want_test == 1 ]] && [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
     need=()
-    for pkg in munge slurmctld slurmd slurm-client rsync util-linux iproute2 procps; do
+    for pkg in munge slurmctld slurmd slurm-client rsync util-linux iproute2 procps shellcheck; do
         dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || need+=("$pkg")
     done
     if (( ${#need[@]} )); then
