@@ -340,6 +340,15 @@ def _run(
     shards = list(select(source) if select is not None else source.shards)
     manifest = _load_manifest(source, options)
     expected = manifest.by_relpath() if manifest is not None else {}
+    if manifest is not None:
+        unlisted = [s.relpath for s in shards if s.relpath not in expected]
+        if unlisted:
+            print(
+                f"[{slurm.node_name}] warning: {len(unlisted)} shard(s) are not in the manifest (first: {unlisted[0]}); "
+                "they are verified by size only. Re-run `stager index` if the dataset changed",
+                file=log,
+                flush=True,
+            )
     _clean_partials(dataset_dir)
     plan = _plan(shards, dataset_dir, expected, _read_previous(dataset_dir), options, log)
     report.files_total = len(shards) + len(source.missing)

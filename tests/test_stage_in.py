@@ -233,3 +233,13 @@ def test_destination_resolution_order(tmp_path: Path) -> None:
 def test_runaway_brace_pattern_is_refused_without_expanding(tmp_path: Path) -> None:
     result = run_cli("stage-in", "/nfs/x-{0..99999999999}-{0..99999}.tar", "--dest", str(tmp_path), timeout=20)
     assert result.returncode == EXIT_USAGE and "expands to more than" in result.stderr
+
+
+def test_shards_missing_from_the_manifest_are_staged_with_a_warning(dataset_copy: Path, tmp_path: Path) -> None:
+    assert run_cli("stager", "index", str(dataset_copy)).returncode == 0
+    write_synthetic_dataset(dataset_copy, SyntheticSpec(num_shards=1, samples_per_shard=3, prefix="extra"))
+    result = run_cli("stage-in", str(dataset_copy), "--dest", str(tmp_path / "s"))
+    assert result.returncode == 0, result.stderr
+    warning = [line for line in result.stderr.splitlines() if "not in the manifest" in line]
+    assert len(warning) == 1 and "1 shard(s)" in warning[0] and "extra-000000.tar" in warning[0]
+    assert (tmp_path / "s" / "ds" / "extra-000000.tar").is_file()
