@@ -31,7 +31,7 @@ from pathlib import Path
 from . import bench_latency, bench_sshfs, bench_stage_in
 
 REPO = Path(__file__).resolve().parent.parent
-EXTERNAL = ("bench_loader", "bench_fanout", "bench_subset_bytes")  # by others: subprocesses, if present
+EXTERNAL = ("bench_loader", "bench_fanout", "bench_subset_bytes", "bench_startup")  # by others: subprocesses, if present
 EXTERNAL_TIMEOUT_S = 900
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import shutil
 import subprocess
@@ -301,3 +302,26 @@ def test_memory_does_not_grow_across_epochs(small_dataset: Path, tmp_path: Path)
         for _ in loader:
             pass
     assert rss_bytes() - before < 8 << 20, "RSS grew across epochs"
+
+
+def test_dataset_index_is_cached_in_one_file_and_rebuilt_on_change(dataset_copy: Path, tmp_path: Path, monkeypatch) -> None:
+    dest = tmp_path / "scratch"
+    staged = stage(dataset_copy, dest)
+    first = ShardedLoader(dataset_copy, batch_size=16, to_tuple=("__key__",), options=LoaderOptions(dest=str(dest)))
+    assert (staged / ".stager" / "index" / "dataset.flat.npz").is_file()
+
+    import loaders.index as index_module
+
+    def no_header_walk(*args, **kwargs):
+        raise AssertionError("the dataset index should have come from its one-file cache")
+
+    monkeypatch.setattr(index_module, "cached_index", no_header_walk)
+    again = ShardedLoader(dataset_copy, batch_size=16, to_tuple=("__key__",), options=LoaderOptions(dest=str(dest)))
+    assert keys_of(again) == keys_of(first)
+
+    monkeypatch.undo()
+    shard = sorted(staged.glob("*.tar"))[0]
+    os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))  # a changed shard
+    monkeypatch.setattr(index_module, "cached_index", no_header_walk)
+    with pytest.raises(AssertionError, match="one-file cache"):
+        ShardedLoader(dataset_copy, batch_size=16, to_tuple=("__key__",), options=LoaderOptions(dest=str(dest)))
