@@ -118,10 +118,13 @@ def _walk_local(root: str) -> list[str]:
         directory = pending.pop()
         with os.scandir(directory) as entries:
             for entry in entries:
-                if entry.is_dir(follow_symlinks=False):
-                    pending.append(entry.path)
-                elif is_shard_name(entry.name):
+                # Shard-like names are taken without asking is_dir(): where readdir gives no file
+                # type (FUSE, some NFS), each is_dir() is a serial stat round trip. The parallel
+                # stat that follows drops the rare directory named like a shard.
+                if is_shard_name(entry.name):
                     found.append(entry.path)
+                elif entry.is_dir(follow_symlinks=False):
+                    pending.append(entry.path)
     return sorted(found)
 
 
@@ -159,11 +162,21 @@ def _stat_many(fs: fsspec.AbstractFileSystem, paths: list[str], jobs: int) -> li
 
 
 def _from_paths(
-    fs: fsspec.AbstractFileSystem, paths: list[str], root: str, name: str | None, jobs: int, root_url: str
+    fs: fsspec.AbstractFileSystem,
+    paths: list[str],
+    root: str,
+    name: str | None,
+    jobs: int,
+    root_url: str,
+    *,
+    listed: bool = False,
 ) -> SourceSet:
+    """Stat ``paths`` in parallel; ``listed``: they came from a directory walk, not the user."""
     infos = _stat_many(fs, paths, jobs)
     shards, missing = [], []
-    for path, info in zip(paths, infos):
+    for path, info in zip(paths, infos, strict=True):
+        if listed and (info is None or info.get("type") == "directory"):
+            continue  # vanished since the listing, or a directory named like a shard
         if info is None or info.get("type") == "directory":
             missing.append(_display(fs, path))
             continue
@@ -269,7 +282,7 @@ def resolve_source(
             names = _walk_local(root)
         except OSError as exc:
             raise _translate(exc, spec) from exc
-        result = _from_paths(fs, names, root, name, jobs, spec)
+        result = _from_paths(fs, names, root, name, jobs, spec, listed=True)
         if not result.shards:
             raise SourceError(f"no shards (*.tar, *.tgz, *.tar.gz) under {spec}; check the directory")
         return result
