@@ -31,7 +31,7 @@ VPY=.venv/bin/python
 if ! "$VPY" -c "import torch" 2>/dev/null; then
     echo "setup: installing torch==2.13.0 (CPU build)" >&2
     "$VPY" -m pip install -q torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
-    "$VPY" -c "import torch" || { echo "setup: torch failed to install" >&2; exit 1; }
+    "$VPY" -W ignore -c "import torch" || { echo "setup: torch failed to install" >&2; exit 1; }
 fi
 extra=""
 [[ $want_test == 1 ]] && extra="[test]"
