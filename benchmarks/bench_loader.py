@@ -21,21 +21,15 @@ import shutil
 import statistics
 import sys
 import tarfile
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from stager.synth import SyntheticSpec, write_synthetic_dataset
 
+from .common import scratch_root
+
 BATCH = 256
-
-
-def _scratch_root() -> tuple[Path, str]:
-    shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK):
-        return Path(tempfile.mkdtemp(prefix="bench-loader-", dir=shm)), "tmpfs (/dev/shm, page-cache warm)"
-    return Path(tempfile.mkdtemp(prefix="bench-loader-")), "local disk (NOT tmpfs: figures include disk reads)"
 
 
 def raw_tarfile(shards: list[Path], workers: int) -> int:
@@ -107,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--workers", default="0,1,2")
     args = parser.parse_args(argv)
-    root, condition = _scratch_root()
+    root, condition = scratch_root("bench-loader-")
     worker_counts = [int(w) for w in args.workers.split(",")]
     print(f"condition: {condition}; batch {BATCH}; nothing decoded; {os.cpu_count()} CPUs (shared); "
           f"median of {args.reps} alternating runs", flush=True)

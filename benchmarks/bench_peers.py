@@ -37,13 +37,14 @@ import shutil
 import statistics
 import sys
 import tarfile
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from benchmarks.bench_loader import BATCH, sharded_loader, stage, web_loader
 from stager.synth import SyntheticSpec, write_synthetic_dataset
+
+from .common import scratch_root
 
 SIZES = {  # (~1 KB samples, ~100 KB samples)
     "small": (20_000, 1_000),
@@ -53,17 +54,6 @@ SHARDS = 8
 LOADERS = ("ShardedLoader", "webdataset WebLoader", "mosaicml-streaming", "litdata")
 # Peers without a num_workers=0 mode would be listed here; both peers run in-process at 0.
 NO_ZERO_WORKERS: set[str] = set()
-
-
-def _scratch_root() -> tuple[Path, str]:
-    shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK):
-        return Path(
-            tempfile.mkdtemp(prefix="bench-peers-", dir=shm)
-        ), "tmpfs (/dev/shm, page-cache warm)"
-    return Path(
-        tempfile.mkdtemp(prefix="bench-peers-")
-    ), "local disk (NOT tmpfs: figures include disk reads)"
 
 
 def tar_samples(shard: str | Path) -> Iterator[dict]:
@@ -242,7 +232,7 @@ def bench(
     small, large = SIZES[size]
     own_root = root is None
     if root is None:
-        root, condition = _scratch_root()
+        root, condition = scratch_root("bench-peers-")
     else:
         condition = str(root)
     rows: list[dict] = []

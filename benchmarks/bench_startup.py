@@ -35,12 +35,13 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from benchmarks.bench_loader import BATCH, stage
 from stager.synth import SyntheticSpec, write_synthetic_dataset
+
+from .common import scratch_root
 
 SIZES = {  # (shards, samples per shard)
     "small": (10_000, 4),  # 40k samples of ~1 KB: the 10k shards, minimal payload
@@ -53,17 +54,6 @@ STARTUP_LOADERS = (
     "webdataset WebLoader",
 )
 MEMORY_LOADERS = ("ShardedLoader persistent workers", "ShardedLoader", "webdataset WebLoader")
-
-
-def _scratch_root() -> tuple[Path, str]:
-    shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK):
-        return Path(
-            tempfile.mkdtemp(prefix="bench-startup-", dir=shm)
-        ), "tmpfs (/dev/shm, page-cache warm)"
-    return Path(
-        tempfile.mkdtemp(prefix="bench-startup-")
-    ), "local disk (NOT tmpfs: figures include disk reads)"
 
 
 # ---- child side: runs in a fresh process -------------------------------------------------------
@@ -245,7 +235,7 @@ def bench(
     shards, per_shard = SIZES[size]
     own_root = root is None
     if root is None:
-        root, condition = _scratch_root()
+        root, condition = scratch_root("bench-startup-")
     else:
         condition = str(root)
     try:

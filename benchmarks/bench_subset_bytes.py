@@ -37,11 +37,12 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from stager.synth import SyntheticSpec, write_synthetic_dataset
+
+from .common import scratch_root
 
 BIN = Path(sys.executable).parent
 SIZES = {  # (shards, samples per shard, bytes per sample image)
@@ -54,13 +55,6 @@ MODES = (
     "stage-in --subset node",
     "stage-in --subset all --fanout",
 )
-
-
-def _scratch_root() -> tuple[Path, str]:
-    shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK):
-        return Path(tempfile.mkdtemp(prefix="bench-subset-", dir=shm)), "tmpfs (/dev/shm)"
-    return Path(tempfile.mkdtemp(prefix="bench-subset-")), "local disk"
 
 
 def node_env(job_id: str, node_id: int, num_nodes: int) -> dict[str, str]:
@@ -163,7 +157,7 @@ def bench(
     shards, per_shard, image_bytes = SIZES[size]
     own_root = root is None
     if root is None:
-        root, condition = _scratch_root()
+        root, condition = scratch_root("bench-subset-")
     else:
         condition = str(root)
     rows: list[dict] = []
