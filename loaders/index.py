@@ -22,7 +22,7 @@ import numpy as np
 from stager.errors import IntegrityError
 from stager.tarindex import TarIndex, index_tar
 
-__all__ = ["FlatIndex", "build_flat_index", "cached_index"]
+__all__ = ["FlatIndex", "build_flat_index", "cached_index", "save_dataset_index"]
 
 log = logging.getLogger("loaders")
 
@@ -154,6 +154,24 @@ def build_flat_index(
 # ~1 ms each (seconds before the first batch); one flat file loads in milliseconds. It is keyed
 # by every shard's path, size and mtime (and the manifest's counts), so any change rebuilds it.
 _FLAT_NAME = "dataset.flat.npz"
+
+
+def save_dataset_index(
+    shards: Sequence[Path],
+    relpaths: Sequence[str],
+    expected_samples: Sequence[int | None],
+    per_shard: Sequence[TarIndex],
+    cache_dir: Path,
+) -> None:
+    """Write the one-file index a loader would build, from indexes made elsewhere.
+
+    stage-in calls this with the indexes it parsed from the bytes in flight, so the first
+    loader on the node starts without walking any tar header. Keyed exactly as
+    :func:`build_flat_index` keys it (the loader's default ``on_error="raise"``); any mismatch
+    only means the loader rebuilds it.
+    """
+    stamp = _dataset_stamp(shards, relpaths, expected_samples, "raise")
+    _save_flat(cache_dir / _FLAT_NAME, stamp, _flatten(list(per_shard)), [])
 
 
 def _dataset_stamp(

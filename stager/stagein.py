@@ -53,6 +53,7 @@ from .slurm import SlurmEnv
 from .sources import SourceSet, SourceShard
 from .streams import StreamController
 from .tarcount import TarSampleCounter
+from .tarindex import TarIndex
 from .throttle import Throttle
 
 __all__ = [
@@ -360,11 +361,12 @@ def _run(
     _preflight(dataset_dir, needed, options, slurm.node_name)
 
     entries: dict[str, ManifestEntry] = dict(plan.kept)
+    indexes: dict[str, TarIndex | None] = {}  # member offsets parsed in flight, for the loader
     corrupt = False
     if plan.to_copy:
         time.sleep(jitter_s(slurm.node_id, slurm.num_nodes, options.jitter_max_s))
         known_samples = {k: e.samples for k, e in expected.items()}
-        corrupt = _copy_all(source, plan, options, report, entries, known_samples, log)
+        corrupt = _copy_all(source, plan, options, report, entries, known_samples, indexes, log)
 
     staged = Manifest(
         tuple(entries[s.relpath] for s in shards if s.relpath in entries),
@@ -378,6 +380,8 @@ def _run(
         if not report.failures:
             raise _manifest_write_error(exc, staged_path) from exc
         # else the shard failures raised below say more; a rerun re-verifies and rewrites it
+    if not report.failures:
+        _save_loader_index(dataset_dir, staged, indexes)
     report.seconds = time.monotonic() - started
     if report.failures:
         full = [f for f in report.failures if f["reason"].startswith("no space left")]
@@ -388,6 +392,25 @@ def _run(
         if corrupt:  # a hash mismatch is an integrity problem (exit 4), not a flaky source (3)
             failed.exit_code = EXIT_INTEGRITY
         raise failed
+
+
+def _save_loader_index(dataset_dir: Path, staged: Manifest, indexes: dict[str, TarIndex | None]) -> None:
+    """Hand the loader the member offsets parsed in flight, so its first start reads no header.
+
+    Only when every staged shard was parsed in this run; after a partial rerun the loader
+    indexes the shards itself (correct either way, only slower).
+    """
+    if not staged.entries or any(indexes.get(e.relpath) is None for e in staged.entries):
+        return
+    from loaders.index import save_dataset_index  # numpy only; same distribution as stager
+
+    save_dataset_index(
+        [dataset_dir / e.relpath for e in staged.entries],
+        [e.relpath for e in staged.entries],
+        [e.samples for e in staged.entries],
+        [indexes[e.relpath] for e in staged.entries],  # type: ignore[misc]
+        dataset_dir / STAGED_META_DIR / "index",
+    )
 
 
 def _manifest_write_error(exc: OSError, staged_path: Path) -> DestinationError:
@@ -407,6 +430,7 @@ def _copy_all(
     report: StageInReport,
     entries: dict[str, ManifestEntry],
     known_samples: dict[str, int | None],
+    indexes: dict[str, TarIndex | None],
     log: TextIO,
 ) -> bool:
     """Copy the planned shards; True when any failed verification against the manifest."""
@@ -440,9 +464,7 @@ def _copy_all(
         else:
             streams.acquire()
             result = None
-            count_in_flight = (
-                options.count_samples and known_samples.get(shard.relpath) is None and final.name.endswith(".tar")
-            )
+            count_in_flight = options.count_samples and final.name.endswith(".tar")
             counter: TarSampleCounter | None = None
 
             def attempt() -> CopyResult:
@@ -467,6 +489,8 @@ def _copy_all(
                 streams.release(result.first_byte_s if result else None, result.seconds if result else None)
             if result is not None:
                 samples = known_samples.get(shard.relpath)
+                if counter is not None and counter.samples is not None:
+                    indexes[shard.relpath] = counter.index()
                 if samples is None and counter is not None:
                     samples = counter.samples
                 if samples is None and options.count_samples:

@@ -13,7 +13,7 @@ an error naming the member. It never guesses.
 
 from __future__ import annotations
 
-from .tarindex import split_key
+from .tarindex import TarIndex, split_key
 
 __all__ = ["TarSampleCounter"]
 
@@ -59,17 +59,40 @@ class TarSampleCounter:
         self._count = 0
         self._zero_blocks = 0
         self._failed = False
+        self._base = 0  # stream bytes before the current chunk
+        self._data_at = 0  # stream offset just past the header being parsed
+        # Per member, for the loader's index: sample key, extension, payload offset and size.
+        self._keys: list[str] = []
+        self._starts: list[int] = []
+        self._exts: list[str] = []
+        self._offsets: list[int] = []
+        self._sizes: list[int] = []
 
     @property
     def samples(self) -> int | None:
         """The count, or None if the stream was not a complete, well-formed tar."""
         return None if self._failed or self._zero_blocks == 0 else self._count
 
+    def index(self) -> TarIndex | None:
+        """Where each sample's members sit, as :func:`stager.tarindex.index_tar` would say."""
+        if self.samples is None:
+            return None
+        import numpy as np  # deferred like tarindex's: only a finished copy pays for it
+
+        return TarIndex(
+            keys=list(self._keys),
+            member_start=np.asarray([*self._starts, len(self._exts)], dtype=np.int64),
+            exts=list(self._exts),
+            offsets=np.asarray(self._offsets, dtype=np.int64),
+            sizes=np.asarray(self._sizes, dtype=np.int64),
+        )
+
     def feed(self, chunk: bytes | memoryview) -> None:
         if self._failed or self._zero_blocks:
             return
         view = memoryview(chunk)
         pos, end = 0, len(view)
+        base, self._base = self._base, self._base + end
         try:
             while pos < end and not self._zero_blocks:
                 if self._skip:
@@ -86,6 +109,7 @@ class TarSampleCounter:
                 if self._meta_type is not None:
                     self._finish_meta(bytes(self._pending))
                 else:
+                    self._data_at = base + pos
                     self._header(bytes(self._pending))
                 self._pending.clear()
         except (ValueError, UnicodeDecodeError):
@@ -123,8 +147,14 @@ class TarSampleCounter:
             name, self._next_name = self._next_name, None
         if kind in (b"0", b"\0", b"7"):
             parts = split_key(name)
-            if parts is not None and parts[0] != self._last_key:
-                self._count += 1
-                self._last_key = parts[0]
+            if parts is not None:
+                if parts[0] != self._last_key:
+                    self._count += 1
+                    self._last_key = parts[0]
+                    self._keys.append(parts[0])
+                    self._starts.append(len(self._exts))
+                self._exts.append(parts[1])
+                self._offsets.append(self._data_at)
+                self._sizes.append(size)
         if kind not in (b"5", b"3", b"4", b"6", b"1", b"2"):  # those carry no payload
             self._skip = size + (-size % _BLOCK)

@@ -74,8 +74,8 @@ def test_staged_copy_is_read_alone_source_deleted(dataset_copy: Path, tmp_path: 
     assert set(got) == all_keys() and len(got) - len(all_keys()) < 1  # world of one: no padding
     assert len(loader) == -(-len(all_keys()) // 16)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
-    # the index cache was written beside the staged copy, so the next loader skips the header walk
-    assert list((staged / ".stager" / "index").glob("*.idx.npz"))
+    # the dataset index sits beside the staged copy (stage-in wrote it), so no loader walks headers
+    assert (staged / ".stager" / "index" / "dataset.flat.npz").is_file()
 
 
 def test_missing_staged_shard_falls_back_with_one_warning(dataset_copy: Path, tmp_path: Path, caplog) -> None:
@@ -325,3 +325,25 @@ def test_dataset_index_is_cached_in_one_file_and_rebuilt_on_change(dataset_copy:
     monkeypatch.setattr(index_module, "cached_index", no_header_walk)
     with pytest.raises(AssertionError, match="one-file cache"):
         ShardedLoader(dataset_copy, batch_size=16, to_tuple=("__key__",), options=LoaderOptions(dest=str(dest)))
+
+
+def test_first_loader_after_stage_in_reads_no_tar_header(dataset_copy: Path, tmp_path: Path, monkeypatch) -> None:
+    """stage-in hands over the member offsets it parsed in flight: no header walk, same batches."""
+    dest = tmp_path / "scratch"
+    staged = stage(dataset_copy, dest)
+    assert (staged / ".stager" / "index" / "dataset.flat.npz").is_file()
+    import loaders.index as index_module
+
+    def no_header_walk(*args, **kwargs):
+        raise AssertionError("the loader walked tar headers although stage-in indexed the shards")
+
+    monkeypatch.setattr(index_module, "cached_index", no_header_walk)
+    loader = ShardedLoader(dataset_copy, batch_size=16, to_tuple=("__key__", "npy"), options=LoaderOptions(dest=str(dest)))
+    got = keys_of(loader)
+    monkeypatch.undo()
+    (staged / ".stager" / "index" / "dataset.flat.npz").unlink()
+    walked = ShardedLoader(dataset_copy, batch_size=16, to_tuple=("__key__", "npy"), options=LoaderOptions(dest=str(dest)))
+    assert got == keys_of(walked) and set(got) == all_keys()
+    first = next(iter(loader))
+    again = next(iter(walked))
+    assert [t.tolist() for t in first[1]] == [t.tolist() for t in again[1]]  # same payload bytes

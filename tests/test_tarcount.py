@@ -53,3 +53,19 @@ def test_truncated_or_corrupt_streams_give_none(tmp_path: Path) -> None:
     bad = TarSampleCounter()
     bad.feed(bytes(garbled))
     assert bad.samples is None
+
+
+@pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_index_from_the_stream_equals_index_tar(tmp_path: Path, fmt: int) -> None:
+    from stager.tarindex import index_tar
+
+    path = _tar(tmp_path / "s.tar", fmt, long_names=fmt != tarfile.USTAR_FORMAT)
+    data = path.read_bytes()
+    counter = TarSampleCounter()
+    for start in range(0, len(data), 777):
+        counter.feed(data[start : start + 777])
+    got, want = counter.index(), index_tar(path)
+    assert got is not None
+    assert got.keys == want.keys and got.exts == want.exts
+    assert got.offsets.tolist() == want.offsets.tolist() and got.sizes.tolist() == want.sizes.tolist()
+    assert got.member_start.tolist() == want.member_start.tolist()
