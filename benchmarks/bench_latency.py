@@ -27,7 +27,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +34,7 @@ from pathlib import Path
 from stager.synth import SyntheticSpec, write_synthetic_dataset
 
 from .bench_stage_in import run_tool, target_for, tool_commands
+from .common import in_workdir, report
 from .latencyfs import mounted
 
 # (label, files, approximate bytes per file)
@@ -230,15 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     args = parser.parse_args(argv)
     delays = [float(d) for d in args.delays_ms.split(",") if d]
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-latency-"))
-    try:
-        rows = bench(args.size, args.repeats, delays, workdir)
-    finally:
-        if args.workdir is None:
-            shutil.rmtree(workdir, ignore_errors=True)
-    print(to_markdown(rows))
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+    rows = in_workdir(args.workdir, "bench-latency-", lambda w: bench(args.size, args.repeats, delays, w))
+    report(rows, to_markdown, args.json)
     return 0
 
 

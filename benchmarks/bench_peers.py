@@ -30,7 +30,6 @@ the others still run.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
 import shutil
@@ -44,7 +43,7 @@ from pathlib import Path
 from benchmarks.bench_loader import BATCH, sharded_loader, stage, web_loader
 from stager.synth import SyntheticSpec, write_synthetic_dataset
 
-from .common import scratch_root
+from .common import report, scratch_root
 
 SIZES = {  # (~1 KB samples, ~100 KB samples)
     "small": (20_000, 1_000),
@@ -364,9 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         f"condition: {condition}; batch {BATCH}; nothing decoded; {SHARDS} shards per format; "
         f"{os.cpu_count()} CPUs (shared); median of {args.reps} alternating runs (A B C D)"
     )
-    print(to_markdown(rows))
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+    report(rows, to_markdown, args.json)
     return 0 if all("error" not in r for r in rows) else 1
 
 

@@ -26,7 +26,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from pathlib import Path
 
 from .bench_latency import make_dataset, tmpfs
 from .bench_stage_in import run_tool, target_for, tool_commands
+from .common import in_workdir, report
 
 # (label, files, approximate bytes per file); about 25 MB each so a run takes ~3 s at 80 mbit
 SIZES = {
@@ -348,15 +348,8 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_sshfs needs root (network namespaces, tc, mounts)", file=sys.stderr)
         return 2
     _raise_on_sigterm()
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-sshfs-"))
-    try:
-        rows = bench(args.size, args.repeats, args.rate_mbit, workdir)
-    finally:
-        if args.workdir is None:
-            shutil.rmtree(workdir, ignore_errors=True)
-    print(to_markdown(rows))
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+    rows = in_workdir(args.workdir, "bench-sshfs-", lambda w: bench(args.size, args.repeats, args.rate_mbit, w))
+    report(rows, to_markdown, args.json)
     return 0
 
 

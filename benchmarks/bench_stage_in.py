@@ -11,17 +11,17 @@ when we are root (cold condition); otherwise the condition is reported as "warm-
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from stager.synth import SyntheticSpec, write_synthetic_dataset
+
+from .common import in_workdir, report
 
 BIN = Path(sys.executable).parent
 
@@ -136,15 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, help="where to write data (default: a temp dir on /var/tmp)")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     args = parser.parse_args(argv)
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-stage-in-", dir="/var/tmp"))
-    try:
-        rows = bench(args.size, args.repeats, args.jobs, workdir)
-    finally:
-        if args.workdir is None:
-            shutil.rmtree(workdir, ignore_errors=True)
-    print(to_markdown(rows))
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+    rows = in_workdir(args.workdir, "bench-stage-in-", lambda w: bench(args.size, args.repeats, args.jobs, w), parent="/var/tmp")
+    report(rows, to_markdown, args.json)
     return 0
 
 

@@ -41,7 +41,7 @@ from pathlib import Path
 from benchmarks.bench_loader import BATCH, stage
 from stager.synth import SyntheticSpec, write_synthetic_dataset
 
-from .common import scratch_root
+from .common import report, scratch_root
 
 SIZES = {  # (shards, samples per shard)
     "small": (10_000, 4),  # 40k samples of ~1 KB: the 10k shards, minimal payload
@@ -345,9 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         f"median of {args.reps} alternating "
         f"fresh-process runs"
     )
-    print(to_markdown(rows))
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+    report(rows, to_markdown, args.json)
     return 0
 
 

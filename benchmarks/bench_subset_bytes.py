@@ -42,7 +42,7 @@ from pathlib import Path
 
 from stager.synth import SyntheticSpec, write_synthetic_dataset
 
-from .common import scratch_root
+from .common import report, scratch_root
 
 BIN = Path(sys.executable).parent
 SIZES = {  # (shards, samples per shard, bytes per sample image)
@@ -268,9 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             f"dataset: {r['dataset_bytes'] / 1e6:.1f} MB in {SIZES[args.size][0]} uneven shards; "
             f"condition: {r['condition']}; one run per configuration (bytes are deterministic)"
         )
-    print(to_markdown(rows))
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+    report(rows, to_markdown, args.json)
     return 0 if len(ok) == len(rows) else 1
 
 

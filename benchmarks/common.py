@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["scratch_root"]
+__all__ = ["scratch_root", "in_workdir", "report"]
 
 
 def scratch_root(prefix: str) -> tuple[Path, str]:
@@ -19,3 +22,20 @@ def scratch_root(prefix: str) -> tuple[Path, str]:
     if shm.is_dir() and os.access(shm, os.W_OK):
         return Path(tempfile.mkdtemp(prefix=prefix, dir=shm)), "tmpfs (/dev/shm, page-cache warm)"
     return Path(tempfile.mkdtemp(prefix=prefix)), "local disk (NOT tmpfs: figures include disk reads)"
+
+
+def in_workdir(workdir: Path | None, prefix: str, run: Callable[[Path], list[dict]], *, parent: str | None = None) -> list[dict]:
+    """``run(dir)`` in ``workdir``, or in a fresh temporary directory that is removed afterwards."""
+    work = workdir or Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    try:
+        return run(work)
+    finally:
+        if workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def report(rows: list[dict], to_markdown: Callable[[list[dict]], str], json_path: Path | None) -> None:
+    """Print the Markdown table, and write the rows as JSON when asked."""
+    print(to_markdown(rows))
+    if json_path:
+        json_path.write_text(json.dumps(rows, indent=1))
