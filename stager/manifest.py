@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -185,8 +185,3 @@ def _read_parquet(path: Path) -> Manifest:
     prefix = b"stager.meta."
     meta = {k[len(prefix) :].decode(): v.decode() for k, v in raw_meta.items() if k.startswith(prefix)}
     return Manifest(tuple(entries), meta)
-
-
-def entries_from(items: Iterable[tuple[str, int, str | None, int | None]]) -> tuple[ManifestEntry, ...]:
-    """Build validated entries from plain tuples."""
-    return tuple(ManifestEntry(safe_relpath(p), s, h, n) for p, s, h, n in items)

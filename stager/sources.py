@@ -13,7 +13,6 @@ import itertools
 import os
 import posixpath
 import re
-from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -298,8 +297,3 @@ def resolve_source(
     if not shards:
         raise SourceError(f"no shards (*.tar, *.tgz, *.tar.gz) under {spec}; check the directory")
     return SourceSet(fs, spec, name or _basename(root), shards)
-
-
-def dataset_names(shards: Iterable[SourceShard]) -> list[str]:
-    """Relative paths of the shards, in order (for manifests and reports)."""
-    return [s.relpath for s in shards]
