@@ -9,6 +9,7 @@ the single boundary where fsspec/OS errors on the byte path become stager errors
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import threading
 import time
@@ -34,10 +35,15 @@ _buffers = threading.local()
 
 
 def _buffer(block_bytes: int) -> memoryview:
-    """This thread's reusable copy buffer: allocating and zeroing 4 MiB per file costs ~1 ms."""
+    """This thread's reusable copy buffer.
+
+    An anonymous mapping rather than a ``bytearray``: ``bytearray(n)`` zero-fills all ``n``
+    bytes at once, and 32 threads each touching 4 MiB cost more than copying 300 small shards
+    (page faults and ``mmap_lock`` contention); a mapping is faulted in only as far as reads go.
+    """
     buf = getattr(_buffers, "buf", None)
     if buf is None or len(buf) != block_bytes:
-        buf = _buffers.buf = bytearray(block_bytes)
+        buf = _buffers.buf = mmap.mmap(-1, block_bytes)
     return memoryview(buf)
 
 
@@ -67,12 +73,39 @@ def partial_path(final: Path) -> Path:
 
 
 def _open_source(fs: fsspec.AbstractFileSystem, path: str, url: str, block_bytes: int):
+    """An unbuffered reader: plain ``open`` for local paths (NFS mounts included), fsspec else.
+
+    fsspec's local opener adds a stat and three seeks per file; on a mount where every
+    metadata call is a round trip, and with dozens of streams sharing one GIL, those add up.
+    """
     try:
+        if _is_local(fs):
+            return open(path, "rb", buffering=0)
         return fs.open(path, "rb", block_size=block_bytes)
     except FileNotFoundError as exc:
         raise SourceError(f"source shard not found: {url}") from exc
     except PermissionError as exc:
         raise SourceError(f"source shard not readable (permission denied): {url}") from exc
+    except IsADirectoryError as exc:
+        raise SourceError(f"source shard is a directory, not a file: {url}") from exc
+
+
+def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return protocol in ("file", "local")
+
+
+def _open_partial(partial: Path):
+    """Open the ``.partial`` for writing, creating its directory only when it is missing.
+
+    Trying first saves a ``mkdir -p`` (several stats) per file: all but the first shard of a
+    directory find it there.
+    """
+    try:
+        return open(partial, "wb", buffering=0)
+    except FileNotFoundError:
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        return open(partial, "wb", buffering=0)
 
 
 def copy_file(
@@ -99,12 +132,11 @@ def copy_file(
     algorithm = split_digest(expected_hash)[0] if expected_hash else DEFAULT_ALGORITHM
     hasher = new_hasher(algorithm)
     partial = partial_path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
     copied = 0
     started = time.perf_counter()
     first_byte_s = 0.0
     try:
-        with _open_source(fs, src_path, url, block_bytes) as src, open(partial, "wb", buffering=0) as dst:
+        with _open_source(fs, src_path, url, block_bytes) as src, _open_partial(partial) as dst:
             view = _buffer(block_bytes)
             want = min(FIRST_READ_BYTES, block_bytes)
             while True:

@@ -51,7 +51,12 @@ class StreamController:
                 self._transfer_s.append(max(0.0, total_s - first_byte_s))
                 self.limit = self.target()
                 self.peak = max(self.peak, self.limit)
-            self._cond.notify_all()
+            # Wake only as many waiters as there are free slots: waking all of them on every
+            # file (notify_all) makes dozens of threads fight for the GIL to find one slot,
+            # which on small files cost more than the copies themselves.
+            free = self.limit - self._active
+            if free > 0:
+                self._cond.notify(free)
 
     def target(self) -> int:
         """The stream count the current window of timings asks for."""
