@@ -60,8 +60,7 @@ class DatasetShards:
 
 
 def _is_local_fs(source: SourceSet) -> bool:
-    protocol = source.fs.protocol if isinstance(source.fs.protocol, str) else source.fs.protocol[0]
-    return protocol in ("file", "local")
+    return source.is_local
 
 
 def _dataset_name(spec: str) -> str:

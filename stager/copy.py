@@ -16,13 +16,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-import fsspec
+from typing import TYPE_CHECKING
 
 from .errors import IntegrityError, ScratchFull, SourceError
 from .hashing import DEFAULT_ALGORITHM, new_hasher, split_digest
 from .paths import PARTIAL_SUFFIX
+from .sources import protocol_of
 from .throttle import Throttle
+
+if TYPE_CHECKING:
+    import fsspec
 
 __all__ = ["CopyResult", "copy_file", "partial_path", "SizeMismatch", "HashMismatch", "DEFAULT_BLOCK_BYTES"]
 
@@ -72,14 +75,14 @@ def partial_path(final: Path) -> Path:
     return final.with_name(final.name + PARTIAL_SUFFIX)
 
 
-def _open_source(fs: fsspec.AbstractFileSystem, path: str, url: str, block_bytes: int):
+def _open_source(fs: fsspec.AbstractFileSystem | None, path: str, url: str, block_bytes: int):
     """An unbuffered reader: plain ``open`` for local paths (NFS mounts included), fsspec else.
 
     fsspec's local opener adds a stat and three seeks per file; on a mount where every
     metadata call is a round trip, and with dozens of streams sharing one GIL, those add up.
     """
     try:
-        if _is_local(fs):
+        if fs is None or protocol_of(fs) == "file":
             return open(path, "rb", buffering=0)
         return fs.open(path, "rb", block_size=block_bytes)
     except FileNotFoundError as exc:
@@ -88,11 +91,6 @@ def _open_source(fs: fsspec.AbstractFileSystem, path: str, url: str, block_bytes
         raise SourceError(f"source shard not readable (permission denied): {url}") from exc
     except IsADirectoryError as exc:
         raise SourceError(f"source shard is a directory, not a file: {url}") from exc
-
-
-def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    return protocol in ("file", "local")
 
 
 def _open_partial(partial: Path):
@@ -109,7 +107,7 @@ def _open_partial(partial: Path):
 
 
 def copy_file(
-    fs: fsspec.AbstractFileSystem,
+    fs: fsspec.AbstractFileSystem | None,
     src_path: str,
     final: Path,
     *,
@@ -122,7 +120,7 @@ def copy_file(
     inspect: Callable[[memoryview], None] | None = None,
     fsync: bool = False,
 ) -> CopyResult:
-    """Copy ``src_path`` on ``fs`` to ``final``; return its size and content hash.
+    """Copy ``src_path`` on ``fs`` (None: a local path) to ``final``; return its size and hash.
 
     Raises :class:`SizeMismatch`/:class:`HashMismatch` on verification failure,
     :class:`ScratchFull` when the local filesystem runs out of space, and lets other transient

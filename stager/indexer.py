@@ -184,8 +184,7 @@ def source_root_url(source: SourceSet) -> str:
         raise UsageError(f"source {source.root_url} has no shards")
     first = source.shards[0]
     root = first.path[: len(first.path) - len(first.relpath)].rstrip("/") or "/"
-    protocol = source.fs.protocol if isinstance(source.fs.protocol, str) else source.fs.protocol[0]
-    return root if protocol in ("file", "local") else source.fs.unstrip_protocol(root)
+    return root if source.is_local else source.fs.unstrip_protocol(root)
 
 
 def default_manifest_url(source: SourceSet, num_entries: int) -> str:

@@ -1,7 +1,10 @@
 """Turn what the user typed into a list of shards: directory, glob, brace pattern or list file.
 
-Every source goes through fsspec (``url_to_fs``), so ``/nfs/ds``, ``file://``, ``s3://`` and
-``https://`` behave alike. Listing errors are translated into :class:`SourceError` here, once.
+A URL (``s3://``, ``https://``, any fsspec protocol) goes through fsspec (``url_to_fs``); a
+plain path (``/nfs/ds``, ``file://``) is listed and stat'ed with ``os`` directly, and fsspec is
+imported only if something asks for :attr:`SourceSet.fs`: importing it (asyncio included) costs
+~0.1 s, which every node's prologue would pay for nothing. Listing errors are translated into
+:class:`SourceError` here, once.
 The shard's *relative path* (where it lands under ``DEST/<name>/``) is its path relative to the
 source root: the directory for a directory source, the fixed prefix for a glob, the common
 parent directory for a brace pattern or a list.
@@ -13,15 +16,18 @@ import itertools
 import os
 import posixpath
 import re
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import fsspec
 from braceexpand import braceexpand
-from fsspec.core import url_to_fs
 
 from .errors import SourceError, UsageError
 from .paths import safe_relpath
+
+if TYPE_CHECKING:
+    import fsspec
 
 __all__ = ["SourceShard", "SourceSet", "resolve_source", "SHARD_SUFFIXES", "is_shard_name"]
 
@@ -48,22 +54,44 @@ class SourceShard:
 
 @dataclass(frozen=True)
 class SourceSet:
-    """The resolved source: its filesystem, its root and its shards."""
+    """The resolved source: its root, its shards and, for a URL, its fsspec filesystem."""
 
-    fs: fsspec.AbstractFileSystem
     root_url: str
     name: str
     shards: tuple[SourceShard, ...]
     missing: tuple[str, ...] = ()  # URLs named explicitly (brace/list) that do not exist
+    remote_fs: fsspec.AbstractFileSystem | None = None  # None: a local path (NFS mounts too)
+
+    @property
+    def is_local(self) -> bool:
+        return self.remote_fs is None
+
+    @property
+    def protocol(self) -> str:
+        return "file" if self.remote_fs is None else protocol_of(self.remote_fs)
+
+    @property
+    def fs(self) -> fsspec.AbstractFileSystem:
+        """fsspec's view of the source (for a local path, built on first use)."""
+        if self.remote_fs is not None:
+            return self.remote_fs
+        from fsspec.implementations.local import LocalFileSystem
+
+        return LocalFileSystem()
 
     @property
     def total_bytes(self) -> int:
         return sum(s.size or 0 for s in self.shards)
 
 
-def _display(fs: fsspec.AbstractFileSystem, path: str) -> str:
+def protocol_of(fs: fsspec.AbstractFileSystem) -> str:
+    """The filesystem's main protocol name (``"file"`` for fsspec's local filesystem)."""
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    return path if protocol in ("file", "local") else fs.unstrip_protocol(path)
+    return "file" if protocol == "local" else protocol
+
+
+def _display(fs: fsspec.AbstractFileSystem | None, path: str) -> str:
+    return path if fs is None or protocol_of(fs) == "file" else fs.unstrip_protocol(path)
 
 
 def _translate(exc: Exception, url: str) -> SourceError:
@@ -105,11 +133,6 @@ def pattern_size_bound(spec: str) -> int:
         text = text[: match.start()] + "x" + text[match.end() :]
 
 
-def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    return protocol in ("file", "local")
-
-
 def _walk_local(root: str) -> list[str]:
     """Shard file names under ``root``, sorted, from directory reads only (no stat per file)."""
     found, pending = [], [root]
@@ -147,12 +170,18 @@ def _prefix_dir(dirs: list[str]) -> str:
     return "/".join(out)
 
 
-def _stat_many(fs: fsspec.AbstractFileSystem, paths: list[str], jobs: int) -> list[dict | None]:
+def _local_info(path: str) -> dict:
+    """``fs.info``'s two fields that listing needs, from one ``os.stat``."""
+    st = os.stat(path)
+    return {"size": st.st_size, "type": "directory" if stat.S_ISDIR(st.st_mode) else "file"}
+
+
+def _stat_many(fs: fsspec.AbstractFileSystem | None, paths: list[str], jobs: int) -> list[dict | None]:
     """``fs.info`` for each path, in parallel because each is a metadata round trip on NFS."""
 
     def info(path: str) -> dict | None:
         try:
-            return fs.info(path)
+            return _local_info(path) if fs is None else fs.info(path)
         except FileNotFoundError:
             return None
 
@@ -161,7 +190,7 @@ def _stat_many(fs: fsspec.AbstractFileSystem, paths: list[str], jobs: int) -> li
 
 
 def _from_paths(
-    fs: fsspec.AbstractFileSystem,
+    fs: fsspec.AbstractFileSystem | None,
     paths: list[str],
     root: str,
     name: str | None,
@@ -181,7 +210,15 @@ def _from_paths(
             continue
         rel = posixpath.relpath(path, root) if root else path
         shards.append(SourceShard(_display(fs, path), path, safe_relpath(rel), int(info.get("size") or 0)))
-    return SourceSet(fs, root_url, name or _basename(root), tuple(shards), tuple(missing))
+    return SourceSet(root_url, name or _basename(root), tuple(shards), tuple(missing), fs)
+
+
+def _glob_fs(fs: fsspec.AbstractFileSystem | None) -> fsspec.AbstractFileSystem:
+    if fs is not None:
+        return fs
+    from fsspec.implementations.local import LocalFileSystem  # fsspec's glob rules, also locally
+
+    return LocalFileSystem()
 
 
 def _basename(root: str) -> str:
@@ -189,14 +226,33 @@ def _basename(root: str) -> str:
     return base or "dataset"
 
 
-def _split_fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+def _local_path(path: str) -> str:
+    """Absolute, as fsspec makes local paths, but not normalized: a ``..`` in a list entry must
+    survive so that the relative-path check refuses it rather than the listing hiding it."""
+    path = os.path.expanduser(path)
+    if not path.startswith("/"):
+        path = os.getcwd().rstrip("/") + "/" + (path[2:] if path.startswith("./") else path)
+    return path.rstrip("/") or "/"
+
+
+def _split_fs(url: str) -> tuple[fsspec.AbstractFileSystem | None, str]:
+    """``(filesystem, path)`` for a URL; ``(None, absolute path)`` for a local path."""
+    if url.startswith("file://"):
+        url = url[len("file://") :]
+    if "://" not in url and "::" not in url:
+        return None, _local_path(url)
+    from fsspec.core import url_to_fs
+
     try:
-        return url_to_fs(url)
+        fs, path = url_to_fs(url)
     except (ImportError, ValueError) as exc:
         raise UsageError(f"cannot open {url!r}: {exc}; install the fsspec backend (e.g. s3fs)") from exc
+    return (None, path) if protocol_of(fs) == "file" else (fs, path)
 
 
 def _read_list(list_url: str) -> list[str]:
+    import fsspec
+
     try:
         with fsspec.open(list_url, "rt") as handle:
             lines = handle.read().splitlines()
@@ -252,7 +308,7 @@ def resolve_source(
     fs, path = _split_fs(spec)
     if _has_glob(path):
         try:
-            matches = sorted(fs.glob(path, detail=True).items())
+            matches = sorted(_glob_fs(fs).glob(path, detail=True).items())
         except Exception as exc:  # noqa: BLE001 - translated at this boundary
             raise _translate(exc, spec) from exc
         files = [(p, info) for p, info in matches if info.get("type") != "directory"]
@@ -264,18 +320,18 @@ def resolve_source(
             SourceShard(_display(fs, p), p, safe_relpath(posixpath.relpath(p, root)), int(info.get("size") or 0))
             for p, info in files
         )
-        return SourceSet(fs, spec, name or _basename(root), shards)
+        return SourceSet(spec, name or _basename(root), shards, remote_fs=fs)
 
     try:
-        info = fs.info(path)
+        info = _local_info(path) if fs is None else fs.info(path)
     except Exception as exc:  # noqa: BLE001 - translated at this boundary
         raise _translate(exc, spec) from exc
     if info.get("type") != "directory":
         root = posixpath.dirname(path)
         shard = SourceShard(_display(fs, path), path, safe_relpath(posixpath.basename(path)), int(info.get("size") or 0))
-        return SourceSet(fs, spec, name or _basename(root), (shard,))
+        return SourceSet(spec, name or _basename(root), (shard,), remote_fs=fs)
     root = path.rstrip("/")
-    if _is_local(fs):
+    if fs is None:
         # NFS answers each stat with a round trip: list names (readdir) serially, stat in parallel.
         try:
             names = _walk_local(root)
@@ -296,4 +352,4 @@ def resolve_source(
     )
     if not shards:
         raise SourceError(f"no shards (*.tar, *.tgz, *.tar.gz) under {spec}; check the directory")
-    return SourceSet(fs, spec, name or _basename(root), shards)
+    return SourceSet(spec, name or _basename(root), shards, remote_fs=fs)

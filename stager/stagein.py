@@ -122,9 +122,8 @@ def _load_manifest(source: SourceSet, options: StageInOptions) -> Manifest | Non
         return Manifest.read(options.manifest)
     if not source.shards:
         return None
-    protocol = source.fs.protocol if isinstance(source.fs.protocol, str) else source.fs.protocol[0]
     root = source.shards[0].path[: len(source.shards[0].path) - len(source.shards[0].relpath)]
-    if protocol in ("file", "local"):
+    if source.is_local:
         found = find_manifest(root)
         return Manifest.read(found) if found else None
     # A remote dataset (s3://...): look for the same names beside it, fetch the first found.
@@ -486,7 +485,7 @@ def _copy_all(
                 nonlocal counter
                 counter = TarSampleCounter() if count_in_flight else None  # fresh per attempt
                 return copy_file(
-                    source.fs, shard.path, final, url=shard.url, expected_size=size, expected_hash=want_hash,
+                    source.remote_fs, shard.path, final, url=shard.url, expected_size=size, expected_hash=want_hash,
                     block_bytes=options.block_bytes, throttle=throttle, on_bytes=on_bytes,
                     inspect=counter.feed if counter is not None else None, fsync=options.fsync,
                 )
