@@ -169,7 +169,7 @@ SECTIONS = {
         "sftp-only sshd in its own network namespace, veth capped with `tc tbf` on the server side; "
         "sshfs mounted on the host; export and destination on tmpfs. Ratios to the best of cp/rsync/rclone "
         "in the same run. The last column is stage-in's copy phase alone (its report's `seconds`, "
-        "excluding its ~0.9 s startup and the listing). Goal (issue 8): >= 0.9 of the cap and >= the "
+        "excluding its startup (~0.2 s) and the listing). Goal (issue 8): >= 0.9 of the cap and >= the "
         "best baseline.",
     ),
 }
