@@ -4,10 +4,12 @@ Staged shards sit on node-local disk, so a sample is a few slices of a memory-ma
 offsets known from the index: no per-member tar parsing on the hot path, any order is as cheap
 as sequential order, and a batch can be fetched in one call (``__getitems__``).
 
-With nothing to decode, a whole batch is copied into one uint8 tensor (:class:`PackedBatch`):
-torch moves tensors from workers to the main process through shared memory, while a batch of
-``bytes`` would be pickled through a pipe. The main process cuts the tensor into per-member
-views (``torch.split``), so no payload is copied again.
+With nothing to decode, a whole batch is copied into one uint8 buffer (:class:`PackedBatch`),
+which the main process cuts into per-member tensor views (``torch.split``), so no payload is
+copied again. How the buffer leaves a worker depends on its size: a large one is a tensor in
+shared memory (torch hands over a file descriptor, no copy), a small one a numpy array pickled
+through the worker's pipe, because setting up a shared-memory segment per batch (open,
+truncate, map, pass the descriptor, map again) costs more than copying a few hundred KB.
 """
 
 from __future__ import annotations
@@ -30,12 +32,15 @@ from .samples import SamplePipeline, select_fields
 
 __all__ = ["StagedTarDataset", "PackedBatch"]
 
+#: Batches of at least this many payload bytes leave workers through shared memory.
+SHARED_MEMORY_MIN_BYTES = 1 << 20
+
 
 @dataclass
 class PackedBatch:
     """A batch of undecoded samples: one payload tensor plus where each member lies in it."""
 
-    payload: torch.Tensor  # uint8, every member of every sample, back to back
+    payload: torch.Tensor | np.ndarray  # uint8, every member of every sample, back to back
     keys: list[str]
     member_sample: np.ndarray  # int32: which sample of the batch owns each member
     member_ext: np.ndarray  # int16 codes into ext_names
@@ -44,20 +49,43 @@ class PackedBatch:
 
     def pin_memory(self, device: str | None = None) -> PackedBatch:
         """Called by DataLoader's pin-memory thread (``pin_memory=True``): pin the one payload."""
-        pinned = self.payload.pin_memory(device) if device else self.payload.pin_memory()
+        payload = self.tensor()
+        pinned = payload.pin_memory(device) if device else payload.pin_memory()
         return PackedBatch(pinned, self.keys, self.member_sample, self.member_ext, self.member_size, self.ext_names)
+
+    def tensor(self) -> torch.Tensor:
+        """The payload as a tensor (a numpy payload is wrapped, not copied)."""
+        payload = self.payload
+        return torch.from_numpy(payload) if isinstance(payload, np.ndarray) else payload
 
     def columns(self) -> dict[str, list[torch.Tensor | None]]:
         """``{"__key__": [...], ext: [uint8 tensor or None per sample]}`` (views, no copy)."""
-        views = torch.split(self.payload, self.member_size.tolist()) if len(self.member_size) else ()
+        views = torch.split(self.tensor(), self.member_size.tolist()) if len(self.member_size) else ()
         count = len(self.keys)
         out: dict[str, list[Any]] = {"__key__": self.keys}
+        layout = self._uniform_layout()
+        if layout is not None:  # every sample has the same members in the same order
+            width = len(layout)
+            for j, code in enumerate(layout):
+                out[self.ext_names[code]] = list(views[j::width])
+            return out
         for code in np.unique(self.member_ext).tolist():
             column: list[Any] = [None] * count
             for m in np.flatnonzero(self.member_ext == code).tolist():
                 column[self.member_sample[m]] = views[m]
             out[self.ext_names[code]] = column
         return out
+
+    def _uniform_layout(self) -> list[int] | None:
+        """The extension codes of one sample when all samples share them, in order; else None."""
+        count = len(self.keys)
+        if count == 0 or len(self.member_ext) % count:
+            return None
+        width = len(self.member_ext) // count
+        grid = self.member_ext.reshape(count, width)
+        if width == 0 or not (grid == grid[0]).all() or len(set(grid[0].tolist())) != width:
+            return None
+        return grid[0].tolist()
 
     def unpack(self, to_tuple: Sequence[str] | None) -> Any:
         """The batch as the user sees it: a dict of lists, or a tuple of lists."""
@@ -131,12 +159,15 @@ class StagedTarDataset(Dataset):
         sizes = self.index.member_size[members]
         offsets = self.index.member_offset[members]
         member_shard = shards[owner]
-        payload = torch.empty(int(sizes.sum()), dtype=torch.uint8)
-        if get_worker_info() is not None:
+        nbytes = int(sizes.sum())
+        payload: torch.Tensor | np.ndarray
+        if get_worker_info() is not None and nbytes >= SHARED_MEMORY_MIN_BYTES:
             # Allocate in shared memory up front: otherwise torch copies the batch into shared
             # memory again when the worker hands it to the main process.
-            payload.share_memory_()
-        out = payload.numpy()
+            payload = torch.empty(nbytes, dtype=torch.uint8).share_memory_()
+            out = payload.numpy()
+        else:
+            payload = out = np.empty(nbytes, dtype=np.uint8)
         maps = {shard: self._map(shard) for shard in np.unique(shards).tolist()}
         ends = np.cumsum(sizes).tolist()
         starts = [0, *ends[:-1]]

@@ -17,7 +17,6 @@ import os
 import posixpath
 import re
 import stat
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -25,6 +24,7 @@ from braceexpand import braceexpand
 
 from .errors import SourceError, UsageError
 from .paths import safe_relpath
+from .workers import map_in_threads
 
 if TYPE_CHECKING:
     import fsspec
@@ -185,8 +185,7 @@ def _stat_many(fs: fsspec.AbstractFileSystem | None, paths: list[str], jobs: int
         except FileNotFoundError:
             return None
 
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        return list(pool.map(info, paths))
+    return map_in_threads(info, paths, jobs, name="stat")
 
 
 def _from_paths(

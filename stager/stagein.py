@@ -23,7 +23,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -46,7 +45,7 @@ from .errors import (
 from .hashing import hash_file
 from .lock import NodeLock
 from .manifest import MANIFEST_NAMES, Manifest, ManifestEntry, find_manifest
-from .paths import PARTIAL_SUFFIX, safe_join, safe_relpath
+from .paths import PARTIAL_SUFFIX, SafeJoiner, safe_relpath
 from .progress import Progress, human_bytes
 from .report import StageInReport
 from .retry import RetryPolicy, call_with_retries
@@ -55,6 +54,7 @@ from .sources import SourceSet, SourceShard
 from .streams import StreamController
 from .tarcount import TarSampleCounter
 from .throttle import Throttle
+from .workers import run_in_threads
 
 __all__ = [
     "StageInOptions",
@@ -192,8 +192,9 @@ def _plan(
     log: TextIO,
 ) -> _Plan:
     to_copy, kept = [], {}
+    join = SafeJoiner(dataset_dir)
     for shard in shards:
-        final = safe_join(dataset_dir, shard.relpath)
+        final = join(shard.relpath)
         want = expected.get(shard.relpath)
         size = want.size if want is not None else shard.size
         want_hash = want.hash if want is not None else None
@@ -523,8 +524,7 @@ def _copy_all(
     ceiling = max(1, min(options.jobs, len(plan.to_copy)))
     streams = StreamController(ceiling, floor=options.min_jobs, adaptive=options.adaptive)
     try:
-        with ThreadPoolExecutor(max_workers=ceiling, thread_name_prefix="stage-in") as pool:
-            list(pool.map(copy_one, plan.to_copy))
+        run_in_threads(copy_one, plan.to_copy, ceiling, name="stage-in")
     finally:
         progress.close()
         report.streams = streams.peak

@@ -117,6 +117,45 @@ def test_raw_members_are_tensors_and_match_the_tar(small_dataset: Path, tmp_path
     assert image.shape == (18, 18, 3)
 
 
+@pytest.mark.parametrize("ragged", [False, True])
+def test_packed_batch_columns_put_each_member_under_its_sample(ragged: bool) -> None:
+    from loaders.dataset import PackedBatch
+
+    # three samples; in the ragged case the middle one lacks "cls" and has its members reversed
+    members = [(0, "jpg", b"aa"), (0, "cls", b"1"), (1, "jpg", b"bbb"), (1, "cls", b"2"), (2, "jpg", b"c"), (2, "cls", b"3")]
+    if ragged:
+        members = [members[0], members[1], (1, "json", b"{}"), (1, "jpg", b"bbb"), members[4], members[5]]
+    names = ("jpg", "cls", "json")
+    batch = PackedBatch(
+        payload=np.frombuffer(b"".join(m[2] for m in members), dtype=np.uint8).copy(),
+        keys=["a", "b", "c"],
+        member_sample=np.asarray([m[0] for m in members], dtype=np.int32),
+        member_ext=np.asarray([names.index(m[1]) for m in members], dtype=np.int16),
+        member_size=np.asarray([len(m[2]) for m in members], dtype=np.int64),
+        ext_names=names,
+    )
+    columns = batch.columns()
+    as_bytes = {k: [None if t is None else bytes(t.numpy()) for t in v] for k, v in columns.items() if k != "__key__"}
+    if ragged:
+        assert as_bytes == {"jpg": [b"aa", b"bbb", b"c"], "cls": [b"1", None, b"3"], "json": [None, b"{}", None]}
+    else:
+        assert as_bytes == {"jpg": [b"aa", b"bbb", b"c"], "cls": [b"1", b"2", b"3"]}
+    assert all(isinstance(t, torch.Tensor) for t in columns["jpg"])
+
+
+@pytest.mark.parametrize("shm_min_bytes", [0, 1 << 40])
+def test_raw_batches_from_workers_are_the_same_through_shared_memory_or_the_pipe(
+    small_dataset: Path, tmp_path: Path, monkeypatch, shm_min_bytes: int
+) -> None:
+    import loaders.dataset
+
+    monkeypatch.setattr(loaders.dataset, "SHARED_MEMORY_MIN_BYTES", shm_min_bytes)
+    opts = LoaderOptions(dest=str(tmp_path))
+    direct = [(b["__key__"], [bytes(t.numpy()) for t in b["npy"]]) for b in ShardedLoader(small_dataset, batch_size=5, options=opts)]
+    workers = [(b["__key__"], [bytes(t.numpy()) for t in b["npy"]]) for b in ShardedLoader(small_dataset, batch_size=5, num_workers=2, options=opts)]
+    assert workers == direct and len(direct) > 2
+
+
 def test_same_seed_and_epoch_same_order_other_epoch_differs(small_dataset: Path, tmp_path: Path) -> None:
     def order(epoch: int, seed: int = 4) -> list[str]:
         loader = ShardedLoader(small_dataset, batch_size=16, seed=seed, to_tuple=("__key__",), options=LoaderOptions(dest=str(tmp_path)))

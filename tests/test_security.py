@@ -190,3 +190,22 @@ def test_no_shell_anywhere_in_the_package(package: str) -> None:
         found += shell_uses(text, str(path.relative_to(REPO)))
         found += [f"{path.relative_to(REPO)}: text 'shell=True'" for line in text.splitlines() if "shell=True" in line]
     assert found == []
+
+
+@pytest.mark.parametrize("planted", ["sub", "train-000001.tar"])
+def test_symlink_planted_inside_the_dataset_is_refused_not_followed(tmp_path: Path, planted: str) -> None:
+    from stager.errors import UnsafePath
+    from stager.paths import SafeJoiner
+
+    root = tmp_path / "ds"
+    root.mkdir()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    join = SafeJoiner(root)
+    assert join("sub/train-000000.tar") == root / "sub" / "train-000000.tar"  # directory resolved and cached
+    (root / planted).symlink_to(outside if planted == "sub" else outside / "victim.tar")
+    target = "sub/train-000000.tar" if planted == "sub" else planted
+    fresh = SafeJoiner(root)
+    with pytest.raises(UnsafePath, match="resolves outside"):
+        fresh(target)
+    assert join("train-000002.tar") == root / "train-000002.tar"
