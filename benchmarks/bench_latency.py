@@ -15,7 +15,9 @@ stage-in runs with default flags (adaptive streams, ceiling 32); its report's ``
 (peak stream count) and ``seconds`` (copy phase only, after listing) are recorded. A second
 stage-in row, "stage-in (brace list)", names the same files with a brace pattern, which stage-in
 stats in parallel instead of listing the directory: the difference between the two rows is the
-cost of the directory listing. Every figure is a ratio to ``cp -r`` in the same run; tools
+cost of the directory listing. "stage-in (manifest)" is given a manifest made by ``stager index``
+beforehand (as a dataset's owner would, once): it takes the sizes from it instead of a stat per
+file. Every figure is a ratio to ``cp -r`` in the same run; tools
 alternate within each repeat and the median of the repeats is reported.
 """
 
@@ -85,12 +87,20 @@ def make_dataset(src: Path, files: int, file_bytes: int) -> tuple[int, list[str]
     return sum((src / n).stat().st_size for n in names), names
 
 
-def _tools(names: list[str]) -> dict[str, list[str]]:
+def _tools(names: list[str], manifest: Path) -> dict[str, list[str]]:
     report = ("--quiet", "--report", f"DST/{REPORT_NAME}")
     tools = tool_commands(transfers=RCLONE_TRANSFERS, stage_in_flags=report)
     brace = f"SRC/train-{{{names[0][6:12]}..{names[-1][6:12]}}}.tar"
     tools["stage-in (brace list)"] = [tools["stage-in"][0], brace, *tools["stage-in"][2:]]
+    tools["stage-in (manifest)"] = [*tools["stage-in"], "--manifest", str(manifest)]
     return tools
+
+
+def make_manifest(src: Path, out: Path) -> Path:
+    """``stager index`` of the source, read directly (not through the shim), kept outside it."""
+    stager = Path(sys.executable).with_name("stager")
+    subprocess.run([str(stager), "index", str(src), "--out", str(out)], check=True, capture_output=True)
+    return out
 
 
 def bench(
@@ -108,7 +118,7 @@ def bench(
             src = workdir / "src" / "ds"
             shutil.rmtree(workdir / "src", ignore_errors=True)
             nbytes, names = make_dataset(src, files, file_bytes)
-            tools = _tools(names)
+            tools = _tools(names, make_manifest(src, workdir / "manifest.json"))
             if only_tools:
                 tools = {k: v for k, v in tools.items() if k in only_tools or k == "cp -r"}
             for delay_ms in delays_ms:

@@ -159,7 +159,9 @@ SECTIONS = {
         "Source on tmpfs behind `benchmarks/latencyfs.py`, which sleeps the given delay per lookup/getattr, "
         "open and read (parallel lookups enabled); destination on tmpfs. stage-in with default flags "
         '(adaptive streams, ceiling 32). "stage-in (brace list)" names the same files with a brace '
-        "pattern, which stage-in stats in parallel instead of listing the directory serially. "
+        "pattern, which stage-in stats in parallel instead of listing the directory serially; "
+        '"stage-in (manifest)" is given a manifest made beforehand by `stager index` and takes the sizes '
+        "from it instead of a stat per file. "
         '"copy phase s" is stage-in\'s own report (`seconds`): copying only, after startup and listing. '
         "The shim is a Python daemon sharing the 2 cores: it tops out near 1,000-1,600 small files/s. "
         "Goal (issue 8): stage-in >= 25x `cp -r` on small files at 10 ms, by default.",

@@ -119,12 +119,15 @@ def copy_file(
     on_bytes: Callable[[int], None] | None = None,
     inspect: Callable[[memoryview], None] | None = None,
     fsync: bool = False,
+    size_from_manifest: bool = False,
 ) -> CopyResult:
     """Copy ``src_path`` on ``fs`` (None: a local path) to ``final``; return its size and hash.
 
     Raises :class:`SizeMismatch`/:class:`HashMismatch` on verification failure,
     :class:`ScratchFull` when the local filesystem runs out of space, and lets other transient
     ``OSError``s through for the caller's retry loop. The partial file is removed on any error.
+    ``size_from_manifest``: ``expected_size`` is the manifest's, so a different size means the
+    source changed (an integrity error), not a file still being written (worth a retry).
     """
     url = url or src_path
     algorithm = split_digest(expected_hash)[0] if expected_hash else DEFAULT_ALGORITHM
@@ -160,6 +163,11 @@ def copy_file(
             if fsync:
                 os.fsync(dst.fileno())
         if expected_size is not None and copied != expected_size:
+            if size_from_manifest:  # the source changed since `stager index`: retrying cannot help
+                raise HashMismatch(
+                    f"{url}: copied {copied} bytes but the manifest lists {expected_size}; the source changed "
+                    "or is truncated (re-run stager index if the change is intended)"
+                )
             raise SizeMismatch(
                 f"{url}: copied {copied} bytes but the source listed {expected_size}; "
                 "the file may be changing or truncated on the source"

@@ -17,6 +17,8 @@ import os
 import posixpath
 import re
 import stat
+import dataclasses
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,7 +31,7 @@ from .workers import map_in_threads
 if TYPE_CHECKING:
     import fsspec
 
-__all__ = ["SourceShard", "SourceSet", "resolve_source", "SHARD_SUFFIXES", "is_shard_name"]
+__all__ = ["SourceShard", "SourceSet", "resolve_source", "fill_sizes", "SHARD_SUFFIXES", "is_shard_name"]
 
 SHARD_SUFFIXES = (".tar", ".tgz", ".tar.gz")
 #: A brace pattern expanding past this is a typo (``{0..99999999999}``), not a dataset.
@@ -212,6 +214,32 @@ def _from_paths(
     return SourceSet(root_url, name or _basename(root), tuple(shards), tuple(missing), fs)
 
 
+def fill_sizes(
+    source: SourceSet, shards: Sequence[SourceShard], jobs: int, *, known: Container[str] = ()
+) -> list[SourceShard]:
+    """``shards`` with every unknown size stat'ed (in parallel), except relpaths in ``known``.
+
+    For shards from a directory walk (:func:`resolve_source` with ``stat_listed=False``): one
+    that vanished since the listing, or turned out to be a directory, is dropped, as the walk
+    would have dropped it.
+    """
+    todo = [i for i, s in enumerate(shards) if s.size is None and s.relpath not in known]
+    if not todo:
+        return list(shards)
+    infos = _stat_many(source.remote_fs, [shards[i].path for i in todo], jobs)
+    sized: dict[int, dict | None] = dict(zip(todo, infos, strict=True))
+    out = []
+    for i, shard in enumerate(shards):
+        if i not in sized:
+            out.append(shard)
+            continue
+        info = sized[i]
+        if info is None or info.get("type") == "directory":
+            continue
+        out.append(dataclasses.replace(shard, size=int(info.get("size") or 0)))
+    return out
+
+
 def _glob_fs(fs: fsspec.AbstractFileSystem | None) -> fsspec.AbstractFileSystem:
     if fs is not None:
         return fs
@@ -264,9 +292,18 @@ def _read_list(list_url: str) -> list[str]:
 
 
 def resolve_source(
-    spec: str | None = None, *, from_list: str | None = None, name: str | None = None, jobs: int = 16
+    spec: str | None = None,
+    *,
+    from_list: str | None = None,
+    name: str | None = None,
+    jobs: int = 16,
+    stat_listed: bool = True,
 ) -> SourceSet:
     """Resolve a stage-in source into shards with sizes.
+
+    ``stat_listed=False``: shards found by walking a local directory keep ``size=None`` and are
+    not stat'ed here; the caller sizes them with :func:`fill_sizes` after consulting a manifest,
+    which saves a metadata round trip per shard that the manifest already describes.
 
     ``spec`` is a directory, a glob, a brace pattern (``train-{000000..000099}.tar``) or a single
     file, each optionally an fsspec URL; ``from_list`` is a file listing URLs instead.
@@ -336,7 +373,11 @@ def resolve_source(
             names = _walk_local(root)
         except OSError as exc:
             raise _translate(exc, spec) from exc
-        result = _from_paths(fs, names, root, name, jobs, spec, listed=True)
+        if stat_listed:
+            result = _from_paths(fs, names, root, name, jobs, spec, listed=True)
+        else:
+            shards = tuple(SourceShard(p, p, safe_relpath(posixpath.relpath(p, root)), None) for p in names)
+            result = SourceSet(spec, name or _basename(root), shards)
         if not result.shards:
             raise SourceError(f"no shards (*.tar, *.tgz, *.tar.gz) under {spec}; check the directory")
         return result

@@ -50,7 +50,7 @@ from .progress import Progress, human_bytes
 from .report import StageInReport
 from .retry import RetryPolicy, call_with_retries
 from .slurm import SlurmEnv
-from .sources import SourceSet, SourceShard
+from .sources import SourceSet, SourceShard, fill_sizes
 from .streams import StreamController
 from .tarcount import TarSampleCounter
 from .throttle import Throttle
@@ -341,6 +341,9 @@ def _run(
     shards = list(select(source) if select is not None else source.shards)
     manifest = _load_manifest(source, options)
     expected = manifest.by_relpath() if manifest is not None else {}
+    # A listing made without stats (resolve_source(stat_listed=False)): the manifest's sizes
+    # stand for the shards it describes; only the others cost a metadata round trip.
+    shards = fill_sizes(source, shards, options.jobs, known=expected)
     if manifest is not None:
         unlisted = [s.relpath for s in shards if s.relpath not in expected]
         if unlisted:
@@ -489,6 +492,7 @@ def _copy_all(
                     source.remote_fs, shard.path, final, url=shard.url, expected_size=size, expected_hash=want_hash,
                     block_bytes=options.block_bytes, throttle=throttle, on_bytes=on_bytes,
                     inspect=counter.feed if counter is not None else None, fsync=options.fsync,
+                    size_from_manifest=shard.relpath in known_samples,
                 )
 
             try:

@@ -181,3 +181,38 @@ def test_truncated_gzip_shard_names_shard(tmp_path: Path) -> None:
     path.write_bytes(gzip.compress(raw[: len(raw) // 2]))  # a valid gzip of half a tar
     with pytest.raises(IntegrityError, match="after member 's00000-"):
         count_samples(path)
+
+
+def test_stage_in_stats_only_the_shards_the_manifest_does_not_describe(
+    fresh: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import stager.sources
+
+    assert run_main(capsys, "stager", "index", str(fresh)).returncode == 0
+    shutil.copyfile(fresh / "train-000000.tar", fresh / "train-extra.tar")  # added after indexing
+    stat_calls: list[str] = []
+    real_info = stager.sources._local_info
+    monkeypatch.setattr(stager.sources, "_local_info", lambda path: stat_calls.append(path) or real_info(path))
+    dest = tmp_path / "scratch"
+    result = run_main(capsys, "stage-in", str(fresh), "--dest", str(dest), "--jitter-max", "0", "--quiet")
+    assert result.returncode == 0, result.stderr
+    assert [p for p in stat_calls if p.endswith(".tar")] == [str(fresh / "train-extra.tar")]
+    assert "1 shard(s) are not in the manifest" in result.stderr
+    staged = Manifest.read(staged_manifest_path(dest / "ds"))
+    assert {e.relpath: e.size for e in staged.entries} == {p.name: p.stat().st_size for p in fresh.glob("*.tar")}
+
+
+def test_shard_whose_size_differs_from_the_manifest_fails_as_integrity_without_retries(
+    fresh: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run_main(capsys, "stager", "index", str(fresh)).returncode == 0
+    shard = fresh / "train-000001.tar"
+    shard.write_bytes(shard.read_bytes()[:-512])  # truncated after indexing
+    report = tmp_path / "report.json"
+    result = run_main(
+        capsys, "stage-in", str(fresh), "--dest", str(tmp_path / "s"), "--jitter-max", "0", "--report", str(report)
+    )
+    assert result.returncode == EXIT_INTEGRITY, result.stderr
+    assert f"FAILED {shard}:" in result.stderr and "the manifest lists" in result.stderr
+    assert json.loads(report.read_text())["retries"] == 0
+    assert not (tmp_path / "s" / "ds" / shard.name).exists()

@@ -86,7 +86,12 @@ def run(args: argparse.Namespace) -> int:
     if args.bw_limit is not None and args.bw_limit <= 0:
         raise UsageError("--bw-limit must be a positive number of MB/s")
     slurm = SlurmEnv.from_environ()
-    source = resolve_source(args.source, from_list=args.from_list, name=args.name, jobs=args.jobs)
+    # Sizes of a walked directory are looked up after the manifest (fewer stats), except where
+    # shard selection needs them first: --subset node partitions by size, --fanout plans by it.
+    defer_stats = args.subset == "all" and not args.fanout
+    source = resolve_source(
+        args.source, from_list=args.from_list, name=args.name, jobs=args.jobs, stat_listed=not defer_stats
+    )
     options = StageInOptions(
         dest_root=resolve_dest_root(args.dest, slurm=slurm),
         name=args.name,
