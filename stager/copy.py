@@ -57,7 +57,7 @@ class SizeMismatch(IntegrityError):
 
 
 class HashMismatch(IntegrityError):
-    """The copy's hash differs from the manifest's: the source changed or is corrupt."""
+    """The copy differs from the manifest (its hash, or its size): the source changed or is corrupt."""
 
     transient = False
 
