@@ -75,11 +75,7 @@ class SourceSet:
     @property
     def fs(self) -> fsspec.AbstractFileSystem:
         """fsspec's view of the source (for a local path, built on first use)."""
-        if self.remote_fs is not None:
-            return self.remote_fs
-        from fsspec.implementations.local import LocalFileSystem
-
-        return LocalFileSystem()
+        return _fsspec_view(self.remote_fs)
 
     @property
     def total_bytes(self) -> int:
@@ -197,15 +193,11 @@ def _from_paths(
     name: str | None,
     jobs: int,
     root_url: str,
-    *,
-    listed: bool = False,
 ) -> SourceSet:
-    """Stat ``paths`` in parallel; ``listed``: they came from a directory walk, not the user."""
+    """Stat ``paths`` (named by the user) in parallel; those that do not exist are ``missing``."""
     infos = _stat_many(fs, paths, jobs)
     shards, missing = [], []
     for path, info in zip(paths, infos, strict=True):
-        if listed and (info is None or info.get("type") == "directory"):
-            continue  # vanished since the listing, or a directory named like a shard
         if info is None or info.get("type") == "directory":
             missing.append(_display(fs, path))
             continue
@@ -240,10 +232,11 @@ def fill_sizes(
     return out
 
 
-def _glob_fs(fs: fsspec.AbstractFileSystem | None) -> fsspec.AbstractFileSystem:
+def _fsspec_view(fs: fsspec.AbstractFileSystem | None) -> fsspec.AbstractFileSystem:
+    """``fs`` itself, or fsspec's local filesystem for a local path (None), imported only now."""
     if fs is not None:
         return fs
-    from fsspec.implementations.local import LocalFileSystem  # fsspec's glob rules, also locally
+    from fsspec.implementations.local import LocalFileSystem
 
     return LocalFileSystem()
 
@@ -344,7 +337,7 @@ def resolve_source(
     fs, path = _split_fs(spec)
     if _has_glob(path):
         try:
-            matches = sorted(_glob_fs(fs).glob(path, detail=True).items())
+            matches = sorted(_fsspec_view(fs).glob(path, detail=True).items())  # fsspec's glob rules
         except Exception as exc:  # noqa: BLE001 - translated at this boundary
             raise _translate(exc, spec) from exc
         files = [(p, info) for p, info in matches if info.get("type") != "directory"]
@@ -373,11 +366,10 @@ def resolve_source(
             names = _walk_local(root)
         except OSError as exc:
             raise _translate(exc, spec) from exc
+        shards = tuple(SourceShard(p, p, safe_relpath(posixpath.relpath(p, root)), None) for p in names)
+        result = SourceSet(spec, name or _basename(root), shards)
         if stat_listed:
-            result = _from_paths(fs, names, root, name, jobs, spec, listed=True)
-        else:
-            shards = tuple(SourceShard(p, p, safe_relpath(posixpath.relpath(p, root)), None) for p in names)
-            result = SourceSet(spec, name or _basename(root), shards)
+            result = dataclasses.replace(result, shards=tuple(fill_sizes(result, shards, jobs)))
         if not result.shards:
             raise SourceError(f"no shards (*.tar, *.tgz, *.tar.gz) under {spec}; check the directory")
         return result

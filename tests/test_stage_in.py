@@ -93,6 +93,20 @@ def test_nested_directories_keep_relative_paths(tmp_path: Path) -> None:
     assert not (tmp_path / "s" / "nested" / "README.txt").exists()
 
 
+@pytest.mark.parametrize("subset", ["all", "node"])
+def test_directory_named_like_a_shard_is_not_a_shard(tmp_path: Path, subset: str) -> None:
+    # "all" sizes the walked names after the manifest lookup; "node" stats them first (it splits
+    # by size): either way the directory drops out, and nothing is reported as failed.
+    src = tmp_path / "ds"
+    write_synthetic_dataset(src, SyntheticSpec(num_shards=2, samples_per_shard=3))
+    (src / "odd.tar").mkdir()
+    result = run_cli("stage-in", str(src), "--dest", str(tmp_path / "s"), "--subset", subset, "--jitter-max", "0")
+    assert result.returncode == 0, result.stderr
+    staged = Manifest.read(staged_manifest_path(tmp_path / "s" / "ds"))
+    assert sorted(e.relpath for e in staged.entries) == ["train-000000.tar", "train-000001.tar"]
+    assert "FAILED" not in result.stderr
+
+
 def test_missing_source_is_one_clear_line_and_exit_3(tmp_path: Path) -> None:
     result = run_cli("stage-in", str(tmp_path / "nope"), "--dest", str(tmp_path / "s"))
     assert result.returncode == EXIT_SOURCE
