@@ -31,7 +31,7 @@ from typing import TextIO
 import numpy
 
 from .errors import ScratchFull, ShardFailure, ShardsFailed, UsageError
-from .fanout_exchange import ExchangeShard, run_exchange
+from .fanout_exchange import Exchange, ExchangeShard
 from .fanout_group import (
     FanoutError,
     FanoutOptions,
@@ -210,7 +210,7 @@ def _run_fanout(
             stream=log,
         )
         try:
-            outcome = run_exchange(
+            outcome = Exchange(
                 group,
                 plan,
                 items,
@@ -221,7 +221,7 @@ def _run_fanout(
                 progress=progress,
                 node_label=label,
                 log=log,
-            )
+            ).run()
         finally:
             progress.close()
 

@@ -40,7 +40,7 @@ from .sources import SourceSet, SourceShard
 from .stagein import StageInOptions
 from .throttle import Throttle
 
-__all__ = ["ExchangeShard", "ExchangeOutcome", "run_exchange", "HEADER_BYTES"]
+__all__ = ["ExchangeShard", "ExchangeOutcome", "Exchange", "HEADER_BYTES"]
 
 HEADER_BYTES = 512
 _HEADER = struct.Struct("<qqH")
@@ -86,12 +86,15 @@ def _decode_header(raw: bytes) -> tuple[int, int, str]:
     return status, size, raw[_HEADER.size : _HEADER.size + length].decode("utf-8", "replace")
 
 
-class _Exchange:
+class Exchange:
+    """This node's side of the exchange: ``Exchange(...).run()``; every node of ``group`` must run it alike."""
+
     def __init__(
         self,
         group: NodeGroup,
         plan: FanoutPlan,
         items: Sequence[ExchangeShard],
+        *,
         source: SourceSet,
         options: StageInOptions,
         fanout: FanoutOptions,
@@ -356,22 +359,3 @@ def _discard(path: Path) -> None:
         path.unlink()
     except FileNotFoundError:
         pass
-
-
-def run_exchange(
-    group: NodeGroup,
-    plan: FanoutPlan,
-    items: Sequence[ExchangeShard],
-    *,
-    source: SourceSet,
-    options: StageInOptions,
-    fanout: FanoutOptions,
-    report: StageInReport,
-    progress: Progress,
-    node_label: Callable[[int], str],
-    log: TextIO,
-) -> ExchangeOutcome:
-    """Run this node's side of the exchange; every node of ``group`` must call it alike."""
-    return _Exchange(
-        group, plan, items, source, options, fanout, report, progress, node_label, log
-    ).run()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from stager.errors import ShardFailure
-from stager.fanout_exchange import ExchangeOutcome, ExchangeShard, run_exchange
+from stager.fanout_exchange import Exchange, ExchangeOutcome, ExchangeShard
 from stager.fanout_group import FanoutError, FanoutOptions
 from stager.fanout_plan import plan_fanout
 from stager.paths import safe_join
@@ -85,7 +85,7 @@ def _exchange(
             node=f"node{rank}", job_id="t", dataset_dir=str(dest), source=source.root_url
         )
         try:
-            results[rank] = run_exchange(
+            results[rank] = Exchange(
                 groups[rank],
                 plan,
                 items,
@@ -96,7 +96,7 @@ def _exchange(
                 progress=Progress(0, 0, label="t", mode="none"),
                 node_label=lambda r: f"node{r}",
                 log=io.StringIO(),
-            )
+            ).run()
         except BaseException as exc:  # noqa: BLE001 - handed to the test
             results[rank] = exc
 
