@@ -59,10 +59,6 @@ class DatasetShards:
         return sum(s.from_source for s in self.shards)
 
 
-def _is_local_fs(source: SourceSet) -> bool:
-    return source.is_local
-
-
 def _dataset_name(spec: str) -> str:
     """The name stage-in gives ``spec`` (basename of its root), computed without any I/O."""
     path = spec.split("://", 1)[-1]
@@ -90,7 +86,7 @@ def _failed_urls(dataset_dir: Path) -> set[str]:
 
 
 def _source_refs(source: SourceSet, samples: dict[str, int | None]) -> dict[str, ShardRef]:
-    local = _is_local_fs(source)
+    local = source.is_local
     return {
         s.relpath: ShardRef(s.relpath, s.path if local else s.url, local, True, samples.get(s.relpath))
         for s in source.shards
@@ -98,7 +94,7 @@ def _source_refs(source: SourceSet, samples: dict[str, int | None]) -> dict[str,
 
 
 def _source_samples(source: SourceSet) -> dict[str, int | None]:
-    if not _is_local_fs(source) or not source.shards:
+    if not source.is_local or not source.shards:
         return {}
     first = source.shards[0]
     found = find_manifest(first.path[: len(first.path) - len(first.relpath)])

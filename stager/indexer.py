@@ -39,7 +39,7 @@ from .errors import (
 from .hashing import ALGORITHMS, DEFAULT_ALGORITHM, new_hasher
 from .manifest import Manifest, ManifestEntry, default_manifest_name
 from .retry import RetryPolicy, call_with_retries
-from .sources import SourceSet, SourceShard, is_shard_name
+from .sources import SourceSet, SourceShard, is_shard_name, protocol_of
 from .tarindex import count_samples_stream, is_compressed
 
 __all__ = [
@@ -201,9 +201,8 @@ def write_manifest(manifest: Manifest, out: str) -> str:
     if not out.endswith((".json", ".parquet")):
         raise UsageError(f"--out {out} must end in .json or .parquet")
     fs, path = url_to_fs(out)
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     try:
-        if protocol in ("file", "local"):
+        if protocol_of(fs) == "file":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             manifest.write(path)
             return path

@@ -52,7 +52,7 @@ class SafeJoiner:
     def __init__(self, root: str | os.PathLike[str]):
         self.root = Path(root)
         self._root = str(self.root)
-        self._resolved_root = os.path.realpath(self._root)
+        self._inside = os.path.realpath(self._root).rstrip("/") + "/"  # what a shard path must start with
         self._resolved_dirs: dict[str, str] = {}
 
     def __call__(self, relpath: str) -> Path:
@@ -63,6 +63,6 @@ class SafeJoiner:
         if resolved_parent is None:
             resolved_parent = self._resolved_dirs[parent] = os.path.realpath(parent)
         resolved = os.path.realpath(target) if os.path.islink(target) else os.path.join(resolved_parent, name)
-        if not resolved.startswith(self._resolved_root.rstrip("/") + "/"):
+        if not resolved.startswith(self._inside):
             raise UnsafePath(f"shard path {relpath!r} resolves outside {self.root} (a symlink?); refused")
         return Path(target)
