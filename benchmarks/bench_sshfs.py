@@ -34,6 +34,7 @@ from pathlib import Path
 from .bench_latency import make_dataset, tmpfs
 from .bench_stage_in import run_tool, target_for, tool_commands
 from .common import in_workdir, report
+from .latencyfs import unmount
 
 # (label, files, approximate bytes per file); about 25 MB each so a run takes ~3 s at 80 mbit
 SIZES = {
@@ -186,7 +187,7 @@ def file_server(
             f"IdentityFile={keys / 'client_key'},StrictHostKeyChecking=no,UserKnownHostsFile=/dev/null,"
             "BatchMode=yes,ro",
         )
-        stack.callback(_unmount, mnt)
+        stack.callback(unmount, mnt)
         yield server, mnt
 
 
@@ -198,17 +199,6 @@ def _stop(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def _unmount(mnt: Path) -> None:
-    for cmd in (
-        ["fusermount3", "-u", str(mnt)],
-        ["fusermount3", "-uz", str(mnt)],
-        ["umount", "-l", str(mnt)],
-    ):
-        if not os.path.ismount(mnt):
-            return
-        subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
 
 
 def bench(size: str, repeats: int, rate_mbit: float, workdir: Path, log=sys.stderr) -> list[dict]:
