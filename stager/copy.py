@@ -120,6 +120,7 @@ def copy_file(
     inspect: Callable[[memoryview], None] | None = None,
     fsync: bool = False,
     size_from_manifest: bool = False,
+    publish: Callable[[Path, Path], None] | None = None,
 ) -> CopyResult:
     """Copy ``src_path`` on ``fs`` (None: a local path) to ``final``; return its size and hash.
 
@@ -128,6 +129,7 @@ def copy_file(
     ``OSError``s through for the caller's retry loop. The partial file is removed on any error.
     ``size_from_manifest``: ``expected_size`` is the manifest's, so a different size means the
     source changed (an integrity error), not a file still being written (worth a retry).
+    ``publish(partial, final)`` replaces the final rename (e.g. to hold it until a check passes).
     """
     url = url or src_path
     algorithm = split_digest(expected_hash)[0] if expected_hash else DEFAULT_ALGORITHM
@@ -178,7 +180,7 @@ def copy_file(
                 f"{url}: hash {digest} does not match the manifest's {expected_hash}; "
                 "the source changed or is corrupt (re-run stager index if the change is intended)"
             )
-        os.replace(partial, final)
+        (publish or os.replace)(partial, final)
     except OSError as exc:
         _discard(partial)
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):

@@ -68,6 +68,15 @@ class Progress:
                     self._last_line = now
                     self._print_line(now)
 
+    def add_totals(self, nbytes: int, files: int = 0) -> None:
+        """Grow the totals by shards sized after the start (see :mod:`stager.sizing`)."""
+        with self._lock:
+            self.total_bytes += nbytes
+            self.total_files += files
+            if self._bar is not None:
+                self._bar.total = self.total_bytes
+                self._bar.refresh()
+
     def file_done(self) -> None:
         with self._lock:
             self.files_done += 1

@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import importlib
 import json
+import os
 import shutil
 import sys
 import threading
@@ -50,6 +51,7 @@ from .progress import Progress, human_bytes
 from .report import StageInReport
 from .retry import RetryPolicy, call_with_retries
 from .slurm import SlurmEnv
+from .sizing import DROPPED, UNKNOWN, DeferredPreflight
 from .sources import SourceSet, SourceShard, fill_sizes
 from .streams import StreamController
 from .tarcount import TarSampleCounter
@@ -181,6 +183,26 @@ def _one_line(exc: BaseException) -> str:
 class _Plan:
     to_copy: list[tuple[SourceShard, Path, int | None, str | None]]
     kept: dict[str, ManifestEntry]
+    sized_later: set[str] = field(default_factory=set)  # relpaths sized while they copy
+    free_bytes: int = 0  # free on scratch before the first copy
+
+
+def _sized_while_copying(
+    source: SourceSet, shards: Sequence[SourceShard], expected: dict[str, ManifestEntry], dataset_dir: Path
+) -> set[str]:
+    """Walked shards to size during the copy (:mod:`stager.sizing`) rather than before it.
+
+    Those of a local source that the manifest does not describe and that are not staged yet: a
+    staged file is compared with the source by size in the plan, so it needs its size first.
+    """
+    if source.remote_fs is not None:
+        return set()
+    base = str(dataset_dir)
+    return {
+        s.relpath
+        for s in shards
+        if s.size is None and s.relpath not in expected and not os.path.lexists(os.path.join(base, s.relpath))
+    }
 
 
 def _plan(
@@ -215,17 +237,23 @@ def _plan(
     return _Plan(to_copy, kept)
 
 
-def _preflight(dataset_dir: Path, needed: int, options: StageInOptions, node: str) -> None:
+def _preflight(dataset_dir: Path, needed: int, options: StageInOptions, node: str) -> int:
+    """Refuse if ``needed`` bytes do not fit; return the free bytes."""
     free = shutil.disk_usage(dataset_dir).free
     if needed + options.min_free_bytes > free:
-        raise ScratchFull(
-            f"[{node}] not enough space on {dataset_dir}: need {human_bytes(needed)} ({needed} bytes), "
-            f"free {human_bytes(free)} ({free} bytes); nothing was copied. Free space, stage a subset "
-            "(--subset node) or pass --dest to a larger filesystem",
-            needed_bytes=needed,
-            free_bytes=free,
-            where=str(dataset_dir),
-        )
+        raise _space_error(dataset_dir, needed, free, node)
+    return free
+
+
+def _space_error(dataset_dir: Path | str, needed: int, free: int, node: str) -> ScratchFull:
+    return ScratchFull(
+        f"[{node}] not enough space on {dataset_dir}: need {human_bytes(needed)} ({needed} bytes), "
+        f"free {human_bytes(free)} ({free} bytes); nothing was copied. Free space, stage a subset "
+        "(--subset node) or pass --dest to a larger filesystem",
+        needed_bytes=needed,
+        free_bytes=free,
+        where=str(dataset_dir),
+    )
 
 
 def stage_in(
@@ -342,8 +370,10 @@ def _run(
     manifest = _load_manifest(source, options)
     expected = manifest.by_relpath() if manifest is not None else {}
     # A listing made without stats (resolve_source(stat_listed=False)): the manifest's sizes
-    # stand for the shards it describes; only the others cost a metadata round trip.
-    shards = fill_sizes(source, shards, options.jobs, known=expected)
+    # stand for the shards it describes; the others cost a metadata round trip, made while the
+    # copies run for those not staged yet.
+    sized_later = _sized_while_copying(source, shards, expected, dataset_dir)
+    shards = fill_sizes(source, shards, options.jobs, known=expected.keys() | sized_later)
     if manifest is not None:
         unlisted = [s.relpath for s in shards if s.relpath not in expected]
         if unlisted:
@@ -361,7 +391,8 @@ def _run(
     for url in source.missing:
         report.add_failure(ShardFailure(url, "not found on the source"))
     needed = sum(size or 0 for _, _, size, _ in plan.to_copy)
-    _preflight(dataset_dir, needed, options, slurm.node_name)
+    plan.free_bytes = _preflight(dataset_dir, needed, options, slurm.node_name)
+    plan.sized_later = sized_later
 
     entries: dict[str, ManifestEntry] = dict(plan.kept)
     parsed: dict[str, TarSampleCounter] = {}  # member offsets parsed in flight, for the loader
@@ -451,7 +482,12 @@ def _copy_all(
     parsed: dict[str, TarSampleCounter],
     log: TextIO,
 ) -> bool:
-    """Copy the planned shards; True when any failed verification against the manifest."""
+    """Copy the planned shards; True when any failed verification against the manifest.
+
+    Shards in ``plan.sized_later`` are stat'ed on probe threads running ahead of the copies;
+    their copies stay ``.partial`` until the free-space check on those sizes has passed, and a
+    refusal raises :class:`ScratchFull` with nothing new staged (:mod:`stager.sizing`).
+    """
     progress = Progress(
         sum(size or 0 for _, _, size, _ in plan.to_copy),
         len(plan.to_copy),
@@ -464,6 +500,19 @@ def _copy_all(
     lock = threading.Lock()
     stop = threading.Event()  # set when scratch is full: the remaining copies cannot succeed
     corrupt = threading.Event()  # set when a copy's hash differed from the manifest's
+    dropped: list[str] = []  # sized later and found gone or a directory: not shards after all
+    late_shards = [shard for shard, _, _, _ in plan.to_copy if shard.relpath in plan.sized_later]
+    late = {shard.relpath: i for i, shard in enumerate(late_shards)}  # relpath -> index in the probe
+    preflight: DeferredPreflight | None = None
+    if late:
+        preflight = DeferredPreflight(
+            [shard.path for shard in late_shards],
+            options.jobs,
+            known_bytes=progress.total_bytes,
+            free_bytes=plan.free_bytes,
+            min_free_bytes=options.min_free_bytes,
+            on_sized=lambda nbytes, gone: progress.add_totals(nbytes, -gone),
+        ).start()
 
     def on_bytes(n: int) -> None:
         with lock:
@@ -477,6 +526,16 @@ def _copy_all(
 
     def copy_one(item: tuple[SourceShard, Path, int | None, str | None]) -> None:
         shard, final, size, want_hash = item
+        if preflight is not None and shard.relpath in late:
+            size = preflight.size(late[shard.relpath])
+            if size == DROPPED:
+                with lock:
+                    dropped.append(shard.relpath)
+                return
+            if size == UNKNOWN:
+                size = None  # the copy's own open says what is wrong
+            if preflight.refused:
+                return  # the ScratchFull raised at the end says it for all of them
         if stop.is_set():
             failure = ShardFailure(shard.url, "not attempted: scratch is full")
         else:
@@ -493,6 +552,7 @@ def _copy_all(
                     block_bytes=options.block_bytes, throttle=throttle, on_bytes=on_bytes,
                     inspect=counter.feed if counter is not None else None, fsync=options.fsync,
                     size_from_manifest=shard.relpath in known_samples,
+                    publish=preflight.gate.publish if preflight is not None else None,
                 )
 
             try:
@@ -530,6 +590,32 @@ def _copy_all(
     try:
         run_in_threads(copy_one, plan.to_copy, ceiling, name="stage-in")
     finally:
+        if preflight is not None:
+            preflight.finish()
         progress.close()
         report.streams = streams.peak
+    if preflight is not None:
+        _settle_sized_later(preflight, plan, dropped, report, entries)
     return corrupt.is_set()
+
+
+def _settle_sized_later(
+    preflight: DeferredPreflight,
+    plan: _Plan,
+    dropped: list[str],
+    report: StageInReport,
+    entries: dict[str, ManifestEntry],
+) -> None:
+    """Account for the shards sized during the copy, or raise the free-space refusal."""
+    if preflight.refused:
+        raise _space_error(report.dataset_dir, preflight.needed_bytes, preflight.free_bytes, report.node)
+    report.files_total -= len(dropped)
+    report.bytes_total += preflight.probed_bytes
+    if preflight.failed_renames:
+        shard_of = {final: shard for shard, final, _, _ in plan.to_copy}
+        for final, exc in preflight.failed_renames:
+            entry = entries.pop(shard_of[final].relpath, None)
+            if entry is not None:
+                report.files_copied -= 1
+                report.bytes_copied -= entry.size
+            report.add_failure(ShardFailure(shard_of[final].url, f"copied but not renamed into place: {exc.strerror or exc}"))

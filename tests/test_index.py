@@ -186,6 +186,7 @@ def test_truncated_gzip_shard_names_shard(tmp_path: Path) -> None:
 def test_stage_in_stats_only_the_shards_the_manifest_does_not_describe(
     fresh: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import stager.sizing
     import stager.sources
 
     assert run_main(capsys, "stager", "index", str(fresh)).returncode == 0
@@ -193,6 +194,8 @@ def test_stage_in_stats_only_the_shards_the_manifest_does_not_describe(
     stat_calls: list[str] = []
     real_info = stager.sources._local_info
     monkeypatch.setattr(stager.sources, "_local_info", lambda path: stat_calls.append(path) or real_info(path))
+    real_stat = stager.sizing._stat  # shards not in the manifest are sized while they copy
+    monkeypatch.setattr(stager.sizing, "_stat", lambda path: stat_calls.append(path) or real_stat(path))
     dest = tmp_path / "scratch"
     result = run_main(capsys, "stage-in", str(fresh), "--dest", str(dest), "--jitter-max", "0", "--quiet")
     assert result.returncode == 0, result.stderr

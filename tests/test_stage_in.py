@@ -257,3 +257,35 @@ def test_shards_missing_from_the_manifest_are_staged_with_a_warning(dataset_copy
     warning = [line for line in result.stderr.splitlines() if "not in the manifest" in line]
     assert len(warning) == 1 and "1 shard(s)" in warning[0] and "extra-000000.tar" in warning[0]
     assert (tmp_path / "s" / "ds" / "extra-000000.tar").is_file()
+
+
+def test_space_check_on_sizes_found_while_copying_leaves_nothing_staged(tmp_path: Path) -> None:
+    # A walked directory without a manifest is sized while it copies: the shards that fit may
+    # already be copied when the last size is in, and must not be left staged by the refusal.
+    src = tmp_path / "ds"
+    write_synthetic_dataset(src, SyntheticSpec(num_shards=6, samples_per_shard=10, image_bytes=100_000))
+    scratch = tmp_path / "tmpfs"
+    _mount_tmpfs(scratch, "3M")  # two ~1 MB shards fit, six do not
+    try:
+        result = run_cli("stage-in", str(src), "--dest", str(scratch), "--jobs", "2", "--min-jobs", "2")
+        assert result.returncode == EXIT_FULL, result.stderr
+        assert "not enough space" in result.stderr and "nothing was copied" in result.stderr
+        assert not _shards(scratch) and not list(scratch.rglob("*.partial"))
+    finally:
+        subprocess.run(["umount", str(scratch)], check=False)
+
+
+def test_rerun_sizes_staged_shards_first_and_the_rest_while_copying(small_dataset: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "s"
+    first = run_cli("stage-in", f"{small_dataset}/train-{{000000..000002}}.tar", "--dest", str(dest), "--name", "ds")
+    assert first.returncode == 0, first.stderr
+    staged = dest / "ds" / "train-000001.tar"
+    staged.write_bytes(staged.read_bytes()[:-512])  # a stale copy: its size no longer matches
+    result = run_cli("stage-in", str(small_dataset), "--dest", str(dest), "--report", str(tmp_path / "r.json"))
+    assert result.returncode == 0, result.stderr
+    _assert_identical(small_dataset, dest / "ds")
+    report = json.loads((tmp_path / "r.json").read_text())
+    total = len(list(small_dataset.glob("*.tar")))
+    assert report["files_total"] == total and report["files_skipped"] == 2
+    assert report["files_copied"] == total - 2
+    assert report["bytes_total"] == sum(p.stat().st_size for p in small_dataset.glob("*.tar"))

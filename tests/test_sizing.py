@@ -1,0 +1,100 @@
+"""Sizing walked shards while they copy: the probe's results, and the gate that holds copies back
+until the free-space check on those sizes has passed."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from stager.sizing import DROPPED, UNKNOWN, DeferredPreflight, PublishGate, SizeProbe
+
+
+def _files(root: Path, sizes: list[int]) -> list[str]:
+    root.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, size in enumerate(sizes):
+        path = root / f"s{i}.tar"
+        path.write_bytes(b"x" * size)
+        paths.append(str(path))
+    return paths
+
+
+def _partial(root: Path, name: str, data: bytes = b"data") -> tuple[Path, Path]:
+    partial = root / f"{name}.partial"
+    partial.write_bytes(data)
+    return partial, root / name
+
+
+def test_probe_gives_sizes_and_drops_what_a_walk_would_not_list(tmp_path: Path) -> None:
+    paths = _files(tmp_path / "src", [10, 0, 300])
+    (tmp_path / "src" / "dir.tar").mkdir()
+    paths += [str(tmp_path / "src" / "dir.tar"), str(tmp_path / "src" / "gone.tar")]
+    sized: list[int] = []
+    done = threading.Event()
+    probe = SizeProbe(paths, 3, on_size=sized.append, on_done=done.set).start()
+    assert [probe.get(i) for i in range(len(paths))] == [10, 0, 300, DROPPED, DROPPED]
+    probe.join()
+    assert done.is_set() and sorted(sized) == [0, 10, 300]
+
+
+def test_probe_marks_an_entry_it_cannot_stat_unknown(tmp_path: Path) -> None:
+    # Not "gone": the copy's own open reports the real error (here: name too long).
+    assert SizeProbe([str(tmp_path / ("x" * 5000))], 1).start().get(0) == UNKNOWN
+
+
+def test_get_waits_for_a_result_still_to_come(tmp_path: Path) -> None:
+    paths = _files(tmp_path, [7] * 50)
+    probe = SizeProbe(paths, 1)
+    got: list[int] = []
+    waiter = threading.Thread(target=lambda: got.append(probe.get(49)))
+    waiter.start()  # before the probe starts: it must wait, not read a placeholder
+    probe.start()
+    waiter.join(timeout=10)
+    assert got == [7]
+
+
+def test_gate_holds_copies_until_it_passes_then_renames_them(tmp_path: Path) -> None:
+    gate = PublishGate()
+    held = _partial(tmp_path, "a.tar")
+    gate.publish(*held)
+    assert held[0].exists() and not held[1].exists()
+    assert gate.pass_() == []
+    assert held[1].read_bytes() == b"data" and not held[0].exists()
+    later = _partial(tmp_path, "b.tar")
+    gate.publish(*later)
+    assert later[1].exists() and not later[0].exists()
+
+
+def test_gate_refused_deletes_held_and_later_copies(tmp_path: Path) -> None:
+    gate = PublishGate()
+    held = _partial(tmp_path, "a.tar")
+    gate.publish(*held)
+    gate.refuse()
+    later = _partial(tmp_path, "b.tar")
+    gate.publish(*later)
+    assert gate.refused
+    assert not any(p.exists() for p in (*held, *later))
+    assert gate.pass_() == [] and gate.refused  # the verdict is final
+
+
+def test_deferred_preflight_passes_when_the_sizes_fit(tmp_path: Path) -> None:
+    paths = _files(tmp_path / "src", [100, 200, 300])
+    totals: list[tuple[int, int]] = []
+    check = DeferredPreflight(
+        paths, 2, known_bytes=50, free_bytes=700, min_free_bytes=50, on_sized=lambda b, n: totals.append((b, n))
+    )
+    held = _partial(tmp_path, "a.tar")
+    check.gate.publish(*held)  # a copy that finished before the verdict
+    check.start().finish()
+    assert not check.refused and check.needed_bytes == 650 and totals == [(600, 0)]
+    assert held[1].exists() and not held[0].exists()
+
+
+def test_deferred_preflight_refuses_when_the_sizes_do_not_fit(tmp_path: Path) -> None:
+    paths = _files(tmp_path / "src", [100, 200, 300])
+    check = DeferredPreflight(paths, 2, known_bytes=0, free_bytes=599)
+    held = _partial(tmp_path, "a.tar")
+    check.gate.publish(*held)
+    check.start().finish()
+    assert check.refused and check.needed_bytes == 600 and check.free_bytes == 599
+    assert not held[0].exists() and not held[1].exists()
