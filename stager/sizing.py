@@ -16,7 +16,6 @@ import os
 import stat
 import threading
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 from .workers import run_in_threads
 
@@ -28,6 +27,13 @@ DROPPED = -1
 #: The stat failed otherwise (e.g. permission denied): the copy will say why.
 UNKNOWN = -2
 _PENDING = object()
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _stat(path: str) -> os.stat_result:
@@ -120,13 +126,13 @@ class PublishGate:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._verdict: bool | None = None
-        self._held: list[tuple[Path, Path]] = []
+        self._held: list[tuple[str, str]] = []
 
     @property
     def refused(self) -> bool:
         return self._verdict is False
 
-    def publish(self, partial: Path, final: Path) -> None:
+    def publish(self, partial: str, final: str) -> None:
         if self._verdict is True:  # one-way: once passed, no lock is needed
             os.replace(partial, final)
             return
@@ -137,9 +143,9 @@ class PublishGate:
         if self._verdict:
             os.replace(partial, final)
         else:
-            partial.unlink(missing_ok=True)
+            _unlink(partial)
 
-    def pass_(self) -> list[tuple[Path, OSError]]:
+    def pass_(self) -> list[tuple[str, OSError]]:
         """Rename the copies held so far; returns the finals that could not be renamed."""
         with self._lock:
             if self._verdict is not None:
@@ -149,7 +155,7 @@ class PublishGate:
                 try:
                     os.replace(partial, final)
                 except OSError as exc:
-                    partial.unlink(missing_ok=True)
+                    _unlink(partial)
                     failed.append((final, exc))
             self._held = []
             self._verdict = True
@@ -162,7 +168,7 @@ class PublishGate:
             held, self._held = self._held, []
             self._verdict = False
         for partial, _ in held:
-            partial.unlink(missing_ok=True)
+            _unlink(partial)
 
 
 class DeferredPreflight:
@@ -192,7 +198,7 @@ class DeferredPreflight:
         self._lock = threading.Lock()
         self._on_sized = on_sized
         self.probe = SizeProbe(paths, threads, on_size=self._add, on_done=self._done)
-        self.failed_renames: list[tuple[Path, OSError]] = []
+        self.failed_renames: list[tuple[str, OSError]] = []
 
     def start(self) -> DeferredPreflight:
         self.probe.start()

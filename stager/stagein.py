@@ -612,7 +612,7 @@ def _settle_sized_later(
     report.files_total -= len(dropped)
     report.bytes_total += preflight.probed_bytes
     if preflight.failed_renames:
-        shard_of = {final: shard for shard, final, _, _ in plan.to_copy}
+        shard_of = {os.fspath(final): shard for shard, final, _, _ in plan.to_copy}
         for final, exc in preflight.failed_renames:
             entry = entries.pop(shard_of[final].relpath, None)
             if entry is not None:

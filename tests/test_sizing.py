@@ -3,6 +3,7 @@ until the free-space check on those sizes has passed."""
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -19,10 +20,10 @@ def _files(root: Path, sizes: list[int]) -> list[str]:
     return paths
 
 
-def _partial(root: Path, name: str, data: bytes = b"data") -> tuple[Path, Path]:
+def _partial(root: Path, name: str, data: bytes = b"data") -> tuple[str, str]:
     partial = root / f"{name}.partial"
     partial.write_bytes(data)
-    return partial, root / name
+    return str(partial), str(root / name)
 
 
 def test_probe_gives_sizes_and_drops_what_a_walk_would_not_list(tmp_path: Path) -> None:
@@ -57,12 +58,12 @@ def test_gate_holds_copies_until_it_passes_then_renames_them(tmp_path: Path) -> 
     gate = PublishGate()
     held = _partial(tmp_path, "a.tar")
     gate.publish(*held)
-    assert held[0].exists() and not held[1].exists()
+    assert os.path.exists(held[0]) and not os.path.exists(held[1])
     assert gate.pass_() == []
-    assert held[1].read_bytes() == b"data" and not held[0].exists()
+    assert Path(held[1]).read_bytes() == b"data" and not os.path.exists(held[0])
     later = _partial(tmp_path, "b.tar")
     gate.publish(*later)
-    assert later[1].exists() and not later[0].exists()
+    assert os.path.exists(later[1]) and not os.path.exists(later[0])
 
 
 def test_gate_refused_deletes_held_and_later_copies(tmp_path: Path) -> None:
@@ -73,7 +74,7 @@ def test_gate_refused_deletes_held_and_later_copies(tmp_path: Path) -> None:
     later = _partial(tmp_path, "b.tar")
     gate.publish(*later)
     assert gate.refused
-    assert not any(p.exists() for p in (*held, *later))
+    assert not any(os.path.exists(p) for p in (*held, *later))
     assert gate.pass_() == [] and gate.refused  # the verdict is final
 
 
@@ -87,7 +88,7 @@ def test_deferred_preflight_passes_when_the_sizes_fit(tmp_path: Path) -> None:
     check.gate.publish(*held)  # a copy that finished before the verdict
     check.start().finish()
     assert not check.refused and check.needed_bytes == 650 and totals == [(600, 0)]
-    assert held[1].exists() and not held[0].exists()
+    assert os.path.exists(held[1]) and not os.path.exists(held[0])
 
 
 def test_deferred_preflight_refuses_when_the_sizes_do_not_fit(tmp_path: Path) -> None:
@@ -97,4 +98,4 @@ def test_deferred_preflight_refuses_when_the_sizes_do_not_fit(tmp_path: Path) ->
     check.gate.publish(*held)
     check.start().finish()
     assert check.refused and check.needed_bytes == 600 and check.free_bytes == 599
-    assert not held[0].exists() and not held[1].exists()
+    assert not os.path.exists(held[0]) and not os.path.exists(held[1])
