@@ -163,7 +163,8 @@ SECTIONS = {
         '"stage-in (manifest)" is given a manifest made beforehand by `stager index` and takes the sizes '
         "from it instead of a stat per file. "
         '"copy phase s" is stage-in\'s own report (`seconds`): after startup and the directory read, so '
-        "it includes the per-file stats that a manifest saves. "
+        "it includes the per-file stats that a manifest saves (without one they run on their own threads "
+        "alongside the copies). "
         "The shim is a Python daemon sharing the 2 cores: it tops out near 1,000-1,600 small files/s. "
         "Goal (issue 8): stage-in >= 25x `cp -r` on small files at 10 ms, by default.",
     ),
