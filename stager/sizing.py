@@ -12,6 +12,7 @@ Until it has passed, finished copies stay ``.partial``: a refusal still leaves n
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import threading
@@ -24,7 +25,7 @@ __all__ = ["DROPPED", "UNKNOWN", "SizeProbe", "PublishGate", "DeferredPreflight"
 #: The shard vanished since the listing, or is a directory named like a shard: the walk
 #: would not have listed it, so it is dropped without a failure.
 DROPPED = -1
-#: The stat failed otherwise (e.g. permission denied): the copy will say why.
+#: The stat failed otherwise (e.g. permission denied, EIO): :meth:`SizeProbe.error` says why.
 UNKNOWN = -2
 _PENDING = object()
 
@@ -63,6 +64,8 @@ class SizeProbe:
         self._on_done = on_done
         self._cond = threading.Condition()
         self._waiting = 0
+        self._errors: dict[int, str] = {}
+        self.failure: BaseException | None = None  # the probe itself broke (not one stat)
         self._runner = threading.Thread(target=self._run, name="size-probe", daemon=True)
 
     def __len__(self) -> int:
@@ -87,14 +90,19 @@ class SizeProbe:
                 result = self._results[index]
         return result  # type: ignore[return-value]
 
+    def error(self, index: int) -> str:
+        """Why ``paths[index]`` is :data:`UNKNOWN`."""
+        return self._errors.get(index, "the size probe stopped before reaching it")
+
     def _probe(self, index: int) -> None:
         try:
             st = _stat(self._paths[index])
             result = DROPPED if stat.S_ISDIR(st.st_mode) else st.st_size
         except FileNotFoundError:
             result = DROPPED
-        except OSError:
+        except OSError as exc:
             result = UNKNOWN
+            self._errors[index] = f"cannot stat it: {exc.strerror or exc}"
         if result >= 0 and self._on_size is not None:
             self._on_size(result)
         with self._cond:
@@ -105,6 +113,8 @@ class SizeProbe:
     def _run(self) -> None:
         try:
             run_in_threads(self._probe, range(len(self._paths)), self._threads, name="size-probe")
+        except BaseException as exc:  # noqa: BLE001 - kept for the caller; no copy may wait forever
+            self.failure = exc
         finally:
             with self._cond:  # whatever went wrong, no copy may wait forever
                 for i, result in enumerate(self._results):
@@ -132,18 +142,24 @@ class PublishGate:
     def refused(self) -> bool:
         return self._verdict is False
 
-    def publish(self, partial: str, final: str) -> None:
+    @property
+    def passed(self) -> bool:
+        return self._verdict is True
+
+    def publish(self, partial: str, final: str) -> bool:
+        """Rename now (True), or hold or delete the copy (False: not under its final name yet)."""
         if self._verdict is True:  # one-way: once passed, no lock is needed
             os.replace(partial, final)
-            return
+            return True
         with self._lock:
             if self._verdict is None:
                 self._held.append((partial, final))
-                return
+                return False
         if self._verdict:
             os.replace(partial, final)
-        else:
-            _unlink(partial)
+            return True
+        _unlink(partial)
+        return False
 
     def pass_(self) -> list[tuple[str, OSError]]:
         """Rename the copies held so far; returns the finals that could not be renamed."""
@@ -155,8 +171,9 @@ class PublishGate:
                 try:
                     os.replace(partial, final)
                 except OSError as exc:
-                    _unlink(partial)
                     failed.append((final, exc))
+                    with contextlib.suppress(OSError):
+                        _unlink(partial)
             self._held = []
             self._verdict = True
         return failed
@@ -225,8 +242,8 @@ class DeferredPreflight:
             self.gate.refuse()
 
     def _done(self) -> None:
-        if self.needed_bytes > self._limit:
-            self.gate.refuse()
+        if self.probe.failure is not None or self.needed_bytes > self._limit:
+            self.gate.refuse()  # a broken probe has no total to pass on
         else:
             self.failed_renames = self.gate.pass_()
         if self._on_sized is not None:

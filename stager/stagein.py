@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -39,6 +40,7 @@ from .errors import (
     ScratchFull,
     ShardFailure,
     ShardsFailed,
+    SourceError,
     StagerError,
     UsageError,
     exit_code_for,
@@ -501,6 +503,8 @@ def _copy_all(
     stop = threading.Event()  # set when scratch is full: the remaining copies cannot succeed
     corrupt = threading.Event()  # set when a copy's hash differed from the manifest's
     dropped: list[str] = []  # sized later and found gone or a directory: not shards after all
+    held: list[str] = []  # copied, but kept .partial until the free-space verdict
+    count_later: list[str] = []  # held copies whose samples must be counted on the final file
     late_shards = [shard for shard, _, _, _ in plan.to_copy if shard.relpath in plan.sized_later]
     late = {shard.relpath: i for i, shard in enumerate(late_shards)}  # relpath -> index in the probe
     preflight: DeferredPreflight | None = None
@@ -526,16 +530,25 @@ def _copy_all(
 
     def copy_one(item: tuple[SourceShard, Path, int | None, str | None]) -> None:
         shard, final, size, want_hash = item
+        published = True
         if preflight is not None and shard.relpath in late:
-            size = preflight.size(late[shard.relpath])
+            index = late[shard.relpath]
+            size = preflight.size(index)
             if size == DROPPED:
                 with lock:
                     dropped.append(shard.relpath)
                 return
             if size == UNKNOWN:
-                size = None  # the copy's own open says what is wrong
-            if preflight.refused:
-                return  # the ScratchFull raised at the end says it for all of them
+                with lock:
+                    report.add_failure(ShardFailure(shard.url, preflight.probe.error(index)))
+                return
+        if preflight is not None and preflight.refused:
+            return  # the refusal raised at the end says it for all of them
+
+        def publish(partial: str, final_path: str) -> None:
+            nonlocal published
+            published = preflight.gate.publish(partial, final_path)  # type: ignore[union-attr]
+
         if stop.is_set():
             failure = ShardFailure(shard.url, "not attempted: scratch is full")
         else:
@@ -552,7 +565,7 @@ def _copy_all(
                     block_bytes=options.block_bytes, throttle=throttle, on_bytes=on_bytes,
                     inspect=counter.feed if counter is not None else None, fsync=options.fsync,
                     size_from_manifest=shard.relpath in known_samples,
-                    publish=preflight.gate.publish if preflight is not None else None,
+                    publish=publish if preflight is not None else None,
                 )
 
             try:
@@ -572,10 +585,15 @@ def _copy_all(
                     parsed[shard.relpath] = counter  # arrays are built after the copy, off the copy threads
                 if samples is None and counter is not None:
                     samples = counter.samples
-                if samples is None and options.count_samples:
+                late_count = samples is None and options.count_samples
+                if late_count and published:
                     samples = _count(final, log)  # compressed, or odd enough that the stream parser gave up
                 entry = ManifestEntry(shard.relpath, result.size, result.hash, samples)
                 with lock:
+                    if not published:  # held as .partial until the verdict: counted, if need be, after it
+                        held.append(shard.relpath)
+                        if late_count:
+                            count_later.append(shard.relpath)
                     entries[shard.relpath] = entry
                     report.files_copied += 1
                     report.bytes_copied += result.size
@@ -589,33 +607,62 @@ def _copy_all(
     streams = StreamController(ceiling, floor=options.min_jobs, adaptive=options.adaptive)
     try:
         run_in_threads(copy_one, plan.to_copy, ceiling, name="stage-in")
-    finally:
         if preflight is not None:
-            preflight.finish()
+            preflight.finish()  # not on an error or interrupt: the probe's threads are daemons
+    finally:
         progress.close()
         report.streams = streams.peak
     if preflight is not None:
-        _settle_sized_later(preflight, plan, dropped, report, entries)
+        _settle_sized_later(preflight, plan, _Held(dropped, held, count_later), report, entries, log)
     return corrupt.is_set()
+
+
+@dataclass
+class _Held:
+    """What the copy threads left for :func:`_settle_sized_later` (relpaths)."""
+
+    dropped: list[str]  # sized later and found gone or a directory
+    held: list[str]  # copied before the free-space verdict, so not renamed by their thread
+    count_later: list[str]  # held copies to count samples of once renamed
 
 
 def _settle_sized_later(
     preflight: DeferredPreflight,
     plan: _Plan,
-    dropped: list[str],
+    copies: _Held,
     report: StageInReport,
     entries: dict[str, ManifestEntry],
+    log: TextIO,
 ) -> None:
-    """Account for the shards sized during the copy, or raise the free-space refusal."""
-    if preflight.refused:
-        raise _space_error(report.dataset_dir, preflight.needed_bytes, preflight.free_bytes, report.node)
-    report.files_total -= len(dropped)
+    """Account for the shards sized during the copy, or raise the verdict against them.
+
+    On a refusal (or a probe that broke) the held copies were deleted: they leave the report
+    and the staged manifest before the error is raised, so neither claims a file not staged.
+    """
+    report.files_total -= len(copies.dropped)
     report.bytes_total += preflight.probed_bytes
-    if preflight.failed_renames:
-        shard_of = {os.fspath(final): shard for shard, final, _, _ in plan.to_copy}
-        for final, exc in preflight.failed_renames:
-            entry = entries.pop(shard_of[final].relpath, None)
+    if not preflight.gate.passed:
+        for relpath in copies.held:
+            entry = entries.pop(relpath, None)
             if entry is not None:
                 report.files_copied -= 1
                 report.bytes_copied -= entry.size
-            report.add_failure(ShardFailure(shard_of[final].url, f"copied but not renamed into place: {exc.strerror or exc}"))
+        if preflight.probe.failure is not None:
+            raise SourceError(
+                f"[{report.node}] sizing the source's shards failed: {_one_line(preflight.probe.failure)}; nothing was copied"
+            ) from preflight.probe.failure
+        raise _space_error(report.dataset_dir, preflight.needed_bytes, preflight.free_bytes, report.node)
+    shard_of = {os.fspath(final): (shard, final) for shard, final, _, _ in plan.to_copy}
+    for final_path, exc in preflight.failed_renames:
+        shard, _ = shard_of[final_path]
+        entry = entries.pop(shard.relpath, None)
+        if entry is not None:
+            report.files_copied -= 1
+            report.bytes_copied -= entry.size
+        report.add_failure(ShardFailure(shard.url, f"copied but not renamed into place: {exc.strerror or exc}"))
+    if copies.count_later:
+        final_of = {shard.relpath: final for shard, final in shard_of.values()}
+        for relpath in copies.count_later:
+            entry = entries.get(relpath)
+            if entry is not None:
+                entries[relpath] = dataclasses.replace(entry, samples=_count(final_of[relpath], log))

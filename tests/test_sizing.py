@@ -3,11 +3,24 @@ until the free-space check on those sizes has passed."""
 
 from __future__ import annotations
 
+import errno
+import filecmp
+import json
 import os
+import shutil
 import threading
+import time
 from pathlib import Path
 
+import pytest
+
+from stager.errors import EXIT_FULL, EXIT_SOURCE
+from stager.manifest import Manifest
 from stager.sizing import DROPPED, UNKNOWN, DeferredPreflight, PublishGate, SizeProbe
+from stager.stagein import staged_manifest_path
+from stager.synth import SyntheticSpec, write_synthetic_dataset
+
+from .inproc import clean_process_env, run_main
 
 
 def _files(root: Path, sizes: list[int]) -> list[str]:
@@ -99,3 +112,86 @@ def test_deferred_preflight_refuses_when_the_sizes_do_not_fit(tmp_path: Path) ->
     check.start().finish()
     assert check.refused and check.needed_bytes == 600 and check.free_bytes == 599
     assert not os.path.exists(held[0]) and not os.path.exists(held[1])
+
+
+# -- stage-in with copies held back: the last shard's stat is slow, so the others finish first --
+
+
+def _slow_last_stat(monkeypatch: pytest.MonkeyPatch, last: str, delay_s: float = 0.6) -> None:
+    import stager.sizing
+
+    real = stager.sizing._stat
+
+    def stat_(path: str) -> os.stat_result:
+        if path.endswith(last):
+            time.sleep(delay_s)
+        return real(path)
+
+    monkeypatch.setattr(stager.sizing, "_stat", stat_)
+
+
+def test_held_compressed_shards_are_counted_once_renamed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Compressed shards are counted from the staged file after the copy; a copy held back by
+    # the pending space check has no staged file yet, so its count must wait for the rename.
+    clean_process_env(monkeypatch)
+    src = tmp_path / "gz"
+    shards = write_synthetic_dataset(src, SyntheticSpec(num_shards=3, samples_per_shard=4, compress=True))
+    _slow_last_stat(monkeypatch, shards[-1].name)
+    dest = tmp_path / "scratch"
+    result = run_main(capsys, "stage-in", str(src), "--dest", str(dest), "--jitter-max", "0", "--quiet")
+    assert result.returncode == 0, result.stderr
+    staged = Manifest.read(staged_manifest_path(dest / "gz"))
+    assert [(e.relpath, e.samples) for e in staged.entries] == [(p.name, 4) for p in shards]
+    assert all(filecmp.cmp(p, dest / "gz" / p.name, shallow=False) for p in shards)
+
+
+def test_refusal_after_held_copies_reports_nothing_copied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import stager.stagein
+
+    clean_process_env(monkeypatch)
+    src = tmp_path / "ds"
+    shards = write_synthetic_dataset(src, SyntheticSpec(num_shards=4, samples_per_shard=4))
+    (src / "odd.tar").mkdir()  # dropped, as a walk drops it: not in the totals either
+    total = sum(p.stat().st_size for p in shards)
+    _slow_last_stat(monkeypatch, shards[-1].name)
+    real_usage = shutil.disk_usage
+    monkeypatch.setattr(
+        stager.stagein.shutil, "disk_usage", lambda path: real_usage(path)._replace(free=total - 1)
+    )
+    dest, report_path = tmp_path / "scratch", tmp_path / "report.json"
+    result = run_main(
+        capsys, "stage-in", str(src), "--dest", str(dest), "--jitter-max", "0", "--quiet", "--report", str(report_path)
+    )
+    assert result.returncode == EXIT_FULL, result.stderr
+    assert f"({total} bytes)" in result.stderr
+    assert not list(dest.rglob("*.tar")) and not list(dest.rglob("*.partial"))
+    report = json.loads(report_path.read_text())
+    assert report["files_copied"] == 0 and report["bytes_copied"] == 0
+    assert report["files_total"] == 4 and report["bytes_total"] == total
+
+
+def test_a_shard_that_cannot_be_stat_ed_fails_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import stager.sizing
+
+    clean_process_env(monkeypatch)
+    src = tmp_path / "ds"
+    shards = write_synthetic_dataset(src, SyntheticSpec(num_shards=3, samples_per_shard=2))
+    real = stager.sizing._stat
+
+    def stat_(path: str) -> os.stat_result:
+        if path.endswith(shards[1].name):
+            raise OSError(errno.EIO, "Input/output error")
+        return real(path)
+
+    monkeypatch.setattr(stager.sizing, "_stat", stat_)
+    result = run_main(capsys, "stage-in", str(src), "--dest", str(tmp_path / "s"), "--jitter-max", "0", "--quiet")
+    assert result.returncode == EXIT_SOURCE, result.stderr
+    failed = [line for line in result.stderr.splitlines() if line.startswith("FAILED")]
+    assert len(failed) == 1 and shards[1].name in failed[0] and "cannot stat it: Input/output error" in failed[0]
+    assert sorted(p.name for p in (tmp_path / "s" / "ds").glob("*.tar")) == [shards[0].name, shards[2].name]
