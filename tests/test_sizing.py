@@ -10,6 +10,7 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -117,17 +118,22 @@ def test_deferred_preflight_refuses_when_the_sizes_do_not_fit(tmp_path: Path) ->
 # -- stage-in with copies held back: the last shard's stat is slow, so the others finish first --
 
 
-def _slow_last_stat(monkeypatch: pytest.MonkeyPatch, last: str, delay_s: float = 0.6) -> None:
+def _patch_stat(monkeypatch: pytest.MonkeyPatch, name: str, before: Callable[[], None]) -> None:
+    """Run ``before()`` ahead of the probe's stat of the shard called ``name``."""
     import stager.sizing
 
     real = stager.sizing._stat
 
     def stat_(path: str) -> os.stat_result:
-        if path.endswith(last):
-            time.sleep(delay_s)
+        if path.endswith(name):
+            before()
         return real(path)
 
     monkeypatch.setattr(stager.sizing, "_stat", stat_)
+
+
+def _slow_last_stat(monkeypatch: pytest.MonkeyPatch, last: str, delay_s: float = 0.6) -> None:
+    _patch_stat(monkeypatch, last, lambda: time.sleep(delay_s))
 
 
 def test_held_compressed_shards_are_counted_once_renamed(
@@ -177,19 +183,14 @@ def test_refusal_after_held_copies_reports_nothing_copied(
 def test_a_shard_that_cannot_be_stat_ed_fails_alone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import stager.sizing
-
     clean_process_env(monkeypatch)
     src = tmp_path / "ds"
     shards = write_synthetic_dataset(src, SyntheticSpec(num_shards=3, samples_per_shard=2))
-    real = stager.sizing._stat
 
-    def stat_(path: str) -> os.stat_result:
-        if path.endswith(shards[1].name):
-            raise OSError(errno.EIO, "Input/output error")
-        return real(path)
+    def fail() -> None:
+        raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(stager.sizing, "_stat", stat_)
+    _patch_stat(monkeypatch, shards[1].name, fail)
     result = run_main(capsys, "stage-in", str(src), "--dest", str(tmp_path / "s"), "--jitter-max", "0", "--quiet")
     assert result.returncode == EXIT_SOURCE, result.stderr
     failed = [line for line in result.stderr.splitlines() if line.startswith("FAILED")]
