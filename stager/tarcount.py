@@ -40,6 +40,8 @@ def _pax_path(payload: bytes) -> str | None:
         if length <= 0:
             raise ValueError("bad PAX record length")
         key, _, value = payload[space + 1 : pos + length - 1].partition(b"=")
+        if key == b"size":
+            raise ValueError("PAX size record (a member past 8 GiB): left to tarfile")
         if key == b"path":
             found = value.decode("utf-8", "surrogateescape")
         pos += length
@@ -67,6 +69,21 @@ class TarSampleCounter:
         self._exts: list[str] = []
         self._offsets: list[int] = []
         self._sizes: list[int] = []
+
+    @property
+    def finished(self) -> bool:
+        """True once the end-of-archive block was seen, or the stream was found malformed."""
+        return self._failed or self._zero_blocks > 0
+
+    def skip_ahead(self) -> int:
+        """Hand over the payload bytes the parser would pass over next, and account them as passed.
+
+        A reader that can seek (:func:`stager.tarindex.index_tar` on a local file) jumps over
+        them instead of reading them; a copy feeds every byte anyway and never calls this.
+        """
+        skipped, self._skip = self._skip, 0
+        self._base += skipped
+        return skipped
 
     @property
     def samples(self) -> int | None:
@@ -131,6 +148,8 @@ class TarSampleCounter:
             raise ValueError("header checksum mismatch")
         size = _octal(header[124:136])
         kind = header[156:157]
+        if kind in (b"S", b"M", b"V", b"g"):  # sparse, multi-volume, volume, global PAX: left to tarfile
+            raise ValueError(f"tar member type {kind!r} not handled here")
         if kind in (b"x", b"L"):
             if size > _MAX_META:
                 raise ValueError("metadata payload too large")

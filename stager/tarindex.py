@@ -19,6 +19,7 @@ shard and the last good member, so a bad shard never turns into silently missing
 from __future__ import annotations
 
 import gzip
+import os
 import re
 import tarfile
 import zlib
@@ -95,6 +96,38 @@ def _check_end(tail: bytes, where: str, offset: int, last_name: str) -> None:
         )
 
 
+#: Shards up to this size are read whole by the fast indexer (one read); larger ones are walked
+#: header by header, seeking over the payloads.
+WHOLE_READ_BYTES = 1 << 20
+_WALK_READ_BYTES = 64 << 10
+
+
+def _index_fast(path: Path) -> TarIndex | None:
+    """The index from stage-in's stream parser (:class:`stager.tarcount.TarSampleCounter`), or
+    None for anything it does not vouch for, which :func:`index_tar` then leaves to ``tarfile``.
+
+    Why: ``tarfile`` builds a ``TarInfo`` per member and costs ~0.35 ms per small shard; this
+    costs ~0.1 ms, which is seconds before the first batch of a 10,000-shard dataset.
+    """
+    from .tarcount import TarSampleCounter  # tarcount imports this module
+
+    counter = TarSampleCounter()
+    with open(path, "rb", buffering=0) as handle:
+        fd = handle.fileno()
+        if os.fstat(fd).st_size <= WHOLE_READ_BYTES:
+            counter.feed(handle.readall())
+        else:
+            offset = 0
+            while not counter.finished:
+                offset += counter.skip_ahead()
+                chunk = os.pread(fd, _WALK_READ_BYTES, offset)
+                if not chunk:
+                    break
+                counter.feed(chunk)
+                offset += len(chunk)
+    return counter.index()
+
+
 def index_tar(path: str | Path) -> TarIndex:
     """Walk the headers of an uncompressed tar and return the offsets of its samples.
 
@@ -104,6 +137,17 @@ def index_tar(path: str | Path) -> TarIndex:
     path = Path(path)
     if is_compressed(path):
         raise IntegrityError(f"{path}: compressed shards cannot be indexed; stream them instead")
+    try:
+        fast = _index_fast(path)
+    except OSError:
+        fast = None  # tarfile's open below reports it with the shard's name
+    if fast is not None:
+        return fast
+    return _index_tarfile(path)
+
+
+def _index_tarfile(path: Path) -> TarIndex:
+    """:func:`index_tar` by ``tarfile``: slower, but it names the member where a tar breaks."""
     file_size = path.stat().st_size
     keys: list[str] = []
     starts: list[int] = []

@@ -386,3 +386,25 @@ def test_first_loader_after_stage_in_reads_no_tar_header(dataset_copy: Path, tmp
     first = next(iter(loader))
     again = next(iter(walked))
     assert [t.tolist() for t in first[1]] == [t.tolist() for t in again[1]]  # same payload bytes
+
+
+def test_a_shard_index_is_cached_on_disk_only_when_it_was_slow_to_build(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import loaders.index as index_module
+
+    [shard] = write_synthetic_dataset(tmp_path / "ds", SyntheticSpec(num_shards=1, samples_per_shard=5))
+    cache = tmp_path / "cache"
+    quick = index_module.cached_index(shard, cache_dir=cache)
+    assert quick.num_samples == 5 and not list(cache.rglob("*.idx.npz"))  # re-indexing beats a cache read
+
+    monkeypatch.setattr(index_module, "CACHE_AFTER_S", 0.0)  # as if the shard were large
+    index_module.cached_index(shard, cache_dir=cache)
+    assert len(list(cache.rglob("*.idx.npz"))) == 1
+
+    def no_header_walk(path):
+        raise AssertionError("the cached index should have been used")
+
+    monkeypatch.setattr(index_module, "index_tar", no_header_walk)
+    cached = index_module.cached_index(shard, cache_dir=cache)
+    assert cached.keys == quick.keys and cached.offsets.tolist() == quick.offsets.tolist()

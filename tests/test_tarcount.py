@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from stager.errors import IntegrityError
 from stager.tarcount import TarSampleCounter
 from stager.tarindex import count_samples
 
@@ -57,7 +58,7 @@ def test_truncated_or_corrupt_streams_give_none(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
 def test_index_from_the_stream_equals_index_tar(tmp_path: Path, fmt: int) -> None:
-    from stager.tarindex import index_tar
+    from stager.tarindex import _index_tarfile as index_tar  # the tarfile reference, not the fast path
 
     path = _tar(tmp_path / "s.tar", fmt, long_names=fmt != tarfile.USTAR_FORMAT)
     data = path.read_bytes()
@@ -69,3 +70,45 @@ def test_index_from_the_stream_equals_index_tar(tmp_path: Path, fmt: int) -> Non
     assert got.keys == want.keys and got.exts == want.exts
     assert got.offsets.tolist() == want.offsets.tolist() and got.sizes.tolist() == want.sizes.tolist()
     assert got.member_start.tolist() == want.member_start.tolist()
+
+
+def _same_index(got, want) -> None:
+    assert got.keys == want.keys and got.exts == want.exts
+    assert got.offsets.tolist() == want.offsets.tolist() and got.sizes.tolist() == want.sizes.tolist()
+    assert got.member_start.tolist() == want.member_start.tolist()
+
+
+@pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+@pytest.mark.parametrize("read", ["whole", "walk"])
+def test_index_tar_fast_path_agrees_with_tarfile(
+    tmp_path: Path, fmt: int, read: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import stager.tarindex as tarindex
+
+    if read == "walk":  # header by header, seeking over payloads, in reads smaller than members
+        monkeypatch.setattr(tarindex, "WHOLE_READ_BYTES", 0)
+        monkeypatch.setattr(tarindex, "_WALK_READ_BYTES", 700)
+    path = _tar(tmp_path / "s.tar", fmt, long_names=fmt != tarfile.USTAR_FORMAT)
+    fast = tarindex._index_fast(path)
+    assert fast is not None  # the fast path vouched for it
+    _same_index(fast, tarindex._index_tarfile(path))
+    _same_index(tarindex.index_tar(path), fast)
+
+
+def test_fast_index_leaves_what_it_does_not_vouch_for_to_tarfile(tmp_path: Path) -> None:
+    import stager.tarindex as tarindex
+
+    path = tmp_path / "g.tar"
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT, pax_headers={"comment": "made by git archive"}) as tar:
+        for ext in ("cls", "jpg"):
+            info = tarfile.TarInfo(f"key000.{ext}")
+            info.size = 3
+            tar.addfile(info, io.BytesIO(b"abc"))
+    assert tarindex._index_fast(path) is None  # a global header: tarfile's job
+    _same_index(tarindex.index_tar(path), tarindex._index_tarfile(path))
+    assert tarindex.index_tar(path).num_samples == 1
+    cut = tmp_path / "cut.tar"
+    cut.write_bytes(path.read_bytes()[:1600])
+    assert tarindex._index_fast(cut) is None
+    with pytest.raises(IntegrityError, match="cut.tar"):
+        tarindex.index_tar(cut)
