@@ -127,13 +127,14 @@ class ShardedLoader(DataLoader):
         self._streaming = options.force_streaming or not self.shards.random_access
         self.metrics = LoaderMetrics(log_every=options.log_every)
         relpaths = [s.relpath for s in self.shards.shards]
+        locations = [Path(s.location) for s in self.shards.shards] if not self._streaming else []
         packed = decode is None and map is None and collate_fn is None
         pipeline = None if packed else SamplePipeline(decode, map, self._to_tuple)
 
         if not self._streaming:
             staged = self.shards.staged_dir
             index, self.skipped_shards = build_flat_index(
-                [Path(s.location) for s in self.shards.shards],
+                locations,
                 relpaths=relpaths,
                 expected_samples=[s.samples for s in self.shards.shards],
                 cache_dir=staged / ".stager" / "index" if staged is not None else None,
@@ -160,7 +161,7 @@ class ShardedLoader(DataLoader):
         )
         if not self._streaming:
             self.batch_plan = RankBatchSampler(counts, layout, self.plan_options, per_rank)
-            dataset = StagedTarDataset([Path(s.location) for s in self.shards.shards], index, pipeline)
+            dataset = StagedTarDataset(locations, index, pipeline)
             super().__init__(dataset, batch_sampler=self.batch_plan, collate_fn=_Collate(collate_fn), **common)
             self._num_batches = len(self.batch_plan)
         else:

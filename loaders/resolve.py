@@ -111,14 +111,15 @@ def _from_staged(dataset_dir: Path, spec: str | None) -> DatasetShards:
     subset = manifest.meta.get("subset", "all")
     refs: list[ShardRef] = []
     missing: list[str] = []
+    base = os.fspath(dataset_dir)  # str joins: pathlib costs ~30 us per shard, 0.3 s at 10k shards
     for entry in manifest.entries:
-        path = dataset_dir / entry.relpath
+        path = os.path.join(base, entry.relpath)  # relpath checked by Manifest.read
         try:
-            whole = path.stat().st_size == entry.size
+            whole = os.stat(path).st_size == entry.size
         except FileNotFoundError:
             whole = False
         if whole:
-            refs.append(ShardRef(entry.relpath, str(path), True, False, entry.samples))
+            refs.append(ShardRef(entry.relpath, path, True, False, entry.samples))
         else:
             refs.append(ShardRef(entry.relpath, "", False, True, entry.samples))
             missing.append(entry.relpath)
