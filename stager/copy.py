@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from .errors import IntegrityError, ScratchFull, SourceError
 from .hashing import DEFAULT_ALGORITHM, new_hasher, split_digest
-from .paths import PARTIAL_SUFFIX
+from .paths import PARTIAL_SUFFIX, discard
 from .sources import protocol_of
 from .throttle import Throttle
 
@@ -218,7 +218,7 @@ def copy_file(
             )
         (publish or os.replace)(partial, os.fspath(final))
     except OSError as exc:
-        _discard(partial)
+        discard(partial)
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise ScratchFull(
                 f"no space left on {final.parent} while writing {final.name} from {url} "
@@ -227,7 +227,7 @@ def copy_file(
             ) from exc
         raise
     except BaseException:
-        _discard(partial)
+        discard(partial)
         raise
     return CopyResult(
         size=copied, hash=digest, bytes_read=copied, first_byte_s=first_byte_s, seconds=time.perf_counter() - started
@@ -238,10 +238,3 @@ def _read_into(src, view: memoryview) -> int:
     data = src.read(len(view))
     view[: len(data)] = data
     return len(data)
-
-
-def _discard(path: str | Path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

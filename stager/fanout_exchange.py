@@ -33,6 +33,7 @@ from .errors import ShardFailure
 from .fanout_group import FanoutError, FanoutOptions, NodeGroup
 from .fanout_plan import FanoutPlan
 from .hashing import hash_file, new_hasher, split_digest
+from .paths import discard
 from .progress import Progress
 from .report import StageInReport
 from .retry import call_with_retries
@@ -290,7 +291,7 @@ class Exchange:
         elif item.want_hash is not None and digest != item.want_hash:
             problem = f"hash {digest} differs from the manifest's {item.want_hash}"
         if problem is not None:
-            _discard(partial_path(item.final))
+            discard(partial_path(item.final))
             self.outcome.failures.append(
                 ShardFailure(item.shard.url, f"{problem}; rerun stage-in --fanout")
             )
@@ -348,14 +349,7 @@ class Exchange:
             except OSError as exc:
                 error = error or exc
         if error is not None or self.stop.is_set():
-            _discard(partial)
+            discard(partial)
             if error is not None:
                 raise error
         return written, f"{algorithm}:{hasher.hexdigest()}"
-
-
-def _discard(path: Path) -> None:
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass

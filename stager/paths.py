@@ -13,10 +13,18 @@ from pathlib import Path
 
 from .errors import UnsafePath
 
-__all__ = ["safe_relpath", "safe_join", "SafeJoiner", "PARTIAL_SUFFIX"]
+__all__ = ["safe_relpath", "safe_join", "SafeJoiner", "PARTIAL_SUFFIX", "discard"]
 
 #: Suffix of a file still being written; never treated as a staged shard.
 PARTIAL_SUFFIX = ".partial"
+
+
+def discard(path: str | os.PathLike[str]) -> None:
+    """Remove a file that may already be gone (a ``.partial`` after a failed copy)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def safe_relpath(relpath: str) -> str:

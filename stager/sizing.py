@@ -18,6 +18,7 @@ import stat
 import threading
 from collections.abc import Callable, Sequence
 
+from .paths import discard
 from .workers import run_in_threads
 
 __all__ = ["DROPPED", "UNKNOWN", "SizeProbe", "PublishGate", "DeferredPreflight"]
@@ -28,13 +29,6 @@ DROPPED = -1
 #: The stat failed otherwise (e.g. permission denied, EIO): :meth:`SizeProbe.error` says why.
 UNKNOWN = -2
 _PENDING = object()
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def _stat(path: str) -> os.stat_result:
@@ -158,7 +152,7 @@ class PublishGate:
         if self._verdict:
             os.replace(partial, final)
             return True
-        _unlink(partial)
+        discard(partial)
         return False
 
     def pass_(self) -> list[tuple[str, OSError]]:
@@ -173,7 +167,7 @@ class PublishGate:
                 except OSError as exc:
                     failed.append((final, exc))
                     with contextlib.suppress(OSError):
-                        _unlink(partial)
+                        discard(partial)
             self._held = []
             self._verdict = True
         return failed
@@ -185,7 +179,7 @@ class PublishGate:
             held, self._held = self._held, []
             self._verdict = False
         for partial, _ in held:
-            _unlink(partial)
+            discard(partial)
 
 
 class DeferredPreflight:
