@@ -86,7 +86,7 @@ class _Fd:
     __slots__ = ("fd", "url")
 
     def __init__(self, path: str | os.PathLike[str], flags: int, url: str = ""):
-        self.fd = os.open(path, flags | os.O_CLOEXEC, 0o644)
+        self.fd = os.open(path, flags | os.O_CLOEXEC, 0o666)  # as open(): the umask decides
         self.url = url
 
     def readinto(self, view: memoryview) -> int:
@@ -156,7 +156,7 @@ def copy_file(
     inspect: Callable[[memoryview], None] | None = None,
     fsync: bool = False,
     size_from_manifest: bool = False,
-    publish: Callable[[Path, Path], None] | None = None,
+    publish: Callable[[str, str], object] | None = None,
 ) -> CopyResult:
     """Copy ``src_path`` on ``fs`` (None: a local path) to ``final``; return its size and hash.
 

@@ -15,6 +15,7 @@ The flow, per node:
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import importlib
 import json
@@ -24,7 +25,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -52,8 +52,8 @@ from .paths import PARTIAL_SUFFIX, SafeJoiner, safe_relpath
 from .progress import Progress, human_bytes
 from .report import StageInReport
 from .retry import RetryPolicy, call_with_retries
-from .slurm import SlurmEnv
 from .sizing import DROPPED, UNKNOWN, DeferredPreflight
+from .slurm import SlurmEnv
 from .sources import SourceSet, SourceShard, fill_sizes
 from .streams import StreamController
 from .tarcount import TarSampleCounter
@@ -641,27 +641,29 @@ def _settle_sized_later(
     """
     report.files_total -= len(copies.dropped)
     report.bytes_total += preflight.probed_bytes
+
+    def unstage(relpath: str) -> None:
+        entry = entries.pop(relpath, None)
+        if entry is not None:
+            report.files_copied -= 1
+            report.bytes_copied -= entry.size
+
     if not preflight.gate.passed:
         for relpath in copies.held:
-            entry = entries.pop(relpath, None)
-            if entry is not None:
-                report.files_copied -= 1
-                report.bytes_copied -= entry.size
+            unstage(relpath)
         if preflight.probe.failure is not None:
             raise SourceError(
                 f"[{report.node}] sizing the source's shards failed: {_one_line(preflight.probe.failure)}; nothing was copied"
             ) from preflight.probe.failure
         raise _space_error(report.dataset_dir, preflight.needed_bytes, preflight.free_bytes, report.node)
-    shard_of = {os.fspath(final): (shard, final) for shard, final, _, _ in plan.to_copy}
-    for final_path, exc in preflight.failed_renames:
-        shard, _ = shard_of[final_path]
-        entry = entries.pop(shard.relpath, None)
-        if entry is not None:
-            report.files_copied -= 1
-            report.bytes_copied -= entry.size
-        report.add_failure(ShardFailure(shard.url, f"copied but not renamed into place: {exc.strerror or exc}"))
+    if preflight.failed_renames:
+        shard_of = {os.fspath(final): shard for shard, final, _, _ in plan.to_copy}
+        for final_path, exc in preflight.failed_renames:
+            shard = shard_of[final_path]
+            unstage(shard.relpath)
+            report.add_failure(ShardFailure(shard.url, f"copied but not renamed into place: {exc.strerror or exc}"))
     if copies.count_later:
-        final_of = {shard.relpath: final for shard, final in shard_of.values()}
+        final_of = {shard.relpath: final for shard, final, _, _ in plan.to_copy}
         for relpath in copies.count_later:
             entry = entries.get(relpath)
             if entry is not None:

@@ -289,3 +289,15 @@ def test_rerun_sizes_staged_shards_first_and_the_rest_while_copying(small_datase
     assert report["files_total"] == total and report["files_skipped"] == 2
     assert report["files_copied"] == total - 2
     assert report["bytes_total"] == sum(p.stat().st_size for p in small_dataset.glob("*.tar"))
+
+
+def test_staged_files_take_their_mode_from_the_umask_like_cp(small_dataset: Path, tmp_path: Path) -> None:
+    # The directories stay private (0700); the files inside are created as open() would (0666 & ~umask).
+    old = os.umask(0o002)
+    try:
+        result = run_cli("stage-in", str(small_dataset), "--dest", str(tmp_path / "s"))
+    finally:
+        os.umask(old)
+    assert result.returncode == 0, result.stderr
+    modes = {stat.S_IMODE(p.stat().st_mode) for p in _shards(tmp_path / "s" / "ds")}
+    assert modes == {0o664}
