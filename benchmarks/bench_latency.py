@@ -1,7 +1,7 @@
 """Benchmark: stage-in vs cp -r, rsync -a and rclone on a source with NFS-like per-operation latency.
 
 Run: ``.venv/bin/python -m benchmarks.bench_latency [--size small|large] [--repeats N] [--delays-ms 2,10]
-[--tools "cp -r,stage-in"]``
+[--tools "cp -r,stage-in"] [--shim auto|c|python]``
 (root: it mounts a tmpfs and a FUSE filesystem, and unmounts both on exit, even on error).
 
 The source is a tmpfs directory served through :mod:`benchmarks.latencyfs`, which sleeps a
@@ -9,7 +9,9 @@ fixed delay per lookup/getattr, open and read (with parallel lookups enabled), s
 latency rather than bandwidth is what the copiers face. The destination is a tmpfs too, so the
 disk plays no part. Before every run we wait out the kernel's 1 s entry/attribute cache, so each
 copier starts cold, and the FUSE page cache is not kept between opens, so every byte goes
-through the shim each time.
+through the shim each time. The shim's C build is used when it compiles (``--shim auto``): an NFS
+server's CPU is not the client's, and the Python build's ~0.7 ms of CPU per small file on these
+2 cores would be charged to whichever copier runs more files per second. Each row says which.
 
 stage-in runs with default flags (adaptive streams, ceiling 32); its report's ``streams`` field
 (peak stream count) and ``seconds`` (copy phase only, after listing) are recorded. A second
@@ -37,8 +39,8 @@ from pathlib import Path
 from stager.synth import SyntheticSpec, write_synthetic_dataset
 
 from .bench_stage_in import run_tool, target_for, tool_commands
-from .common import in_workdir, report
-from .latencyfs import mounted
+from .common import cpu_jiffies, in_workdir, report, stolen_fraction
+from .latencyfs import IMPLS, mounted
 
 # (label, files, approximate bytes per file)
 SIZES = {
@@ -110,6 +112,7 @@ def bench(
     workdir: Path,
     log=sys.stderr,
     only_tools: list[str] | None = None,
+    shim: str = "auto",
 ) -> list[dict]:
     rows: list[dict] = []
     biggest = max(files * nbytes for _, files, nbytes in SIZES[size])
@@ -126,7 +129,8 @@ def bench(
                 times: dict[str, list[float]] = {name: [] for name in tools}
                 peaks: dict[str, list[int]] = {}
                 copy_s: dict[str, list[float]] = {}
-                with mounted(src, mnt, delay_s=delay_ms / 1000) as fs_info:
+                stolen: dict[str, list[float]] = {name: [] for name in tools}
+                with mounted(src, mnt, delay_s=delay_ms / 1000, impl=shim) as fs_info:
                     _warm_up(mnt, names)
                     for rep in range(repeats):
                         for name, cmd in tools.items():  # alternate tools within each repeat
@@ -134,8 +138,12 @@ def bench(
                             shutil.rmtree(dst, ignore_errors=True)
                             dst.mkdir()
                             time.sleep(ENTRY_CACHE_S)
+                            cpu_before = cpu_jiffies()
                             seconds = run_tool(cmd, mnt, target_for(name, dst, "ds"), timeout_s=900)
                             times[name].append(seconds)
+                            steal = stolen_fraction(cpu_before, cpu_jiffies())
+                            if steal is not None:
+                                stolen[name].append(steal)
                             report = dst / REPORT_NAME
                             if report.is_file():
                                 payload = json.loads(report.read_text())
@@ -163,7 +171,8 @@ def bench(
                         peaks,
                         copy_s,
                         repeats,
-                        fs_info["parallel_dirops"],
+                        fs_info,
+                        stolen,
                     )
                 )
             shutil.rmtree(workdir / "src", ignore_errors=True)
@@ -186,7 +195,7 @@ def _warm_up(mnt: Path, names: list[str]) -> None:
 
 
 def _rows(
-    label, files, nbytes, delay_ms, times, peaks, copy_s, repeats, parallel_dirops
+    label, files, nbytes, delay_ms, times, peaks, copy_s, repeats, fs_info, stolen
 ) -> list[dict]:
     base = statistics.median(times["cp -r"])
     rows = []
@@ -204,7 +213,12 @@ def _rows(
             "mb_per_s": round(nbytes / median / 1e6, 1),
             "ratio_vs_cp": round(base / median, 2),
             "repeats": repeats,
-            "parallel_dirops": parallel_dirops,
+            "parallel_dirops": fs_info["parallel_dirops"],
+            "shim": fs_info["impl"],
+            # median share of the machine's CPU time taken by other guests during this tool's runs
+            "cpu_stolen_pct": (
+                round(100 * statistics.median(stolen[name]), 1) if stolen[name] else None
+            ),
             "condition": "warm (tmpfs source behind the FUSE shim, tmpfs destination; shim's caches cold)",
         }
         if name in peaks:
@@ -220,14 +234,14 @@ def _rows(
 
 def to_markdown(rows: list[dict]) -> str:
     lines = [
-        "| dataset | delay | tool | files/s | MB/s | ratio vs cp -r | stage-in peak streams "
+        "| dataset | delay | shim | tool | files/s | MB/s | ratio vs cp -r | CPU stolen | stage-in peak streams "
         "| stage-in copy phase s (ratio vs cp -r) |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['dataset']} | {r['delay_ms']:g} ms | {r['tool']} | {r['files_per_s']} | {r['mb_per_s']} | "
-            f"{r['ratio_vs_cp']}x | {r.get('streams_peak', '')} | "
+            f"| {r['dataset']} | {r['delay_ms']:g} ms | {r.get('shim', 'python')} | {r['tool']} | {r['files_per_s']} | {r['mb_per_s']} | "
+            f"{r['ratio_vs_cp']}x | {_pct(r.get('cpu_stolen_pct'))} | {r.get('streams_peak', '')} | "
             + (
                 f"{r['copy_phase_s']} ({r['copy_phase_ratio_vs_cp']}x) |"
                 if "copy_phase_s" in r
@@ -235,6 +249,10 @@ def to_markdown(rows: list[dict]) -> str:
             )
         )
     return "\n".join(lines)
+
+
+def _pct(value: float | None) -> str:
+    return "" if value is None else f"{value:g}%"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -252,13 +270,19 @@ def main(argv: list[str] | None = None) -> int:
         "--tools",
         help='comma-separated subset of tools (cp -r, the baseline, always runs), e.g. "stage-in"',
     )
+    parser.add_argument(
+        "--shim",
+        choices=IMPLS,
+        default="auto",
+        help="the latency shim's build (auto: C when it compiles)",
+    )
     args = parser.parse_args(argv)
     delays = [float(d) for d in args.delays_ms.split(",") if d]
     only = [t.strip() for t in args.tools.split(",")] if args.tools else None
     rows = in_workdir(
         args.workdir,
         "bench-latency-",
-        lambda w: bench(args.size, args.repeats, delays, w, only_tools=only),
+        lambda w: bench(args.size, args.repeats, delays, w, only_tools=only, shim=args.shim),
     )
     report(rows, to_markdown, args.json)
     return 0

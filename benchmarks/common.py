@@ -9,7 +9,33 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["scratch_root", "in_workdir", "report"]
+__all__ = ["scratch_root", "in_workdir", "report", "cpu_jiffies", "stolen_fraction"]
+
+_STEAL_FIELD = 7  # /proc/stat "cpu" line: user nice system idle iowait irq softirq steal ...
+
+
+def cpu_jiffies() -> list[int]:
+    """The machine's cumulative CPU time per state (``/proc/stat``), or [] where there is none."""
+    try:
+        with open("/proc/stat") as handle:
+            return [int(x) for x in handle.readline().split()[1:]]
+    except (OSError, ValueError):
+        return []
+
+
+def stolen_fraction(before: list[int], after: list[int]) -> float | None:
+    """The share of CPU time the hypervisor gave to other guests between two snapshots.
+
+    A virtual machine's cores are not always its own: while "steal" is high, every CPU-bound
+    figure is slower while latency-bound ones (a serial ``cp -r`` on NFS) are not, so ratios
+    between them move. Reported beside the figures so a reader can tell machine noise from code.
+    """
+    if len(before) <= _STEAL_FIELD or len(after) <= _STEAL_FIELD:
+        return None
+    fields = slice(0, _STEAL_FIELD + 1)
+    deltas = [b - a for a, b in zip(before[fields], after[fields], strict=True)]
+    total = sum(deltas)
+    return deltas[_STEAL_FIELD] / total if total > 0 else None
 
 
 def scratch_root(prefix: str) -> tuple[Path, str]:

@@ -29,6 +29,7 @@ import traceback
 from pathlib import Path
 
 from . import bench_latency, bench_sshfs, bench_stage_in
+from .common import cpu_jiffies, stolen_fraction
 
 REPO = Path(__file__).resolve().parent.parent
 EXTERNAL = ("bench_loader", "bench_fanout", "bench_subset_bytes", "bench_startup")  # by others: subprocesses, if present
@@ -59,6 +60,7 @@ def machine() -> dict:
         "python": platform.python_version(),
         "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "load_avg_start": os.getloadavg(),
+        "cpu_jiffies_start": cpu_jiffies(),
     }
 
 
@@ -165,7 +167,10 @@ SECTIONS = {
         '"copy phase s" is stage-in\'s own report (`seconds`): after startup and the directory read, so '
         "it includes the per-file stats that a manifest saves (without one they run on their own threads "
         "alongside the copies). "
-        "The shim is a Python daemon sharing the 2 cores: it tops out near 1,000-1,600 small files/s. "
+        "The shim column says which build served the run: `c` (latencyfs.c, compiled on first use; a few "
+        "microseconds of CPU per operation, as an NFS server's CPU is not the client's) or `python` (when no "
+        "compiler or libfuse3-dev is present; ~0.7 ms of CPU per small file taken from the copier on these "
+        "2 cores, topping out near 1,000-1,600 small files/s). "
         "Goal (issue 8): stage-in >= 25x `cp -r` on small files at 10 ms, by default.",
     ),
     "sshfs": (
@@ -179,6 +184,15 @@ SECTIONS = {
 }
 
 
+def _steal_sentence(stolen: float | None) -> str:
+    if stolen is None:
+        return ""
+    return (
+        f" CPU time stolen by the hypervisor during the run: {100 * stolen:.0f}% (other guests' share of "
+        "these cores; CPU-bound figures slow down with it, latency-bound baselines do not)."
+    )
+
+
 def render(meta: dict, results: dict) -> str:
     """The Markdown document: machine, conditions, then one table per benchmark."""
     m = meta["machine"]
@@ -189,7 +203,8 @@ def render(meta: dict, results: dict) -> str:
         "",
         f"Machine: {m['cores']} cores ({m['cpu'] or 'unknown CPU'}), {m['memory_gib']} GiB memory, "
         f"kernel {m['kernel']}, {m['os']}, Python {m['python']}. Load average at start "
-        f"{', '.join(f'{x:.1f}' for x in m['load_avg_start'])}; at end {', '.join(f'{x:.1f}' for x in meta['load_avg_end'])}.",
+        f"{', '.join(f'{x:.1f}' for x in m['load_avg_start'])}; at end {', '.join(f'{x:.1f}' for x in meta['load_avg_end'])}."
+        + _steal_sentence(meta.get("cpu_stolen")),
         "",
         "Every figure is a ratio to a baseline measured in the same run; tools alternate within each "
         f"repeat (A B A B) and the median of {meta['repeats']} repeats is reported. Absolute MB/s and "
@@ -277,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     meta["total_s"] = time.monotonic() - started
     meta["load_avg_end"] = os.getloadavg()
+    meta["cpu_stolen"] = stolen_fraction(meta["machine"].pop("cpu_jiffies_start"), cpu_jiffies())
 
     document = render(meta, results)
     args.out.mkdir(parents=True, exist_ok=True)
