@@ -69,6 +69,9 @@ class CopyResult:
     bytes_read: int
     first_byte_s: float = 0.0  # open + first read: the per-file latency of the source
     seconds: float = 0.0
+    #: Until the last read that returned bytes: ``last_byte_s - first_byte_s`` is the transfer,
+    #: without the local work after it (writes, the end-of-file read, the rename).
+    last_byte_s: float = 0.0
 
 
 def partial_path(final: Path) -> Path:
@@ -173,7 +176,7 @@ def copy_file(
     partial = os.fspath(final) + PARTIAL_SUFFIX  # a str: pathlib costs microseconds per call
     copied = 0
     started = time.perf_counter()
-    first_byte_s = 0.0
+    first_byte_s = last_byte_s = 0.0
     try:
         with _open_source(fs, src_path, url, block_bytes) as src, _open_partial(partial) as dst:
             view = _buffer(block_bytes)
@@ -182,10 +185,12 @@ def copy_file(
                 target = view[:want]
                 n = src.readinto(target) if hasattr(src, "readinto") else _read_into(src, target)
                 want = block_bytes
+                now = time.perf_counter() - started
                 if not first_byte_s:
-                    first_byte_s = time.perf_counter() - started
+                    first_byte_s = now
                 if not n:
                     break
+                last_byte_s = now
                 chunk = view[:n]
                 hasher.update(chunk)
                 if inspect is not None:
@@ -230,7 +235,12 @@ def copy_file(
         discard(partial)
         raise
     return CopyResult(
-        size=copied, hash=digest, bytes_read=copied, first_byte_s=first_byte_s, seconds=time.perf_counter() - started
+        size=copied,
+        hash=digest,
+        bytes_read=copied,
+        first_byte_s=first_byte_s,
+        seconds=time.perf_counter() - started,
+        last_byte_s=last_byte_s or first_byte_s,
     )
 
 

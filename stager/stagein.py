@@ -578,7 +578,7 @@ def _copy_all(
                     corrupt.set()
                 failure = ShardFailure(shard.url, _one_line(exc))
             finally:
-                streams.release(result.first_byte_s if result else None, result.seconds if result else None)
+                streams.release(result.first_byte_s if result else None, result.last_byte_s if result else None)
             if result is not None:
                 samples = known_samples.get(shard.relpath)
                 if counter is not None and counter.samples is not None:

@@ -4,9 +4,13 @@ A fixed stream count is wrong at one end or the other: on a local disk or a band
 link a few streams saturate it, while on NFS each small file costs metadata round trips
 (lookup, open, first read) during which a stream moves no bytes. If a file takes ``L`` seconds
 of latency and ``T`` seconds of transfer, ``(L + T) / T`` streams keep the link busy. The
-controller measures both per file (time to first byte, then the rest), keeps the medians of a
-sliding window, and sets the limit to that ratio, clamped to ``[floor, ceiling]`` where the
-ceiling is ``--jobs``. When the link is shared, ``T`` grows as streams are added, so the
+controller measures both per file (time to first byte, then from it to the last byte read),
+keeps the medians of a sliding window, and sets the limit to that ratio, clamped to
+``[floor, ceiling]`` where the ceiling is ``--jobs``. ``T`` stops at the last byte read: the
+local work after it (the end-of-file read, the write, the rename) is not the link's, and with
+dozens of copy threads sharing one interpreter it can take milliseconds, which read as a slow
+link made the limit sag below the ceiling on small files (a shard that fits in the first read
+has ``T = 0``). When the link is shared, ``T`` grows as streams are added, so the
 target falls back by itself: it never overloads a server that is slow for lack of bandwidth.
 """
 
@@ -42,13 +46,16 @@ class StreamController:
                 self._cond.wait()
             self._active += 1
 
-    def release(self, first_byte_s: float | None = None, total_s: float | None = None) -> None:
-        """Give the slot back, reporting the finished file's timing (None after a failure)."""
+    def release(self, first_byte_s: float | None = None, last_byte_s: float | None = None) -> None:
+        """Give the slot back, reporting the finished file's timing (None after a failure).
+
+        Both are seconds since the file's copy started: to its first byte and to its last.
+        """
         with self._cond:
             self._active -= 1
-            if self.adaptive and first_byte_s is not None and total_s is not None:
+            if self.adaptive and first_byte_s is not None and last_byte_s is not None:
                 self._latency_s.append(max(0.0, first_byte_s))
-                self._transfer_s.append(max(0.0, total_s - first_byte_s))
+                self._transfer_s.append(max(0.0, last_byte_s - first_byte_s))
                 self.limit = self.target()
                 self.peak = max(self.peak, self.limit)
             # Wake only as many waiters as there are free slots: waking all of them on every
