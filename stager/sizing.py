@@ -13,8 +13,7 @@ The probe keeps only a short lead (``lookahead`` shards) over the copies: unleas
 threads outran them by seconds, the lookups expired again (after 1 s on the FUSE shim of the
 benchmarks) and 3,000 copies made 5,200 lookups instead of 3,000. It is unleashed when the
 space looks tight (the sizes so far, extrapolated to all shards, pass half the free space),
-so that a refusal still comes early, before much is copied. stage-in runs the same probe over
-shards whose sizes it already knows, only for the lookups: their copies find them cached.
+so that a refusal still comes early, before much is copied.
 """
 
 from __future__ import annotations
@@ -36,10 +35,6 @@ DROPPED = -1
 #: The stat failed otherwise (e.g. permission denied, EIO): :meth:`SizeProbe.error` says why.
 UNKNOWN = -2
 _PENDING = object()
-
-
-class _Stopped(Exception):
-    """Ends the probe's threads after :meth:`SizeProbe.stop`."""
 
 
 def _stat(path: str) -> os.stat_result:
@@ -71,7 +66,6 @@ class SizeProbe:
         self._cursor = 0
         self._held: dict[int, threading.Event] = {}
         self._lead_lock = threading.Lock()
-        self._stopped = False
         self._results: list[object] = [_PENDING] * len(self._paths)
         self._threads = max(1, min(threads, len(self._paths)))
         self._on_size = on_size
@@ -104,11 +98,6 @@ class SizeProbe:
             held, self._held = list(self._held.values()), {}
         for event in held:
             event.set()
-
-    def stop(self) -> None:
-        """Stat nothing more: the paths not reached yet are left :data:`UNKNOWN`."""
-        self._stopped = True
-        self.unleash()
 
     def get(self, index: int) -> int:
         """The result for ``paths[index]``, waiting for the probe to reach it."""
@@ -147,8 +136,6 @@ class SizeProbe:
 
     def _probe(self, index: int) -> None:
         self._wait_for_lead(index)
-        if self._stopped:
-            raise _Stopped
         try:
             st = _stat(self._paths[index])
             result = DROPPED if stat.S_ISDIR(st.st_mode) else st.st_size
@@ -167,8 +154,6 @@ class SizeProbe:
     def _run(self) -> None:
         try:
             run_in_threads(self._probe, range(len(self._paths)), self._threads, name="size-probe")
-        except _Stopped:
-            pass
         except BaseException as exc:  # noqa: BLE001 - kept for the caller; no copy may wait forever
             self.failure = exc
         finally:

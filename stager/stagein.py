@@ -52,7 +52,7 @@ from .paths import PARTIAL_SUFFIX, SafeJoiner, safe_relpath
 from .progress import Progress, human_bytes
 from .report import StageInReport
 from .retry import RetryPolicy, call_with_retries
-from .sizing import DROPPED, UNKNOWN, DeferredPreflight, SizeProbe
+from .sizing import DROPPED, UNKNOWN, DeferredPreflight
 from .slurm import SlurmEnv
 from .sources import SourceSet, SourceShard, fill_sizes
 from .streams import StreamController
@@ -507,7 +507,6 @@ def _copy_all(
     count_later: list[str] = []  # held copies whose samples must be counted on the final file
     late_shards = [shard for shard, _, _, _ in plan.to_copy if shard.relpath in plan.sized_later]
     late = {shard.relpath: i for i, shard in enumerate(late_shards)}  # relpath -> index in the probe
-    lookups = _lookups_ahead(source, plan, late, options.jobs)
     preflight: DeferredPreflight | None = None
     if late:
         preflight = DeferredPreflight(
@@ -553,8 +552,6 @@ def _copy_all(
         if stop.is_set():
             failure = ShardFailure(shard.url, "not attempted: scratch is full")
         else:
-            if lookups is not None and shard.relpath in lookups[1]:
-                lookups[0].get(lookups[1][shard.relpath])  # looked up ahead; also moves the lead on
             streams.acquire()
             result = None
             count_in_flight = options.count_samples and final.name.endswith(".tar")
@@ -613,33 +610,11 @@ def _copy_all(
         if preflight is not None:
             preflight.finish()  # not on an error or interrupt: the probe's threads are daemons
     finally:
-        if lookups is not None:
-            lookups[0].stop()
         progress.close()
         report.streams = streams.peak
     if preflight is not None:
         _settle_sized_later(preflight, plan, _Held(dropped, held, count_later), report, entries, log)
     return corrupt.is_set()
-
-
-def _lookups_ahead(
-    source: SourceSet, plan: _Plan, late: dict[str, int], jobs: int
-) -> tuple[SizeProbe, dict[str, int]] | None:
-    """Stat the shards whose sizes are known on a few threads just ahead of their copies.
-
-    Why: on NFS the lookup is one of the round trips in each copy's path; done a few dozen
-    shards ahead (where the size probe of a walked directory does it anyway), the copy finds it
-    cached and pays only for the open and the read. The lead is short, so each lookup is still
-    cached when its copy comes and NFS serves it once. Local sources only (fsspec ones do
-    their own requests).
-    """
-    if source.remote_fs is not None:
-        return None
-    ahead = [shard for shard, _, _, _ in plan.to_copy if shard.relpath not in late]
-    if len(ahead) <= jobs:  # every copy starts at once: nothing to get ahead of
-        return None
-    probe = SizeProbe([shard.path for shard in ahead], jobs, lookahead=max(64, 4 * jobs)).start()
-    return probe, {shard.relpath: i for i, shard in enumerate(ahead)}
 
 
 @dataclass

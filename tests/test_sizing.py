@@ -150,44 +150,6 @@ def test_deferred_preflight_lets_the_probe_run_ahead_when_space_looks_tight(tmp_
     assert not roomy.refused and roomy.needed_bytes == 1000
 
 
-def test_a_stopped_probe_stats_nothing_more_and_ends(tmp_path: Path) -> None:
-    probe = SizeProbe(_files(tmp_path / "src", [1] * 50), 4, lookahead=8).start()
-    assert _settled(probe) == 8
-    probe.stop()  # e.g. the copies stopped (scratch full): the held threads must not hang
-    probe.join()
-    assert [probe.get(i) for i in range(8, 50)] == [UNKNOWN] * 42 and probe.failure is None
-
-
-def test_copies_with_known_sizes_find_their_lookups_done_ahead(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """With a manifest no size is needed, but each shard is still stat'ed once just ahead of
-    its copy: on NFS the copy's open then finds the lookup cached (one round trip fewer)."""
-    import stager.sizing
-    import stager.stagein
-
-    clean_process_env(monkeypatch)
-    src = tmp_path / "ds"
-    shards = write_synthetic_dataset(src, SyntheticSpec(num_shards=12, samples_per_shard=2))
-    assert run_main(capsys, "stager", "index", str(src)).returncode == 0
-    events: list[tuple[str, str]] = []
-    real_stat, real_copy = stager.sizing._stat, stager.stagein.copy_file
-    monkeypatch.setattr(stager.sizing, "_stat", lambda path: events.append(("stat", path)) or real_stat(path))
-
-    def copy_file(fs: object, path: str, *args: object, **kwargs: object) -> object:
-        events.append(("copy", path))
-        return real_copy(fs, path, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(stager.stagein, "copy_file", copy_file)
-    dest = tmp_path / "scratch"
-    result = run_main(capsys, "stage-in", str(src), "--dest", str(dest), "--jobs", "2", "--jitter-max", "0", "--quiet")
-    assert result.returncode == 0, result.stderr
-    paths = [str(p) for p in shards]
-    assert sorted(p for kind, p in events if kind == "stat") == sorted(paths)  # once each
-    assert all(events.index(("stat", p)) < events.index(("copy", p)) for p in paths)
-    assert all(filecmp.cmp(p, dest / "ds" / p.name, shallow=False) for p in shards)
-
-
 # -- stage-in with copies held back: the last shard's stat is slow, so the others finish first --
 
 
