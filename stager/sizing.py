@@ -8,12 +8,6 @@ reached them, so each copy paid the lookup again. Here the stats run on their ow
 listing order while the copies follow, so the copies find the entries fresh; the free-space
 check runs when the last size is in (or as soon as the sizes seen so far exceed the space).
 Until it has passed, finished copies stay ``.partial``: a refusal still leaves nothing staged.
-
-The probe keeps only a short lead (``lookahead`` shards) over the copies: unleashed, its
-threads outran them by seconds, the lookups expired again (after 1 s on the FUSE shim of the
-benchmarks) and 3,000 copies made 5,200 lookups instead of 3,000. It is unleashed when the
-space looks tight (the sizes so far, extrapolated to all shards, pass half the free space),
-so that a refusal still comes early, before much is copied.
 """
 
 from __future__ import annotations
@@ -56,16 +50,8 @@ class SizeProbe:
         *,
         on_size: Callable[[int], None] | None = None,
         on_done: Callable[[], None] | None = None,
-        lookahead: int | None = None,
     ):
         self._paths = list(paths)
-        # The lead: paths[i] is stat'ed once i < cursor + lookahead, where the cursor is one
-        # past the furthest index a copy has asked for. A probe thread beyond it waits on its
-        # own event, set when the cursor lets it go (no thundering herd of woken threads).
-        self._lookahead = lookahead
-        self._cursor = 0
-        self._held: dict[int, threading.Event] = {}
-        self._lead_lock = threading.Lock()
         self._results: list[object] = [_PENDING] * len(self._paths)
         self._threads = max(1, min(threads, len(self._paths)))
         self._on_size = on_size
@@ -83,26 +69,11 @@ class SizeProbe:
         self._runner.start()
         return self
 
-    @property
-    def results_in(self) -> int:
-        """How many paths have their result so far."""
-        return sum(1 for result in self._results if result is not _PENDING)
-
     def join(self) -> None:
         self._runner.join()
 
-    def unleash(self) -> None:
-        """Let the probe run as far ahead of the copies as its threads go."""
-        with self._lead_lock:
-            self._lookahead = None
-            held, self._held = list(self._held.values()), {}
-        for event in held:
-            event.set()
-
     def get(self, index: int) -> int:
         """The result for ``paths[index]``, waiting for the probe to reach it."""
-        if self._lookahead is not None and index >= self._cursor:
-            self._advance(index + 1)  # the copies moved on: so may the probe
         result = self._results[index]
         if result is _PENDING:
             with self._cond:
@@ -117,25 +88,7 @@ class SizeProbe:
         """Why ``paths[index]`` is :data:`UNKNOWN`."""
         return self._errors.get(index, "the size probe stopped before reaching it")
 
-    def _advance(self, cursor: int) -> None:
-        with self._lead_lock:
-            if self._lookahead is None or cursor <= self._cursor:
-                return
-            self._cursor = cursor
-            limit = cursor + self._lookahead
-            ready = [self._held.pop(i) for i in [i for i in self._held if i < limit]]
-        for event in ready:
-            event.set()
-
-    def _wait_for_lead(self, index: int) -> None:
-        with self._lead_lock:
-            if self._lookahead is None or index < self._cursor + self._lookahead:
-                return
-            event = self._held[index] = threading.Event()
-        event.wait()
-
     def _probe(self, index: int) -> None:
-        self._wait_for_lead(index)
         try:
             st = _stat(self._paths[index])
             result = DROPPED if stat.S_ISDIR(st.st_mode) else st.st_size
@@ -255,10 +208,7 @@ class DeferredPreflight:
         self._limit = free_bytes - min_free_bytes
         self._lock = threading.Lock()
         self._on_sized = on_sized
-        self._sizes_seen = 0
-        self.probe = SizeProbe(
-            paths, threads, on_size=self._add, on_done=self._done, lookahead=max(64, 4 * threads)
-        )
+        self.probe = SizeProbe(paths, threads, on_size=self._add, on_done=self._done)
         self.failed_renames: list[tuple[str, OSError]] = []
 
     def start(self) -> DeferredPreflight:
@@ -271,7 +221,6 @@ class DeferredPreflight:
 
     def finish(self) -> None:
         """Wait until every size is in and the verdict is given."""
-        self.probe.unleash()  # no copy will ask for the rest (e.g. after a refusal)
         self.probe.join()
 
     @property
@@ -282,14 +231,9 @@ class DeferredPreflight:
         with self._lock:
             self.probed_bytes += size
             self.needed_bytes += size
-            self._sizes_seen += 1
             over = self.needed_bytes > self._limit
-            unseen = len(self.probe) - self._sizes_seen
-            expected = self.needed_bytes + unseen * self.probed_bytes / self._sizes_seen
         if over:
             self.gate.refuse()
-        elif expected > self._limit / 2:
-            self.probe.unleash()  # tight: find out early whether it fits
 
     def _done(self) -> None:
         if self.probe.failure is not None or self.needed_bytes > self._limit:

@@ -115,41 +115,6 @@ def test_deferred_preflight_refuses_when_the_sizes_do_not_fit(tmp_path: Path) ->
     assert not os.path.exists(held[0]) and not os.path.exists(held[1])
 
 
-def _settled(probe: SizeProbe, timeout_s: float = 5.0) -> int:
-    """How many results are in once the probe has stopped advancing (waits until it does)."""
-    deadline, seen = time.monotonic() + timeout_s, -1
-    while time.monotonic() < deadline:
-        now = probe.results_in
-        if now == seen:
-            return now
-        seen = now
-        time.sleep(0.1)
-    return seen
-
-
-def test_probe_keeps_a_short_lead_over_the_copies(tmp_path: Path) -> None:
-    """Its lookups must still be fresh when the copies open the files (NFS serves each once)."""
-    probe = SizeProbe(_files(tmp_path / "src", [1] * 100), 4, lookahead=8).start()
-    assert _settled(probe) == 8  # no copy has asked yet: 8 ahead, no more
-    assert probe.get(40) == 1  # a copy reached shard 40: the probe may go to 48
-    assert _settled(probe) == 49
-    probe.unleash()
-    probe.join()
-    assert _settled(probe) == 100
-
-
-def test_deferred_preflight_lets_the_probe_run_ahead_when_space_looks_tight(tmp_path: Path) -> None:
-    """Extrapolated, 100 shards of 10 bytes need 1000: over half of 1500 free, so no lead is kept
-    and the sizes are all in without a copy asking; with 100000 free, the lead holds."""
-    paths = _files(tmp_path / "src", [10] * 100)
-    tight = DeferredPreflight(paths, 2, known_bytes=0, free_bytes=1500).start()
-    assert _settled(tight.probe) == 100
-    roomy = DeferredPreflight(paths, 2, known_bytes=0, free_bytes=100_000).start()
-    assert _settled(roomy.probe) == 64  # the lead: max(64, 4 x threads)
-    roomy.finish()  # no copy will ask for the rest: finishing lets the probe run to the end
-    assert not roomy.refused and roomy.needed_bytes == 1000
-
-
 # -- stage-in with copies held back: the last shard's stat is slow, so the others finish first --
 
 
