@@ -7,11 +7,15 @@ of latency and ``T`` seconds of transfer, ``(L + T) / T`` streams keep the link 
 controller measures both per file (time to first byte, then from it to the last byte read),
 keeps the medians of a sliding window, and sets the limit to that ratio, clamped to
 ``[floor, ceiling]`` where the ceiling is ``--jobs``. ``T`` stops at the last byte read: the
-local work after it (the end-of-file read, the write, the rename) is not the link's, and with
-dozens of copy threads sharing one interpreter it can take milliseconds, which read as a slow
-link made the limit sag below the ceiling on small files (a shard that fits in the first read
-has ``T = 0``). When the link is shared, ``T`` grows as streams are added, so the
-target falls back by itself: it never overloads a server that is slow for lack of bandwidth.
+local work after it (the end-of-file read, the last write, the rename) is not the link's, and
+with dozens of copy threads sharing one interpreter it can take milliseconds, which read as a
+slow link made the limit sag below the ceiling on small files. (The hashing and writing of
+earlier blocks, between reads, still count: they are small next to a multi-block transfer.)
+
+When the link is shared, ``T`` grows as streams are added, so the target falls back by itself:
+it never overloads a server that is slow for lack of bandwidth. Except for shards that arrive
+whole in the first read (64 KiB): their ``T`` is 0 and they run at the ceiling, as they did
+before in practice (their local work was all that ``T`` measured); ``--bw-limit`` caps those.
 """
 
 from __future__ import annotations
