@@ -299,13 +299,13 @@ def main(argv: list[str] | None = None) -> int:
         return _check(args.source, args.delay_ms, args.check, args.impl)
     if not args.mountpoint:
         parser.error("MOUNTPOINT is required unless --check")
-    # No Python SIGTERM handler: libfuse installs its own (exit the loop) only while the
-    # handler is SIG_DFL, and a Python handler would never run while fuse_main blocks in C.
     if args.impl != "python":
         delay_s, status = args.delay_ms / 1000, args.status or "-"
         cmd, built = _command(args.source, args.mountpoint, delay_s, status, args.impl)
         if built == "c":
-            os.execv(cmd[0], cmd)
+            os.execv(cmd[0], cmd)  # the C build in this process's place
+    # No Python SIGTERM handler: libfuse installs its own (exit the loop) only while the
+    # handler is SIG_DFL, and a Python handler would never run while fuse_main blocks in C.
     serve(args.source, args.mountpoint, args.delay_ms / 1000, args.status)
     return 0
 
