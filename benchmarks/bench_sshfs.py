@@ -21,7 +21,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -33,7 +32,7 @@ from pathlib import Path
 
 from .bench_latency import make_dataset, tmpfs
 from .bench_stage_in import run_tool, target_for, tool_commands
-from .common import in_workdir, report
+from .common import in_workdir, raise_on_sigterm, report
 from .latencyfs import unmount
 
 # (label, files, approximate bytes per file); about 25 MB each so a run takes ~3 s at 80 mbit
@@ -315,13 +314,6 @@ def to_markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _raise_on_sigterm() -> None:
-    def handler(signum, frame):  # turn SIGTERM into an exception so every teardown runs
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, handler)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="small")
@@ -337,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("bench_sshfs needs root (network namespaces, tc, mounts)", file=sys.stderr)
         return 2
-    _raise_on_sigterm()
+    raise_on_sigterm()
     rows = in_workdir(args.workdir, "bench-sshfs-", lambda w: bench(args.size, args.repeats, args.rate_mbit, w))
     report(rows, to_markdown, args.json)
     return 0

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["scratch_root", "in_workdir", "report", "cpu_jiffies", "stolen_fraction"]
+__all__ = ["scratch_root", "in_workdir", "report", "cpu_jiffies", "stolen_fraction", "raise_on_sigterm"]
 
 _STEAL_FIELD = 7  # /proc/stat "cpu" line: user nice system idle iowait irq softirq steal ...
 
@@ -65,3 +66,16 @@ def report(rows: list[dict], to_markdown: Callable[[list[dict]], str], json_path
     print(to_markdown(rows))
     if json_path:
         json_path.write_text(json.dumps(rows, indent=1))
+
+
+def raise_on_sigterm() -> None:
+    """Turn SIGTERM into ``SystemExit`` so every ``finally`` runs (unmounts, namespace teardown).
+
+    Python's default for SIGTERM ends the process without unwinding: a benchmark killed that
+    way left its tmpfs and FUSE mounts behind.
+    """
+
+    def handler(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
