@@ -203,7 +203,7 @@ def _verdict(diag: Diagnosis, epochs: int, ranks_per_node: int) -> list[str]:
     if diag.source.first_byte_ms > 5:
         out.append(
             f"the source costs {diag.source.first_byte_ms:.0f} ms per file before any byte arrives: "
-            "keep stage-in's adaptive streams (default --jobs 32) and prefer fewer, larger shards (100 MB-1 GB)"
+            "keep stage-in's adaptive streams (up to --jobs, default 64) and prefer fewer, larger shards (100 MB-1 GB)"
         )
     if loader is not None and loader.samples_per_s:
         best_w = loader.best_workers

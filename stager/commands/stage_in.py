@@ -12,7 +12,7 @@ from ..fanout_group import FanoutOptions
 from ..retry import RetryPolicy
 from ..slurm import SlurmEnv
 from ..sources import resolve_source
-from ..stagein import StageInOptions, stage_in
+from ..stagein import DEFAULT_JOBS, StageInOptions, stage_in
 
 HELP = "copy dataset shards to node-local scratch (run once per node: srun --ntasks-per-node=1)"
 
@@ -48,8 +48,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--name", help="dataset name under the destination (default: source directory's basename)")
     parser.add_argument(
-        "--jobs", type=int, default=32, metavar="N",
-        help="most concurrent copy streams per node (default 32); the count adapts to the source's latency",
+        "--jobs", type=int, default=DEFAULT_JOBS, metavar="N",
+        help=f"most concurrent copy streams per node (default {DEFAULT_JOBS}); the count adapts to the source's latency",
     )
     parser.add_argument("--min-jobs", type=int, default=4, metavar="N", help="fewest concurrent streams (default 4)")
     parser.add_argument("--fixed-jobs", action="store_true", help="always run --jobs streams (no adaptation)")
