@@ -12,6 +12,7 @@ Two paths, chosen per dataset:
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import time
@@ -25,7 +26,7 @@ from torch.utils.data import DataLoader
 
 from stager.errors import UsageError
 
-from .dataset import PackedBatch, StagedTarDataset
+from .dataset import SHARED_MEMORY_MIN_BYTES, PackedBatch, StagedTarDataset
 from .errors import ResumeMismatch
 from .index import build_flat_index
 from .metrics import LoaderMetrics, batch_length
@@ -62,6 +63,25 @@ class LoaderOptions:
     ranks_per_node: int | None = None  # default: from Slurm/torchrun
     force_streaming: bool = False  # read local shards through the streaming path (benchmarks, tests)
     log_every: int = 0  # log data-wait time and samples/s every N steps (logger "loaders"); 0: off
+
+
+def _widen_result_pipe(iterator: Any) -> None:
+    """Let the workers' result pipe hold a whole pipe-sent batch (up to 1 MiB) instead of 64 KiB.
+
+    Batches under :data:`SHARED_MEMORY_MIN_BYTES` leave the workers pickled through torch's
+    result queue, a pipe whose default 64 KiB made a 256 KB batch cross in four or five
+    write/wake-up rounds between a worker and the training process. With 20k samples of ~1 KB
+    and 2 workers, an epoch took ~10% less with the wider pipe (medians of 15 alternating
+    runs). Best effort: torch keeps the queue in a private attribute, and a system whose
+    ``fs.pipe-max-size`` is lower refuses; either way the loader works as before.
+    """
+    reader = getattr(getattr(iterator, "_worker_result_queue", None), "_reader", None)
+    if reader is None or not hasattr(fcntl, "F_SETPIPE_SZ"):
+        return  # no workers, a torch that names it differently, or not Linux
+    try:
+        fcntl.fcntl(reader.fileno(), fcntl.F_SETPIPE_SZ, SHARED_MEMORY_MIN_BYTES)
+    except (OSError, ValueError):
+        pass
 
 
 def _passthrough(batch: Any) -> Any:
@@ -217,9 +237,13 @@ class ShardedLoader(DataLoader):
         self._consumed = start
         if not self._streaming:
             self.batch_plan.epoch, self.batch_plan.start_batch = self._epoch, start
-            return self._deliver(super().__iter__())
+            inner = super().__iter__()
+            _widen_result_pipe(inner)
+            return self._deliver(inner)
         self.dataset.configure(self._epoch, start)  # type: ignore[attr-defined]
-        ordered = reorder_batches(super().__iter__(), self.stream_plan.delivery_order()[start:])
+        inner = super().__iter__()
+        _widen_result_pipe(inner)
+        ordered = reorder_batches(inner, self.stream_plan.delivery_order()[start:])
         return self._deliver(ordered)
 
     def _deliver(self, inner: Iterator[Any]) -> Iterator[Any]:

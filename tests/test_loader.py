@@ -156,6 +156,26 @@ def test_raw_batches_from_workers_are_the_same_through_shared_memory_or_the_pipe
     assert workers == direct and len(direct) > 2
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+def test_workers_result_pipe_holds_a_pipe_sent_batch(small_dataset: Path, tmp_path: Path, monkeypatch, streaming: bool) -> None:
+    import fcntl
+
+    import loaders.dataset
+    import loaders.loader
+
+    sizes: list[int] = []
+    widen = loaders.loader._widen_result_pipe
+
+    def spy(iterator) -> None:
+        widen(iterator)
+        sizes.append(fcntl.fcntl(iterator._worker_result_queue._reader.fileno(), fcntl.F_GETPIPE_SZ))
+
+    monkeypatch.setattr(loaders.loader, "_widen_result_pipe", spy)
+    opts = LoaderOptions(dest=str(tmp_path), force_streaming=streaming)
+    batches = list(ShardedLoader(small_dataset, batch_size=5, num_workers=2, options=opts))
+    assert batches and sizes == [loaders.dataset.SHARED_MEMORY_MIN_BYTES]
+
+
 def test_same_seed_and_epoch_same_order_other_epoch_differs(small_dataset: Path, tmp_path: Path) -> None:
     def order(epoch: int, seed: int = 4) -> list[str]:
         loader = ShardedLoader(small_dataset, batch_size=16, seed=seed, to_tuple=("__key__",), options=LoaderOptions(dest=str(tmp_path)))
