@@ -39,7 +39,7 @@ from pathlib import Path
 from stager.synth import SyntheticSpec, write_synthetic_dataset
 
 from .bench_stage_in import run_tool, target_for, tool_commands
-from .common import cpu_jiffies, in_workdir, raise_on_sigterm, report, stolen_fraction
+from .common import compile_bytecode, cpu_jiffies, in_workdir, raise_on_sigterm, report, stolen_fraction
 from .latencyfs import IMPLS, mounted
 
 # (label, files, approximate bytes per file)
@@ -280,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     delays = [float(d) for d in args.delays_ms.split(",") if d]
     raise_on_sigterm()  # a killed run must still unmount its tmpfs and FUSE shim
     only = [t.strip() for t in args.tools.split(",")] if args.tools else None
+    compile_bytecode()
     rows = in_workdir(
         args.workdir,
         "bench-latency-",

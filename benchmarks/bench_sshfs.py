@@ -32,7 +32,7 @@ from pathlib import Path
 
 from .bench_latency import make_dataset, tmpfs
 from .bench_stage_in import run_tool, target_for, tool_commands
-from .common import in_workdir, raise_on_sigterm, report
+from .common import compile_bytecode, in_workdir, raise_on_sigterm, report
 from .latencyfs import unmount
 
 # (label, files, approximate bytes per file); about 25 MB each so a run takes ~3 s at 80 mbit
@@ -330,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_sshfs needs root (network namespaces, tc, mounts)", file=sys.stderr)
         return 2
     raise_on_sigterm()
+    compile_bytecode()
     rows = in_workdir(args.workdir, "bench-sshfs-", lambda w: bench(args.size, args.repeats, args.rate_mbit, w))
     report(rows, to_markdown, args.json)
     return 0

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from stager.synth import SyntheticSpec, write_synthetic_dataset
 
-from .common import in_workdir, report
+from .common import compile_bytecode, in_workdir, report
 
 BIN = Path(sys.executable).parent
 
@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, help="where to write data (default: a temp dir on /var/tmp)")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     args = parser.parse_args(argv)
+    compile_bytecode()
     rows = in_workdir(args.workdir, "bench-stage-in-", lambda w: bench(args.size, args.repeats, args.jobs, w), parent="/var/tmp")
     report(rows, to_markdown, args.json)
     return 0

@@ -29,7 +29,7 @@ import traceback
 from pathlib import Path
 
 from . import bench_latency, bench_sshfs, bench_stage_in
-from .common import cpu_jiffies, stolen_fraction
+from .common import compile_bytecode, cpu_jiffies, stolen_fraction
 
 REPO = Path(__file__).resolve().parent.parent
 EXTERNAL = ("bench_loader", "bench_fanout", "bench_subset_bytes", "bench_startup")  # by others: subprocesses, if present
@@ -257,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-docs", action="store_true", help="do not rewrite the docs page")
     args = parser.parse_args(argv)
+    compile_bytecode()
     if os.geteuid() != 0:
         print(
             "note: not root; the latency and sshfs benchmarks need root (mounts, namespaces) and will fail",
