@@ -160,7 +160,7 @@ SECTIONS = {
         "Shared filesystem with per-operation latency (FUSE shim)",
         "Source on tmpfs behind `benchmarks/latencyfs.py`, which sleeps the given delay per lookup/getattr, "
         "open and read (parallel lookups enabled); destination on tmpfs. stage-in with default flags "
-        '(adaptive streams, ceiling 32). "stage-in (brace list)" names the same files with a brace '
+        '(adaptive streams, ceiling 64). "stage-in (brace list)" names the same files with a brace '
         "pattern, which stage-in stats in parallel instead of listing the directory serially; "
         '"stage-in (manifest)" is given a manifest made beforehand by `stager index` and takes the sizes '
         "from it instead of a stat per file. "
