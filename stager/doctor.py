@@ -25,6 +25,7 @@ from pathlib import Path
 from .dest import ensure_private_dir
 from .progress import human_bytes
 from .sources import SourceSet
+from .streams import DEFAULT_JOBS
 
 __all__ = ["SourceProbe", "ScratchProbe", "LoaderProbe", "Diagnosis", "diagnose", "probe_source", "probe_scratch"]
 
@@ -203,7 +204,8 @@ def _verdict(diag: Diagnosis, epochs: int, ranks_per_node: int) -> list[str]:
     if diag.source.first_byte_ms > 5:
         out.append(
             f"the source costs {diag.source.first_byte_ms:.0f} ms per file before any byte arrives: "
-            "keep stage-in's adaptive streams (up to --jobs, default 64) and prefer fewer, larger shards (100 MB-1 GB)"
+            f"keep stage-in's adaptive streams (up to --jobs, default {DEFAULT_JOBS}) and prefer fewer, larger shards "
+            "(100 MB-1 GB)"
         )
     if loader is not None and loader.samples_per_s:
         best_w = loader.best_workers

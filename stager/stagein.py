@@ -55,7 +55,7 @@ from .retry import RetryPolicy, call_with_retries
 from .sizing import DROPPED, UNKNOWN, DeferredPreflight
 from .slurm import SlurmEnv
 from .sources import SourceSet, SourceShard, fill_sizes
-from .streams import StreamController
+from .streams import DEFAULT_JOBS, StreamController
 from .tarcount import TarSampleCounter
 from .throttle import Throttle
 from .workers import run_in_threads
@@ -65,20 +65,12 @@ __all__ = [
     "stage_in",
     "staged_manifest_path",
     "STAGED_META_DIR",
-    "DEFAULT_JOBS",
     "jitter_s",
     "run_once_per_node",
     "attach_report",
 ]
 
 STAGED_META_DIR = ".stager"
-
-#: The most copy streams per node unless ``--jobs`` says otherwise. The stream controller runs
-#: this many only while per-file latency dominates (many small files on a slow-to-answer
-#: filesystem); large shards settle at a few. 64 rather than 32: behind 10 ms per operation,
-#: 3,000 small files staged ~15% faster with 48 or 64 streams than with 32 on a quiet machine,
-#: and ~25% faster when other work took CPU (docs/tuning.md); 96 gained nothing more.
-DEFAULT_JOBS = 64
 
 
 def staged_manifest_path(dataset_dir: str | Path) -> Path:

@@ -12,7 +12,8 @@ from ..fanout_group import FanoutOptions
 from ..retry import RetryPolicy
 from ..slurm import SlurmEnv
 from ..sources import resolve_source
-from ..stagein import DEFAULT_JOBS, StageInOptions, stage_in
+from ..stagein import StageInOptions, stage_in
+from ..streams import DEFAULT_JOBS
 
 HELP = "copy dataset shards to node-local scratch (run once per node: srun --ntasks-per-node=1)"
 
