@@ -13,7 +13,7 @@ through the shim each time. The shim's C build is used when it compiles (``--shi
 server's CPU is not the client's, and the Python build's ~0.7 ms of CPU per small file on these
 2 cores would be charged to whichever copier runs more files per second. Each row says which.
 
-stage-in runs with default flags (adaptive streams, ceiling 32); its report's ``streams`` field
+stage-in runs with default flags (adaptive streams, ceiling 64); its report's ``streams`` field
 (peak stream count) and ``seconds`` (copy phase only, after listing) are recorded. A second
 stage-in row, "stage-in (brace list)", names the same files with a brace pattern, which stage-in
 stats in parallel instead of listing the directory: the difference between the two rows is the

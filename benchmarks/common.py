@@ -6,15 +6,18 @@ import json
 import os
 import shutil
 import signal
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 __all__ = [
     "scratch_root", "in_workdir", "report", "cpu_jiffies", "stolen_fraction", "raise_on_sigterm", "compile_bytecode",
+    "REPO",
 ]
 
-_REPO = Path(__file__).resolve().parent.parent
+#: The checkout the benchmarks run from.
+REPO = Path(__file__).resolve().parent.parent
 _STEAL_FIELD = 7  # /proc/stat "cpu" line: user nice system idle iowait irq softirq steal ...
 
 
@@ -96,4 +99,5 @@ def compile_bytecode() -> None:
     import compileall
 
     for package in ("stager", "loaders"):
-        compileall.compile_dir(str(_REPO / package), quiet=1)
+        if not compileall.compile_dir(str(REPO / package), quiet=1):
+            print(f"note: some modules under {package}/ did not compile; they are compiled on import", file=sys.stderr)

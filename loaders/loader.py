@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 
 from stager.errors import UsageError
 
-from .dataset import SHARED_MEMORY_MIN_BYTES, PackedBatch, StagedTarDataset
+from .dataset import PackedBatch, StagedTarDataset
 from .errors import ResumeMismatch
 from .index import build_flat_index
 from .metrics import LoaderMetrics, batch_length
@@ -65,23 +65,31 @@ class LoaderOptions:
     log_every: int = 0  # log data-wait time and samples/s every N steps (logger "loaders"); 0: off
 
 
-def _widen_result_pipe(iterator: Any) -> None:
-    """Let the workers' result pipe hold a whole pipe-sent batch (up to 1 MiB) instead of 64 KiB.
+#: The size asked for the workers' result pipe: batches under 1 MiB (``SHARED_MEMORY_MIN_BYTES``
+#: in :mod:`loaders.dataset`) cross it pickled. 1 MiB is also Linux's default
+#: ``fs.pipe-max-size``, the most an unprivileged process may ask for.
+RESULT_PIPE_BYTES = 1 << 20
 
-    Batches under :data:`SHARED_MEMORY_MIN_BYTES` leave the workers pickled through torch's
-    result queue, a pipe whose default 64 KiB made a 256 KB batch cross in four or five
-    write/wake-up rounds between a worker and the training process. With 20k samples of ~1 KB
-    and 2 workers, an epoch took ~10% less with the wider pipe (medians of 15 alternating
-    runs). Best effort: torch keeps the queue in a private attribute, and a system whose
-    ``fs.pipe-max-size`` is lower refuses; either way the loader works as before.
+
+def _widen_result_pipe(iterator: Any) -> None:
+    """Let the workers' result pipe hold a whole pipe-sent batch instead of 64 KiB of it.
+
+    Batches under 1 MiB leave the workers pickled through torch's result queue, a pipe whose
+    default 64 KiB made a 256 KB batch cross in four or five write/wake-up rounds between a
+    worker and the training process. With 20k samples of ~1 KB and 2 workers, an epoch took
+    ~10% less with the wider pipe (medians of 15 alternating runs). Torch has started the
+    workers by the time the iterator is returned, so the first prefetched batches may still
+    cross the narrow way. Best effort: torch keeps the queue in a private attribute, and a
+    lower ``fs.pipe-max-size`` (or a user over ``fs.pipe-user-pages-soft``) refuses; either way
+    the loader works as before, without the gain.
     """
     reader = getattr(getattr(iterator, "_worker_result_queue", None), "_reader", None)
     if reader is None or not hasattr(fcntl, "F_SETPIPE_SZ"):
         return  # no workers, a torch that names it differently, or not Linux
     try:
-        fcntl.fcntl(reader.fileno(), fcntl.F_SETPIPE_SZ, SHARED_MEMORY_MIN_BYTES)
-    except (OSError, ValueError):
-        pass
+        fcntl.fcntl(reader.fileno(), fcntl.F_SETPIPE_SZ, RESULT_PIPE_BYTES)
+    except (OSError, ValueError) as exc:
+        log.debug("could not widen the workers' result pipe: %s", exc)
 
 
 def _passthrough(batch: Any) -> Any:

@@ -41,7 +41,7 @@ def _buffer(block_bytes: int) -> memoryview:
     """This thread's reusable copy buffer.
 
     An anonymous mapping rather than a ``bytearray``: ``bytearray(n)`` zero-fills all ``n``
-    bytes at once, and 32 threads each touching 4 MiB cost more than copying 300 small shards
+    bytes at once, and dozens of threads each touching 4 MiB cost more than copying 300 small shards
     (page faults and ``mmap_lock`` contention); a mapping is faulted in only as far as reads go.
     """
     buf = getattr(_buffers, "buf", None)

@@ -511,7 +511,10 @@ def _copy_all(
     if late:
         preflight = DeferredPreflight(
             [shard.path for shard in late_shards],
-            options.jobs,
+            # Half the copy ceiling: a stat is one round trip where a copy makes three, so
+            # half as many threads still keep the sizes ahead of the copies, and the node
+            # has at most 1.5 x --jobs requests in flight on the source rather than 2 x.
+            max(1, options.jobs // 2),
             known_bytes=progress.total_bytes,
             free_bytes=plan.free_bytes,
             min_free_bytes=options.min_free_bytes,

@@ -156,11 +156,13 @@ def test_raw_batches_from_workers_are_the_same_through_shared_memory_or_the_pipe
     assert workers == direct and len(direct) > 2
 
 
+@pytest.mark.skipif(not hasattr(__import__("fcntl"), "F_GETPIPE_SZ"), reason="pipe sizes are Linux's")
 @pytest.mark.parametrize("streaming", [False, True])
-def test_workers_result_pipe_holds_a_pipe_sent_batch(small_dataset: Path, tmp_path: Path, monkeypatch, streaming: bool) -> None:
+def test_workers_result_pipe_holds_a_pipe_sent_batch(
+    small_dataset: Path, tmp_path: Path, monkeypatch, streaming: bool
+) -> None:
     import fcntl
 
-    import loaders.dataset
     import loaders.loader
 
     sizes: list[int] = []
@@ -173,7 +175,20 @@ def test_workers_result_pipe_holds_a_pipe_sent_batch(small_dataset: Path, tmp_pa
     monkeypatch.setattr(loaders.loader, "_widen_result_pipe", spy)
     opts = LoaderOptions(dest=str(tmp_path), force_streaming=streaming)
     batches = list(ShardedLoader(small_dataset, batch_size=5, num_workers=2, options=opts))
-    assert batches and sizes == [loaders.dataset.SHARED_MEMORY_MIN_BYTES]
+    assert batches and sizes == [loaders.loader.RESULT_PIPE_BYTES]
+
+
+def test_a_pipe_that_cannot_be_widened_changes_nothing(small_dataset: Path, tmp_path: Path, monkeypatch) -> None:
+    import loaders.loader
+
+    def refuse(*args) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    opts = LoaderOptions(dest=str(tmp_path))
+    widened = [b["__key__"] for b in ShardedLoader(small_dataset, batch_size=5, num_workers=2, options=opts)]
+    monkeypatch.setattr(loaders.loader.fcntl, "fcntl", refuse)
+    narrow = [b["__key__"] for b in ShardedLoader(small_dataset, batch_size=5, num_workers=2, options=opts)]
+    assert narrow == widened and len(narrow) > 2
 
 
 def test_same_seed_and_epoch_same_order_other_epoch_differs(small_dataset: Path, tmp_path: Path) -> None:
