@@ -243,16 +243,15 @@ class ShardedLoader(DataLoader):
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         start, self._skip = self._skip, 0
         self._consumed = start
-        if not self._streaming:
+        if self._streaming:
+            self.dataset.configure(self._epoch, start)  # type: ignore[attr-defined]
+        else:
             self.batch_plan.epoch, self.batch_plan.start_batch = self._epoch, start
-            inner = super().__iter__()
-            _widen_result_pipe(inner)
-            return self._deliver(inner)
-        self.dataset.configure(self._epoch, start)  # type: ignore[attr-defined]
         inner = super().__iter__()
         _widen_result_pipe(inner)
-        ordered = reorder_batches(inner, self.stream_plan.delivery_order()[start:])
-        return self._deliver(ordered)
+        if self._streaming:
+            inner = reorder_batches(inner, self.stream_plan.delivery_order()[start:])
+        return self._deliver(inner)
 
     def _deliver(self, inner: Iterator[Any]) -> Iterator[Any]:
         asked = time.perf_counter()  # from the loop asking for a batch to its arrival: the data wait
