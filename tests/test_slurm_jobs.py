@@ -3,11 +3,18 @@
 Three jobs run at once to keep the tier short: an uninterrupted 2-node run (the reference),
 the same run interrupted by USR1 (stage out, requeue, restore, finish), and the single-node
 template with the torchrun launcher. Paths carry spaces and a quote on purpose.
+
+What is compared between runs is what the project guarantees: the same batches in the same
+order on every rank (the per-rank key logs), the same step count, a committed checkpoint. The
+models are compared within a tolerance, never bit for bit: two launchers (srun across nodes,
+torchrun inside one) or two processes may sum floats in another order (intra-op thread counts,
+gloo's algorithm within a node or across nodes, the CPU's kernels), so bit-identical weights
+hold only on the machine and launcher where they were written. Feeding different samples is
+caught by the key logs, exactly; the weight check only catches a grossly different run.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import shlex
 import time
@@ -107,10 +114,20 @@ def _key_log(job: Job, rank: int) -> list[tuple[int, str]]:
     return [(int(step), keys) for step, keys in (line.split(" ", 1) for line in lines)]
 
 
-def _digest(text: str) -> str:
-    found = re.findall(r"done at step (\d+), model (\w+)", text)
-    assert found, text
-    return found[-1][1]
+#: Weights of two runs fed the same batches differ only by float summation order: on this
+#: model and 40 SGD steps that was 1.5e-8 at most (weights ~0.2); another seed differs by ~0.3.
+MODEL_RTOL, MODEL_ATOL = 1e-4, 1e-5
+
+
+def _assert_same_model(state_path: Path, reference_path: Path) -> None:
+    """The two checkpoints hold the same model up to float summation order (see the module doc)."""
+    import torch
+
+    got = torch.load(state_path, map_location="cpu", weights_only=False)["model"]
+    want = torch.load(reference_path, map_location="cpu", weights_only=False)["model"]
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=MODEL_RTOL, atol=MODEL_ATOL, msg=name)
 
 
 def test_two_node_job_stages_in_per_node_trains_and_stages_out(slurm_cluster, jobs) -> None:
@@ -168,10 +185,12 @@ def test_usr1_stages_out_requeues_and_resumes_exactly(slurm_cluster, jobs) -> No
         assert [step for step, _ in interrupted] == list(range(1, STEPS + 1))
         # ...and so do the samples: the same batches, in the same order, as the uninterrupted run.
         assert interrupted == _key_log(reference, rank)
-    assert _digest(text) == _digest(reference.text())
+    final = f"step-{STEPS:08d}/state.pt"
+    _assert_same_model(job.ckpt_dest / final, reference.ckpt_dest / final)
 
 
 def test_single_node_template_with_torchrun(slurm_cluster, jobs) -> None:
+    """torchrun on one node feeds every rank the batches the srun reference fed it, in order."""
     job, reference = jobs["torchrun"], jobs["reference"]
     _wait_done(slurm_cluster, job)
     text = job.text()
@@ -180,21 +199,21 @@ def test_single_node_template_with_torchrun(slurm_cluster, jobs) -> None:
         "[node1] stage-in: 4 files, 4 copied" in text
         or "[node2] stage-in: 4 files, 4 copied" in text
     )
+    assert "done at step 20" in text
     assert (job.ckpt_dest / "step-00000020" / "state.pt").is_file()
-    # Same world size, data and seed as the srun-launched reference: the same model at step 20.
+    # Same world size, data and seed as the srun-launched reference: the same batches on each
+    # rank for the 20 steps, and so the same model up to summation order.
     _wait_done(slurm_cluster, reference)
+    for rank in (0, 1):
+        torchrun_keys = _key_log(job, rank)
+        assert [step for step, _ in torchrun_keys] == list(range(1, 21))
+        assert torchrun_keys == _key_log(reference, rank)[:20]
     ref_node = next(
         n
         for n in slurm_cluster.node_names
         if (slurm_cluster.scratch(n) / reference.job_id / "checkpoints").is_dir()
     )
-    ref_meta = json.loads(
-        (
-            slurm_cluster.scratch(ref_node)
-            / reference.job_id
-            / "checkpoints"
-            / "step-00000020"
-            / "meta.json"
-        ).read_text()
+    ref_state = (
+        slurm_cluster.scratch(ref_node) / reference.job_id / "checkpoints" / "step-00000020" / "state.pt"
     )
-    assert _digest(text) == ref_meta["digest"]
+    _assert_same_model(job.ckpt_dest / "step-00000020" / "state.pt", ref_state)
