@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from stager.synth import SyntheticSpec, write_synthetic_dataset
+from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 
 BIN = Path(sys.executable).parent
 

@@ -36,7 +36,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from stager.synth import SyntheticSpec, write_synthetic_dataset
+from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 
 from .bench_stage_in import run_tool, target_for, tool_commands
 from .common import compile_bytecode, cpu_jiffies, in_workdir, raise_on_sigterm, report, stolen_fraction

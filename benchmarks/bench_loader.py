@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from stager.synth import SyntheticSpec, write_synthetic_dataset
+from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 
 from .common import scratch_root
 
@@ -67,8 +67,8 @@ def sharded_loader(shards: list[Path], workers: int) -> int:
 def stage(source_dir: Path, dest_root: Path) -> list[Path]:
     """stage-in (tmpfs to tmpfs) so every loader reads the same staged files."""
     from stager.slurm import SlurmEnv
-    from stager.sources import resolve_source
-    from stager.stagein import StageInOptions, stage_in
+    from stager.storage.sources import resolve_source
+    from stager.stagein.run import StageInOptions, stage_in
 
     options = StageInOptions(dest_root=dest_root, progress="none", jitter_max_s=0)
     report = stage_in(resolve_source(str(source_dir)), options, slurm=SlurmEnv.from_environ({}))

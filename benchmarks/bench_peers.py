@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from benchmarks.bench_loader import BATCH, sharded_loader, stage, web_loader
-from stager.synth import SyntheticSpec, write_synthetic_dataset
+from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 
 from .common import report, scratch_root
 

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from stager.synth import SyntheticSpec, write_synthetic_dataset
+from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 
 from .common import compile_bytecode, in_workdir, report
 

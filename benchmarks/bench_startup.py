@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 from benchmarks.bench_loader import BATCH, stage
-from stager.synth import SyntheticSpec, write_synthetic_dataset
+from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 
 from .common import report, scratch_root
 

@@ -13,7 +13,7 @@ sizes). Rows:
 * naive: every node runs ``cp -r SOURCE DEST``; its bytes are the ``rchar`` of the shell that ran
   and reaped ``cp`` (``/proc/PID/io`` counts reaped children; ~15 KB of that is shared libraries);
 * ``--subset all``: every node stages every shard (what a replicated job needs without fan-out);
-* ``--subset node``: each node stages only its share (``loaders.subset.select_node_shards``);
+* ``--subset node``: each node stages only its share (``stager.plan.nodes.select_node_shards``);
 * ``--subset all --fanout``: replicated, but each shard is read from the source by one node and
   broadcast to the others over torch.distributed (gloo); here the nodes rendezvous on loopback
   (``--fanout-host 127.0.0.1``), so it counts bytes only. Its time over a capped shared link is
@@ -40,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-from stager.synth import SyntheticSpec, write_synthetic_dataset
+from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 
 from .common import report, scratch_root
 

@@ -3,7 +3,7 @@
 ``ShardedLoader`` gives every DDP rank the same number of batches per epoch from node-local
 staged shards, with exact mid-epoch resume (``state_dict``/``load_state_dict``).
 
-Names are imported lazily: ``import loaders.sharding`` (the pure, numpy-only planner that
+Names are imported lazily: ``import stager.plan.ranks`` (the pure, numpy-only planner that
 ``stage-in --subset node`` uses in Slurm prologues) must not pay for importing torch.
 """
 
@@ -22,7 +22,6 @@ __all__ = [
     "WorldLayout",
     "capture_rng_state",
     "restore_rng_state",
-    "select_node_shards",
 ]
 
 _HOME = {
@@ -31,27 +30,26 @@ _HOME = {
     "ShardedLoader": "loader",
     "LoaderState": "state",
     "ResumeMismatch": "errors",
-    "PlanOptions": "sharding",
-    "WorldLayout": "sharding",
+    "PlanOptions": "stager.plan.ranks",
+    "WorldLayout": "stager.plan.ranks",
     "capture_rng_state": "rng",
     "restore_rng_state": "rng",
-    "select_node_shards": "subset",
 }
 
 if TYPE_CHECKING:
-    from .errors import ResumeMismatch
-    from .loader import LoaderOptions, ShardedLoader
-    from .metrics import LoaderMetrics
-    from .rng import capture_rng_state, restore_rng_state
-    from .sharding import PlanOptions, WorldLayout
-    from .state import LoaderState
-    from .subset import select_node_shards
+    from loaders.errors import ResumeMismatch
+    from loaders.loader import LoaderOptions, ShardedLoader
+    from loaders.metrics import LoaderMetrics
+    from loaders.rng import capture_rng_state, restore_rng_state
+    from stager.plan.ranks import PlanOptions, WorldLayout
+    from loaders.state import LoaderState
 
 
 def __getattr__(name: str) -> Any:
     if name not in _HOME:
         raise AttributeError(f"module 'loaders' has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{_HOME[name]}", __name__), name)
+    module = _HOME[name]
+    return getattr(importlib.import_module(module if "." in module else f"{__name__}.{module}"), name)
 
 
 def __dir__() -> list[str]:

@@ -27,8 +27,8 @@ from torch.utils.data import Dataset, get_worker_info
 
 from stager.errors import IntegrityError
 
-from .index import FlatIndex
-from .samples import SamplePipeline, select_fields
+from loaders.index import FlatIndex
+from loaders.samples import SamplePipeline, select_fields
 
 __all__ = ["StagedTarDataset", "PackedBatch"]
 

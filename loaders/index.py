@@ -1,6 +1,6 @@
 """One flat, numpy-only index of every sample member of a list of local tar shards.
 
-Why flat numpy arrays rather than a list of :class:`stager.tarindex.TarIndex`: DataLoader
+Why flat numpy arrays rather than a list of :class:`stager.shards.tarindex.TarIndex`: DataLoader
 workers are forked, and arrays (unlike millions of Python strings and ints) are not touched by
 reference counting, so the index stays shared copy-on-write instead of being copied into every
 worker. Walking tar headers costs ~60 us per member in Python, so each shard's index is cached
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from stager.errors import IntegrityError
-from stager.tarindex import TarIndex, index_tar
+from stager.shards.tarindex import TarIndex, index_tar
 
 __all__ = ["FlatIndex", "build_flat_index", "cached_index", "save_dataset_index"]
 
@@ -68,7 +68,7 @@ CACHE_AFTER_S = 0.005
 
 
 def cached_index(shard: Path, *, cache_dir: Path | None = None, relpath: str | None = None) -> TarIndex:
-    """:func:`stager.tarindex.index_tar`, memoised on disk keyed by the shard's size and mtime."""
+    """:func:`stager.shards.tarindex.index_tar`, memoised on disk keyed by the shard's size and mtime."""
     stat = shard.stat()
     stamp = np.asarray([_CACHE_VERSION, stat.st_size, stat.st_mtime_ns], dtype=np.int64)
     path = _cache_path(shard, cache_dir, relpath or shard.name)

@@ -26,14 +26,14 @@ from torch.utils.data import DataLoader
 
 from stager.errors import UsageError
 
-from .dataset import PackedBatch, StagedTarDataset
-from .errors import ResumeMismatch
-from .index import build_flat_index
-from .metrics import LoaderMetrics, batch_length
-from .resolve import DatasetShards, resolve_dataset
-from .sampler import RankBatchSampler
-from .samples import DecodeSpec, SamplePipeline, collate_samples, make_decoder
-from .sharding import (
+from loaders.dataset import PackedBatch, StagedTarDataset
+from loaders.errors import ResumeMismatch
+from loaders.index import build_flat_index
+from loaders.metrics import LoaderMetrics, batch_length
+from loaders.resolve import DatasetShards, resolve_dataset
+from loaders.sampler import RankBatchSampler
+from loaders.samples import DecodeSpec, SamplePipeline, collate_samples, make_decoder
+from stager.plan.ranks import (
     PlanOptions,
     WorldLayout,
     elastic_indices,
@@ -41,9 +41,9 @@ from .sharding import (
     remaining_after,
     samples_per_rank,
 )
-from .state import LoaderState
-from .streaming import StreamingPlan, StreamingShards, count_remote_samples, reorder_batches
-from .world import detect_layout
+from loaders.state import LoaderState
+from loaders.streaming import StreamingPlan, StreamingShards, count_remote_samples, reorder_batches
+from loaders.world import detect_layout
 
 __all__ = ["ShardedLoader", "LoaderOptions"]
 

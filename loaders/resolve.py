@@ -1,6 +1,6 @@
 """Find the shards to read: the staged copy when there is one, the source only for what is missing.
 
-The staged copy is found the way stage-in places it (``stager.dest.resolve_dest_root`` plus the
+The staged copy is found the way stage-in places it (``stager.storage.dest.resolve_dest_root`` plus the
 dataset name), and its manifest (``<dataset>/.stager/manifest.json``) is authoritative: when it
 is complete, the source is never listed nor read, so a loader on 1,000 nodes puts no load on
 NFS. A shard whose local copy is missing (or that stage-in reported as failed) is read from the
@@ -18,12 +18,12 @@ from pathlib import Path
 
 from braceexpand import braceexpand
 
-from stager.dest import resolve_dest_root
+from stager.storage.dest import resolve_dest_root
 from stager.errors import SourceError, StagerError
-from stager.manifest import Manifest, find_manifest
-from stager.sources import SourceSet, resolve_source
-from stager.stagein import staged_manifest_path
-from stager.tarindex import is_compressed
+from stager.shards.manifest import Manifest, find_manifest
+from stager.storage.sources import SourceSet, resolve_source
+from stager.stagein.run import staged_manifest_path
+from stager.shards.tarindex import is_compressed
 
 __all__ = ["ShardRef", "DatasetShards", "resolve_dataset"]
 

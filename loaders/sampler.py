@@ -1,4 +1,4 @@
-"""The rank's batches as a torch batch sampler: the plan of :mod:`loaders.sharding`, replayed.
+"""The rank's batches as a torch batch sampler: the plan of :mod:`stager.plan.ranks`, replayed.
 
 The sampler runs in the main process; DataLoader hands batch ``i`` to worker ``i % workers``
 and returns results in order, so skipping the first ``k`` batches of the plan is an exact
@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 from torch.utils.data import Sampler
 
-from .sharding import (
+from stager.plan.ranks import (
     PlanOptions,
     WorldLayout,
     num_batches,

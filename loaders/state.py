@@ -2,7 +2,7 @@
 
 All ranks of a DDP job consume the same number of batches in lockstep, so the state saved by
 rank 0 resumes every rank: the position is "batch k of epoch e", and each rank recomputes its
-own batches from the plan (:mod:`loaders.sharding`).
+own batches from the plan (:mod:`stager.plan.ranks`).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any
 
-from .errors import ResumeMismatch
+from loaders.errors import ResumeMismatch
 
 __all__ = ["LoaderState", "STATE_VERSION"]
 

@@ -28,10 +28,10 @@ import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
 from stager.errors import IntegrityError, SourceError
-from stager.tarindex import count_samples, split_key
+from stager.shards.tarindex import count_samples, split_key
 
-from .samples import SamplePipeline
-from .sharding import PlanOptions, WorldLayout, _rng, num_batches, shard_offsets
+from loaders.samples import SamplePipeline
+from stager.plan.ranks import PlanOptions, WorldLayout, _rng, num_batches, shard_offsets
 
 __all__ = ["StreamingPlan", "StreamingShards", "count_remote_samples", "reorder_batches", "iter_tar_samples"]
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from stager.errors import UsageError
 from stager.slurm import SlurmEnv
 
-from .sharding import WorldLayout
+from stager.plan.ranks import WorldLayout
 
 __all__ = ["detect_layout"]
 

@@ -11,38 +11,38 @@ from typing import TYPE_CHECKING, Any
 # fan-out modules at start-up (an sbatch prologue runs it on every node of every job).
 _HOME = {
     "CheckpointError": "errors",
-    "CommitRecord": "checkpoint",
+    "CommitRecord": "stageout.record",
     "DestinationError": "errors",
     "IntegrityError": "errors",
     "LockTimeout": "errors",
-    "Manifest": "manifest",
-    "ManifestEntry": "manifest",
+    "Manifest": "shards.manifest",
+    "ManifestEntry": "shards.manifest",
     "NoCheckpoint": "errors",
     "ScratchFull": "errors",
     "ShardsFailed": "errors",
     "SlurmEnv": "slurm",
     "SourceError": "errors",
-    "SourceSet": "sources",
-    "SourceShard": "sources",
-    "StageInOptions": "stagein",
-    "StageInReport": "report",
-    "StageOutOptions": "stageout",
+    "SourceSet": "storage.sources",
+    "SourceShard": "storage.sources",
+    "StageInOptions": "stagein.run",
+    "StageInReport": "stagein.report",
+    "StageOutOptions": "stageout.run",
     "StagerError": "errors",
     "UnsafePath": "errors",
     "UsageError": "errors",
     "parse_hostlist": "slurm",
-    "resolve_dest_root": "dest",
-    "resolve_source": "sources",
-    "restore_checkpoint": "restore",
-    "stage_in": "stagein",
-    "stage_out": "stageout",
-    "staged_manifest_path": "stagein",
+    "resolve_dest_root": "storage.dest",
+    "resolve_source": "storage.sources",
+    "restore_checkpoint": "stageout.restore",
+    "stage_in": "stagein.run",
+    "stage_out": "stageout.run",
+    "staged_manifest_path": "stagein.run",
 }
 
 if TYPE_CHECKING:
-    from .checkpoint import CommitRecord
-    from .dest import resolve_dest_root
-    from .errors import (
+    from stager.stageout.record import CommitRecord
+    from stager.storage.dest import resolve_dest_root
+    from stager.errors import (
         CheckpointError,
         DestinationError,
         IntegrityError,
@@ -55,13 +55,13 @@ if TYPE_CHECKING:
         UnsafePath,
         UsageError,
     )
-    from .manifest import Manifest, ManifestEntry
-    from .report import StageInReport
-    from .restore import restore_checkpoint
-    from .slurm import SlurmEnv, parse_hostlist
-    from .sources import SourceSet, SourceShard, resolve_source
-    from .stagein import StageInOptions, stage_in, staged_manifest_path
-    from .stageout import StageOutOptions, stage_out
+    from stager.shards.manifest import Manifest, ManifestEntry
+    from stager.stagein.report import StageInReport
+    from stager.stageout.restore import restore_checkpoint
+    from stager.slurm import SlurmEnv, parse_hostlist
+    from stager.storage.sources import SourceSet, SourceShard, resolve_source
+    from stager.stagein.run import StageInOptions, stage_in, staged_manifest_path
+    from stager.stageout.run import StageOutOptions, stage_out
 
 __version__ = "0.1.0"
 

@@ -16,8 +16,8 @@ The tree::
     ├── LockTimeout(TimeoutError)    another copier never finished       exit 8
     └── AdoptedFailure               another task's failure, re-raised   its code
 
-Low-level fsspec/OS errors are translated into these at one boundary (``stager.copy`` for
-bytes, ``stager.sources`` for listing) so callers can catch one family. Each message names the
+Low-level fsspec/OS errors are translated into these at one boundary (``stager.storage.copy`` for
+bytes, ``stager.storage.sources`` for listing) so callers can catch one family. Each message names the
 thing (URL, shard, path) and ends with what to do next.
 """
 

@@ -13,7 +13,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .errors import UsageError
+from stager.errors import UsageError
 
 __all__ = ["SlurmEnv", "parse_hostlist", "LOCAL_JOB_ID"]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from stager.synth import SyntheticSpec, write_synthetic_dataset
+from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent

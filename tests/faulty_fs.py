@@ -147,7 +147,7 @@ fsspec.register_implementation(PROTOCOL, FaultyFileSystem, clobber=True)
 
 
 if __name__ == "__main__":
-    from stager.cli import main, stage_in_main
+    from stager.cli.main import main, stage_in_main
 
     command, argv = sys.argv[1], sys.argv[2:]
     sys.exit(stage_in_main(argv) if command == "stage-in" else main([command, *argv]))

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from stager.cli import main, stage_in_main
+from stager.cli.main import main, stage_in_main
 
 __all__ = ["CliResult", "run_main", "clean_process_env"]
 

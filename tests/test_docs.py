@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from stager.synth import SyntheticSpec, write_synthetic_dataset
+from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 
 from .conftest import BIN, REPO, clean_env
 
@@ -90,7 +90,7 @@ def test_there_are_runnable_blocks() -> None:
 
 
 def test_cli_reference_is_fresh() -> None:
-    result = subprocess.run([sys.executable, "-m", "stager.clidoc", "--check"], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "stager.cli.clidoc", "--check"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 
 

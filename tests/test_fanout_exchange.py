@@ -14,16 +14,16 @@ from pathlib import Path
 import pytest
 
 from stager.errors import ShardFailure
-from stager.fanout_exchange import Exchange, ExchangeOutcome, ExchangeShard
-from stager.fanout_group import FanoutError, FanoutOptions
-from stager.fanout_plan import plan_fanout
-from stager.paths import safe_join
-from stager.progress import Progress
-from stager.report import StageInReport
-from stager.retry import RetryPolicy
-from stager.sources import SourceSet, resolve_source
-from stager.stagein import StageInOptions
-from stager.synth import SyntheticSpec, write_synthetic_dataset
+from stager.fanout.exchange import Exchange, ExchangeOutcome, ExchangeShard
+from stager.fanout.group import FanoutError, FanoutOptions
+from stager.plan.fanout import plan_fanout
+from stager.storage.paths import safe_join
+from stager.stagein.progress import Progress
+from stager.stagein.report import StageInReport
+from stager.storage.retry import RetryPolicy
+from stager.storage.sources import SourceSet, resolve_source
+from stager.stagein.run import StageInOptions
+from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 
 torch = pytest.importorskip("torch")
 

@@ -12,9 +12,9 @@ import sys
 import pytest
 
 from stager.errors import UsageError
-from stager.fanout_exchange import HEADER_BYTES, _decode_header, _encode_header
-from stager.fanout_group import PORT_BASE, PORT_SPAN, FanoutOptions, fanout_port, resolve_endpoint
-from stager.fanout_plan import SKIP, plan_fanout, shard_list_digest
+from stager.fanout.exchange import HEADER_BYTES, _decode_header, _encode_header
+from stager.fanout.group import PORT_BASE, PORT_SPAN, FanoutOptions, fanout_port, resolve_endpoint
+from stager.plan.fanout import SKIP, plan_fanout, shard_list_digest
 from stager.slurm import SlurmEnv
 
 
@@ -146,5 +146,5 @@ def test_header_round_trips_and_truncates_long_reasons() -> None:
 
 
 def test_importing_the_fanout_modules_does_not_import_torch() -> None:
-    code = "import sys, stager.fanout, stager.commands.stage_in; sys.exit('torch' in sys.modules)"
+    code = "import sys, stager.fanout.run, stager.cli.commands.stage_in; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

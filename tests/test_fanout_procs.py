@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from stager.synth import SyntheticSpec, write_synthetic_dataset
+from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 
 from .conftest import BIN, clean_env
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from stager.synth import SyntheticSpec, write_synthetic_dataset
+from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 
 from .test_fanout_procs import SITECUSTOMIZE, _assert_identical, _total
 

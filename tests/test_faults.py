@@ -21,14 +21,14 @@ from pathlib import Path
 
 import pytest
 
-from stager.cli import stage_in_main
+from stager.cli.main import stage_in_main
 from stager.errors import EXIT_FULL, EXIT_INTEGRITY, EXIT_SOURCE
-from stager.hashing import hash_file
-from stager.indexer import IndexOptions, build_manifest, write_manifest
-from stager.manifest import Manifest
-from stager.sources import resolve_source
-from stager.stagein import staged_manifest_path
-from stager.synth import SyntheticSpec, write_synthetic_dataset
+from stager.storage.hashing import hash_file
+from stager.shards.build import IndexOptions, build_manifest, write_manifest
+from stager.shards.manifest import Manifest
+from stager.storage.sources import resolve_source
+from stager.stagein.run import staged_manifest_path
+from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 
 from .conftest import BIN, clean_env
 from .faulty_fs import FaultyFileSystem
@@ -137,7 +137,7 @@ def test_transient_faults_while_indexing_give_the_clean_manifest(
     # The tar reader reads ~10 KB at a time, so a lower rate per read still fails ~1 in 5 scans.
     monkeypatch.setenv("FAULTY_READ_FAIL_RATE", "0.02")
     monkeypatch.setenv("FAULTY_SEED", "6")  # fails 7 reads
-    from stager.retry import RetryPolicy
+    from stager.storage.retry import RetryPolicy
 
     flaky = build_manifest(
         resolve_source(f"faulty://{dataset}"), IndexOptions(retry=RetryPolicy(attempts=8, base_delay_s=0.001))

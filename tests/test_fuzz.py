@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stager.errors import StagerError
-from stager.manifest import Manifest
+from stager.shards.manifest import Manifest
 from stager.slurm import parse_hostlist
-from stager.sources import SourceSet, resolve_source
+from stager.storage.sources import SourceSet, resolve_source
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FUZZ_JSON = settings(FUZZ, max_examples=150)

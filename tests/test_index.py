@@ -11,16 +11,16 @@ from pathlib import Path
 
 import pytest
 
-import stager.manifest
-from stager.cli import main
+import stager.shards.manifest
+from stager.cli.main import main
 from stager.errors import EXIT_INTEGRITY, EXIT_SOURCE, EXIT_USAGE, IntegrityError
-from stager.hashing import hash_file
-from stager.indexer import IndexOptions, build_manifest, index_source
-from stager.manifest import Manifest
-from stager.sources import resolve_source
-from stager.stagein import staged_manifest_path
-from stager.synth import SyntheticSpec, write_synthetic_dataset
-from stager.tarindex import count_samples, count_samples_stream, index_tar
+from stager.storage.hashing import hash_file
+from stager.shards.build import IndexOptions, build_manifest, index_source
+from stager.shards.manifest import Manifest
+from stager.storage.sources import resolve_source
+from stager.stagein.run import staged_manifest_path
+from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
+from stager.shards.tarindex import count_samples, count_samples_stream, index_tar
 
 from .conftest import run_cli
 from .faulty_fs import FaultyFileSystem
@@ -73,7 +73,7 @@ def test_sha256_and_parquet_out(fresh: Path, tmp_path: Path, capsys: pytest.Capt
 
 
 def test_large_datasets_default_to_parquet(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(stager.manifest, "JSON_MAX_ENTRIES", 3)
+    monkeypatch.setattr(stager.shards.manifest, "JSON_MAX_ENTRIES", 3)
     manifest, where, _ = index_source(resolve_source(str(fresh)))
     assert where == str(fresh / "stager-manifest.parquet")
     assert Manifest.read(where).entries == manifest.entries
@@ -186,16 +186,16 @@ def test_truncated_gzip_shard_names_shard(tmp_path: Path) -> None:
 def test_stage_in_stats_only_the_shards_the_manifest_does_not_describe(
     fresh: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import stager.sizing
-    import stager.sources
+    import stager.stagein.sizing
+    import stager.storage.sources
 
     assert run_main(capsys, "stager", "index", str(fresh)).returncode == 0
     shutil.copyfile(fresh / "train-000000.tar", fresh / "train-extra.tar")  # added after indexing
     stat_calls: list[str] = []
-    real_info = stager.sources._local_info
-    monkeypatch.setattr(stager.sources, "_local_info", lambda path: stat_calls.append(path) or real_info(path))
-    real_stat = stager.sizing._stat  # shards not in the manifest are sized while they copy
-    monkeypatch.setattr(stager.sizing, "_stat", lambda path: stat_calls.append(path) or real_stat(path))
+    real_info = stager.storage.sources._local_info
+    monkeypatch.setattr(stager.storage.sources, "_local_info", lambda path: stat_calls.append(path) or real_info(path))
+    real_stat = stager.stagein.sizing._stat  # shards not in the manifest are sized while they copy
+    monkeypatch.setattr(stager.stagein.sizing, "_stat", lambda path: stat_calls.append(path) or real_stat(path))
     dest = tmp_path / "scratch"
     result = run_main(capsys, "stage-in", str(fresh), "--dest", str(dest), "--jitter-max", "0", "--quiet")
     assert result.returncode == 0, result.stderr

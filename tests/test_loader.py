@@ -26,9 +26,9 @@ from loaders import (
 )
 from stager.errors import IntegrityError
 from stager.slurm import SlurmEnv
-from stager.sources import resolve_source
-from stager.stagein import StageInOptions, stage_in, staged_manifest_path
-from stager.synth import SyntheticSpec, sample_key, sample_label, write_synthetic_dataset
+from stager.storage.sources import resolve_source
+from stager.stagein.run import StageInOptions, stage_in, staged_manifest_path
+from stager.shards.synth import SyntheticSpec, sample_key, sample_label, write_synthetic_dataset
 
 from .conftest import REPO, clean_env, run_cli
 
@@ -53,11 +53,11 @@ def test_public_api_is_pinned_and_planner_is_torch_free() -> None:
     assert sorted(loaders.__all__) == [
         "LoaderMetrics", "LoaderOptions", "LoaderState", "PlanOptions", "ResumeMismatch", "ShardedLoader",
         "WorldLayout",
-        "capture_rng_state", "restore_rng_state", "select_node_shards",
+        "capture_rng_state", "restore_rng_state",
     ]
     for name in loaders.__all__:
         assert getattr(loaders, name) is not None
-    code = "import sys, loaders.sharding, loaders.subset; sys.exit('torch' in sys.modules)"
+    code = "import sys, stager.plan.ranks, stager.plan.nodes; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
 
 

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from stager.slurm import SlurmEnv
-from stager.sources import resolve_source
-from stager.stagein import StageInOptions, stage_in
-from stager.synth import SyntheticSpec, sample_key
+from stager.storage.sources import resolve_source
+from stager.stagein.run import StageInOptions, stage_in
+from stager.shards.synth import SyntheticSpec, sample_key
 
 from .conftest import REPO, clean_env
 
@@ -106,7 +106,7 @@ def staged_world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Uneven shards staged once, and one uninterrupted epoch per rank for every mode."""
     root = tmp_path_factory.mktemp("ddp")
     spec = SyntheticSpec(num_shards=5, samples_per_shard=30, uneven=True, seed=6, image_bytes=256)
-    from stager.synth import write_synthetic_dataset
+    from stager.shards.synth import write_synthetic_dataset
 
     write_synthetic_dataset(root / "ds", spec)
     dest = root / "scratch"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from stager.commitstore import META_DIR
+from stager.stageout.store import META_DIR
 from stager.errors import EXIT_CHECKPOINT
 
 from .conftest import BIN, clean_env

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 from stager.errors import EXIT_INTEGRITY, EXIT_SOURCE
-from stager.hashing import hash_file
-from stager.indexer import build_manifest
-from stager.manifest import Manifest
-from stager.sources import resolve_source
-from stager.stagein import staged_manifest_path
-from stager.synth import SyntheticSpec, write_synthetic_dataset
+from stager.storage.hashing import hash_file
+from stager.shards.build import build_manifest
+from stager.shards.manifest import Manifest
+from stager.storage.sources import resolve_source
+from stager.stagein.run import staged_manifest_path
+from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 
 from .conftest import clean_env, run_cli
 from .s3server import FlakyProxy, moto_server, s3_env

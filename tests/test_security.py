@@ -14,8 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from stager.errors import EXIT_DEST, StagerError, UnsafePath
-from stager.manifest import Manifest
-from stager.synth import SyntheticSpec, write_synthetic_dataset
+from stager.shards.manifest import Manifest
+from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 
 from .conftest import REPO
 from .inproc import clean_process_env, run_main
@@ -195,7 +195,7 @@ def test_no_shell_anywhere_in_the_package(package: str) -> None:
 @pytest.mark.parametrize("planted", ["sub", "train-000001.tar"])
 def test_symlink_planted_inside_the_dataset_is_refused_not_followed(tmp_path: Path, planted: str) -> None:
     from stager.errors import UnsafePath
-    from stager.paths import SafeJoiner
+    from stager.storage.paths import SafeJoiner
 
     root = tmp_path / "ds"
     root.mkdir()

@@ -1,4 +1,4 @@
-"""The pure split (loaders.sharding) over hundreds of simulated worlds, in milliseconds."""
+"""The pure split (stager.plan.ranks) over hundreds of simulated worlds, in milliseconds."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from loaders.sharding import (
+from stager.plan.ranks import (
     PlanOptions,
     WorldLayout,
     elastic_indices,

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from stager.errors import EXIT_FULL, EXIT_SOURCE
-from stager.manifest import Manifest
-from stager.sizing import DROPPED, UNKNOWN, DeferredPreflight, PublishGate, SizeProbe
-from stager.stagein import staged_manifest_path
-from stager.synth import SyntheticSpec, write_synthetic_dataset
+from stager.shards.manifest import Manifest
+from stager.stagein.sizing import DROPPED, UNKNOWN, DeferredPreflight, PublishGate, SizeProbe
+from stager.stagein.run import staged_manifest_path
+from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 
 from .inproc import clean_process_env, run_main
 
@@ -120,16 +120,16 @@ def test_deferred_preflight_refuses_when_the_sizes_do_not_fit(tmp_path: Path) ->
 
 def _patch_stat(monkeypatch: pytest.MonkeyPatch, name: str, before: Callable[[], None]) -> None:
     """Run ``before()`` ahead of the probe's stat of the shard called ``name``."""
-    import stager.sizing
+    import stager.stagein.sizing
 
-    real = stager.sizing._stat
+    real = stager.stagein.sizing._stat
 
     def stat_(path: str) -> os.stat_result:
         if path.endswith(name):
             before()
         return real(path)
 
-    monkeypatch.setattr(stager.sizing, "_stat", stat_)
+    monkeypatch.setattr(stager.stagein.sizing, "_stat", stat_)
 
 
 def _slow_last_stat(monkeypatch: pytest.MonkeyPatch, last: str, delay_s: float = 0.6) -> None:
@@ -156,7 +156,7 @@ def test_held_compressed_shards_are_counted_once_renamed(
 def test_refusal_after_held_copies_reports_nothing_copied(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import stager.stagein
+    import stager.stagein.run
 
     clean_process_env(monkeypatch)
     src = tmp_path / "ds"
@@ -166,7 +166,7 @@ def test_refusal_after_held_copies_reports_nothing_copied(
     _slow_last_stat(monkeypatch, shards[-1].name)
     real_usage = shutil.disk_usage
     monkeypatch.setattr(
-        stager.stagein.shutil, "disk_usage", lambda path: real_usage(path)._replace(free=total - 1)
+        stager.stagein.run.shutil, "disk_usage", lambda path: real_usage(path)._replace(free=total - 1)
     )
     dest, report_path = tmp_path / "scratch", tmp_path / "report.json"
     result = run_main(

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from stager.synth import SyntheticSpec, write_synthetic_dataset
+from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 
 pytestmark = pytest.mark.slurm
 

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from stager.dest import resolve_dest_root
+from stager.storage.dest import resolve_dest_root
 from stager.errors import EXIT_FULL, EXIT_SOURCE, EXIT_USAGE
-from stager.manifest import Manifest
-from stager.stagein import staged_manifest_path
-from stager.synth import SyntheticSpec, write_synthetic_dataset
-from stager.tarindex import count_samples
+from stager.shards.manifest import Manifest
+from stager.stagein.run import staged_manifest_path
+from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
+from stager.shards.tarindex import count_samples
 
 from .conftest import BIN, clean_env, run_cli
 
@@ -230,7 +230,7 @@ def test_python_m_and_umbrella_command_work(small_dataset: Path, tmp_path: Path)
 
 
 def test_import_stager_does_not_import_torch() -> None:
-    code = "import sys, stager, stager.cli, stager.stagein; print('torch' in sys.modules)"
+    code = "import sys, stager, stager.cli.main, stager.stagein.run; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from stager.checkpoint import CommitRecord
-from stager.commitstore import META_DIR
+from stager.stageout.record import CommitRecord
+from stager.stageout.store import META_DIR
 from stager.errors import EXIT_CHECKPOINT, EXIT_DEST, EXIT_NO_CHECKPOINT, EXIT_USAGE
-from stager.hashing import hash_file
+from stager.storage.hashing import hash_file
 
 from .conftest import BIN, clean_env, run_cli
 
@@ -94,7 +94,7 @@ def restore(dest: Path, local: Path) -> subprocess.CompletedProcess:
 
 def stage(dest: Path, *ckpts: Path, **options) -> list[str]:
     """In-process stage-out for test setup (saves a process start); returns the statuses."""
-    from stager.stageout import StageOutOptions, stage_out
+    from stager.stageout.run import StageOutOptions, stage_out
 
     outcomes = stage_out(list(ckpts), str(dest), StageOutOptions(log=io.StringIO(), **options))
     return [o.status for o in outcomes]
@@ -102,7 +102,7 @@ def stage(dest: Path, *ckpts: Path, **options) -> list[str]:
 
 def restore_here(dest: Path, local: Path) -> Path:
     """In-process restore for checks that do not concern the CLI's stdout."""
-    from stager.restore import restore_checkpoint
+    from stager.stageout.restore import restore_checkpoint
 
     return restore_checkpoint(str(dest), local, log=io.StringIO())
 
@@ -345,8 +345,8 @@ def test_memory_url_round_trip_uses_the_commit_marker(tmp_path: Path) -> None:
     """An object store without rename (fsspec memory://), in-process: marker mode end to end."""
     import fsspec
 
-    from stager.restore import restore_checkpoint
-    from stager.stageout import StageOutOptions, stage_out
+    from stager.stageout.restore import restore_checkpoint
+    from stager.stageout.run import StageOutOptions, stage_out
 
     url = f"memory://stageout-test-{os.getpid()}/run"
     log = open(os.devnull, "w")  # noqa: SIM115
@@ -373,7 +373,7 @@ def test_memory_url_round_trip_uses_the_commit_marker(tmp_path: Path) -> None:
 
 
 def test_import_stager_stageout_does_not_import_torch() -> None:
-    code = "import sys, stager, stager.stageout, stager.restore, stager.commands.stage_out; print('torch' in sys.modules)"
+    code = "import sys, stager, stager.stageout.run, stager.stageout.restore, stager.cli.commands.stage_out; print('torch' in sys.modules)"
     out = subprocess.run(
         [str(BIN / "python"), "-c", code],
         capture_output=True,
@@ -388,8 +388,8 @@ def test_memory_url_abandoned_upload_leaves_no_keys(tmp_path: Path) -> None:
     """Marker mode uploads to final keys: an abandoned attempt must remove them again."""
     import fsspec
 
-    from stager.deadline import Deadline
-    from stager.stageout import StageOutOptions, stage_out
+    from stager.stageout.deadline import Deadline
+    from stager.stageout.run import StageOutOptions, stage_out
 
     root = f"/stageout-abandon-{os.getpid()}"
     try:

@@ -9,15 +9,15 @@ from datetime import datetime
 
 import pytest
 
-from stager.checkpoint import CommitRecord, content_id, newest_first, plan_keep, plan_prune
-from stager.deadline import (
+from stager.stageout.record import CommitRecord, content_id, newest_first, plan_keep, plan_prune
+from stager.stageout.deadline import (
     parse_scontrol_end_time,
     parse_slurm_time,
     resolve_deadline,
     slurm_job_end_epoch,
 )
 from stager.errors import CheckpointError
-from stager.manifest import ManifestEntry
+from stager.shards.manifest import ManifestEntry
 from stager.slurm import SlurmEnv
 
 

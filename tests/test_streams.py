@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from stager.copy import FIRST_READ_BYTES, copy_file
-from stager.streams import StreamController
-from stager.synth import SyntheticSpec, write_synthetic_dataset
+from stager.storage.copy import FIRST_READ_BYTES, copy_file
+from stager.stagein.streams import StreamController
+from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 
 from .inproc import clean_process_env, run_main
 
@@ -99,7 +99,7 @@ def test_stage_in_reports_transfer_without_the_local_rename(
     """stage-in hands the controller the time to the last byte, not the whole copy: a slow
     local rename (a busy scratch disk, or dozens of threads sharing the interpreter) must not
     read as a slow link and lower the stream count."""
-    import stager.copy
+    import stager.storage.copy
 
     clean_process_env(monkeypatch)
     src = tmp_path / "ds"
@@ -118,7 +118,7 @@ def test_stage_in_reports_transfer_without_the_local_rename(
         real_replace(partial, final)
 
     monkeypatch.setattr(StreamController, "release", release)
-    monkeypatch.setattr(stager.copy.os, "replace", slow_replace)
+    monkeypatch.setattr(stager.storage.copy.os, "replace", slow_replace)
     result = run_main(capsys, "stage-in", str(src), "--dest", str(tmp_path / "s"), "--jitter-max", "0", "--quiet")
     assert result.returncode == 0, result.stderr
     assert len(timings) == 3

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from stager.errors import IntegrityError
-from stager.tarcount import TarSampleCounter
-from stager.tarindex import count_samples
+from stager.shards.tarparse import TarSampleCounter
+from stager.shards.tarindex import count_samples
 
 
 def _tar(path: Path, fmt: int, long_names: bool) -> Path:
@@ -58,7 +58,7 @@ def test_truncated_or_corrupt_streams_give_none(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
 def test_index_from_the_stream_equals_index_tar(tmp_path: Path, fmt: int) -> None:
-    from stager.tarindex import _index_tarfile as index_tar  # the tarfile reference, not the fast path
+    from stager.shards.tarindex import _index_tarfile as index_tar  # the tarfile reference, not the fast path
 
     path = _tar(tmp_path / "s.tar", fmt, long_names=fmt != tarfile.USTAR_FORMAT)
     data = path.read_bytes()
@@ -83,7 +83,7 @@ def _same_index(got, want) -> None:
 def test_index_tar_fast_path_agrees_with_tarfile(
     tmp_path: Path, fmt: int, read: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import stager.tarindex as tarindex
+    import stager.shards.tarindex as tarindex
 
     if read == "walk":  # header by header, seeking over payloads, in reads smaller than members
         monkeypatch.setattr(tarindex, "WHOLE_READ_BYTES", 0)
@@ -96,7 +96,7 @@ def test_index_tar_fast_path_agrees_with_tarfile(
 
 
 def test_fast_index_leaves_what_it_does_not_vouch_for_to_tarfile(tmp_path: Path) -> None:
-    import stager.tarindex as tarindex
+    import stager.shards.tarindex as tarindex
 
     path = tmp_path / "g.tar"
     with tarfile.open(path, "w", format=tarfile.PAX_FORMAT, pax_headers={"comment": "made by git archive"}) as tar:

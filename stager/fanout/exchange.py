@@ -1,0 +1,355 @@
+"""Moving the bytes of a fan-out: owners read from the source, everyone else receives.
+
+Per shard, in the plan's order (the same on every node), its owner broadcasts a fixed-size
+header (status, size, hash or failure reason) and then the bytes in ``chunk_bytes`` uint8
+tensors. Receivers that need the shard write ``<name>.partial``, hash as they go, and rename
+only when size and hash match the owner's (and the source manifest's, when there is one);
+receivers that already hold it take part in the collective and drop the bytes.
+
+Concurrency: each owner's source reads (``copy_file``: .partial, verify, rename) run ahead in a
+thread pool in the order the plan will broadcast them, while the main thread broadcasts; on
+the receiving side a writer thread drains a small ring of buffers to disk while the main
+thread receives the next chunk. Only the main thread makes collective calls, so their order is
+the plan's. On any collective error the reads are cancelled (``on_bytes`` raises), the writer
+is drained, and :class:`FanoutError` names the shard and its owner.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import struct
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy
+
+from stager.storage.copy import CopyResult, copy_file, partial_path
+from stager.errors import ShardFailure
+from stager.fanout.group import FanoutError, FanoutOptions, NodeGroup
+from stager.plan.fanout import FanoutPlan
+from stager.storage.hashing import hash_file, new_hasher, split_digest
+from stager.storage.paths import discard
+from stager.stagein.progress import Progress
+from stager.stagein.report import StageInReport
+from stager.storage.retry import call_with_retries
+from stager.storage.sources import SourceSet, SourceShard
+from stager.stagein.run import StageInOptions
+from stager.storage.throttle import Throttle
+
+__all__ = ["ExchangeShard", "ExchangeOutcome", "Exchange", "HEADER_BYTES"]
+
+HEADER_BYTES = 512
+_HEADER = struct.Struct("<qqH")
+_OK, _FAILED = 0, 1
+_BUFFERS = 4  # chunks in flight between the receiving main thread and the writer
+
+
+@dataclass(frozen=True)
+class ExchangeShard:
+    """One shard as this node sees it before the exchange."""
+
+    shard: SourceShard
+    final: Path
+    size: int | None  # expected: from the source manifest or listing
+    want_hash: str | None  # from the source manifest, when there is one
+    have: bool  # already staged and verified here
+    have_hash: str | None = None
+
+
+@dataclass
+class ExchangeOutcome:
+    """Shards newly staged on this node (index -> size, hash) and the ones that failed."""
+
+    staged: dict[int, tuple[int, str]] = field(default_factory=dict)
+    failures: list[ShardFailure] = field(default_factory=list)
+
+
+class _Cancelled(Exception):
+    """Raised inside a source read when the exchange has failed: stop reading."""
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join((str(exc) or type(exc).__name__).split())
+
+
+def _encode_header(status: int, size: int, text: str) -> bytes:
+    payload = text.encode("utf-8", "replace")[: HEADER_BYTES - _HEADER.size]
+    return (_HEADER.pack(status, size, len(payload)) + payload).ljust(HEADER_BYTES, b"\0")
+
+
+def _decode_header(raw: bytes) -> tuple[int, int, str]:
+    status, size, length = _HEADER.unpack_from(raw)
+    return status, size, raw[_HEADER.size : _HEADER.size + length].decode("utf-8", "replace")
+
+
+class Exchange:
+    """This node's side of the exchange: ``Exchange(...).run()``; every node of ``group`` must run it alike."""
+
+    def __init__(
+        self,
+        group: NodeGroup,
+        plan: FanoutPlan,
+        items: Sequence[ExchangeShard],
+        *,
+        source: SourceSet,
+        options: StageInOptions,
+        fanout: FanoutOptions,
+        report: StageInReport,
+        progress: Progress,
+        node_label: Callable[[int], str],
+        log: TextIO,
+    ):
+        self.group, self.plan, self.items, self.source = group, plan, items, source
+        self.options, self.fanout, self.report, self.progress = options, fanout, report, progress
+        self.node_label, self.log = node_label, log
+        self.torch = group.torch
+        self.me = node_label(group.rank)
+        self.outcome = ExchangeOutcome()
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.throttle = Throttle(options.bw_limit_mbps * 1e6) if options.bw_limit_mbps else None
+        self.free: queue.Queue[Any] = queue.Queue()
+        for _ in range(_BUFFERS):
+            self.free.put(self.torch.empty(fanout.chunk_bytes, dtype=self.torch.uint8))
+        self.header = self.torch.empty(HEADER_BYTES, dtype=self.torch.uint8)
+        self.pending: queue.Queue[Any] | None = None  # the writer's queue while a receive runs
+
+    # ------------------------------------------------------------ source reads (pool threads)
+    def _on_bytes(self, n: int) -> None:
+        if self.stop.is_set():
+            raise _Cancelled("fan-out stopped")
+        with self.lock:
+            self.report.bytes_read_source += n
+        self.progress.advance(n)
+
+    def _on_retry(self, attempt: int, exc: BaseException) -> None:
+        with self.lock:
+            self.report.retries += 1
+        print(f"[{self.me}] retry {attempt} after: {_one_line(exc)}", file=self.log, flush=True)
+
+    def _read(self, item: ExchangeShard) -> CopyResult:
+        return call_with_retries(
+            lambda: copy_file(
+                self.source.fs,
+                item.shard.path,
+                item.final,
+                url=item.shard.url,
+                expected_size=item.size,
+                expected_hash=item.want_hash,
+                block_bytes=self.options.block_bytes,
+                throttle=self.throttle,
+                on_bytes=self._on_bytes,
+                fsync=self.options.fsync,
+            ),
+            self.options.retry,
+            on_retry=self._on_retry,
+        )
+
+    # ------------------------------------------------------------------------ main thread
+    def run(self) -> ExchangeOutcome:
+        rank = self.group.rank
+        mine = self.plan.reads_of(rank)
+        streams = max(1, min(self.fanout.read_streams, self.options.jobs, len(mine)))
+        readers = ThreadPoolExecutor(max_workers=streams, thread_name_prefix="fanout-read")
+        writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fanout-write")
+        # Submitted in broadcast order; the pool starts them FIFO, so reads run ahead of sends.
+        reads = {i: readers.submit(self._read, self.items[i]) for i in mine}
+        try:
+            for i in self.plan.order:
+                owner = self.plan.owners[i]
+                if owner == rank:
+                    self._send(i, reads.get(i))
+                else:
+                    self._receive(i, owner, writer)
+            self._collective(self.group.barrier, "finishing after", len(self.items) - 1, rank)
+        finally:
+            self.stop.set()
+            if self.pending is not None:
+                self.pending.put(None)  # unblock the writer of an interrupted receive
+            readers.shutdown(wait=True, cancel_futures=True)
+            writer.shutdown(wait=True)
+        return self.outcome
+
+    def _collective(self, call: Callable[[], None], what: str, index: int, owner: int) -> None:
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError/DistError subclasses
+            url = self.items[index].shard.url if self.items else "-"
+            raise FanoutError(
+                f"[{self.me}] fan-out failed while {what} {url} (owner {self.node_label(owner)}): "
+                f"a peer node died, hung or left ({_one_line(exc)[:300]}); verified shards stay staged, "
+                "rerun `stage-in --fanout` to resume"
+            ) from exc
+
+    def _broadcast_header(
+        self, index: int, owner: int, raw: bytes | None = None
+    ) -> tuple[int, int, str]:
+        view = self.header.numpy()
+        if raw is not None:
+            view[:] = numpy.frombuffer(raw, dtype=numpy.uint8)
+        self._collective(
+            lambda: self.group.broadcast(self.header, owner), "announcing", index, owner
+        )
+        return _decode_header(view.tobytes())
+
+    def _send(self, index: int, read: Future[CopyResult] | None) -> None:
+        item, rank = self.items[index], self.group.rank
+        handle = None
+        try:
+            if read is not None:
+                result = read.result()
+                size, digest = result.size, result.hash
+            else:
+                size = item.final.stat().st_size
+                digest = item.have_hash or hash_file(item.final)
+            handle = open(item.final, "rb", buffering=0)  # noqa: SIM115 - closed below
+        except Exception as exc:  # noqa: BLE001 - the shard fails everywhere; the fan-out goes on
+            reason = _one_line(exc)
+            self.outcome.failures.append(ShardFailure(item.shard.url, reason))
+            self._broadcast_header(index, rank, _encode_header(_FAILED, 0, reason))
+            return
+        if read is not None:
+            self._staged(index, size, digest)
+        self._broadcast_header(index, rank, _encode_header(_OK, size, digest))
+        buf = self.free.get()
+        try:
+            for offset in range(0, size, self.fanout.chunk_bytes):
+                chunk = buf[: min(self.fanout.chunk_bytes, size - offset)]
+                view = memoryview(chunk.numpy())
+                try:
+                    got = handle.readinto(view) or 0
+                except OSError:
+                    got = 0
+                if got != len(view):
+                    # The file shrank or became unreadable after the header went out: send
+                    # zeros, the receivers' hash check fails the shard and the exchange goes on.
+                    view[got:] = bytes(len(view) - got)
+                self._collective(
+                    lambda c=chunk: self.group.broadcast(c, rank), "sending", index, rank
+                )
+        finally:
+            self.free.put(buf)
+            handle.close()
+
+    def _receive(self, index: int, owner: int, writer: ThreadPoolExecutor) -> None:
+        item = self.items[index]
+        status, size, text = self._broadcast_header(index, owner)
+        if status != _OK:
+            if not item.have:
+                self.outcome.failures.append(
+                    ShardFailure(
+                        item.shard.url,
+                        f"its owner {self.node_label(owner)} could not read it: {text}",
+                    )
+                )
+            return
+        writing: Future[tuple[int, str]] | None = None
+        if not item.have:
+            self.pending = queue.Queue()
+            writing = writer.submit(
+                self._write, partial_path(item.final), split_digest(text)[0], self.pending
+            )
+        for offset in range(0, size, self.fanout.chunk_bytes):
+            buf = self.free.get()
+            chunk = buf[: min(self.fanout.chunk_bytes, size - offset)]
+            try:
+                self._collective(
+                    lambda c=chunk: self.group.broadcast(c, owner), "receiving", index, owner
+                )
+            except BaseException:
+                self.free.put(buf)
+                raise
+            n = chunk.numel()
+            with self.lock:
+                self.report.bytes_received_peers += n
+            if self.pending is not None:
+                self.pending.put((buf, n))
+                self.progress.advance(n)
+            else:
+                self.free.put(buf)
+        if writing is None or self.pending is None:
+            return
+        self.pending.put(None)
+        self.pending = None
+        try:
+            written, digest = writing.result()
+        except OSError as exc:
+            self.outcome.failures.append(
+                ShardFailure(item.shard.url, self._write_reason(exc, item))
+            )
+            return
+        problem = None
+        if item.size is not None and written != item.size:
+            problem = f"received {written} bytes from {self.node_label(owner)} but the source lists {item.size}"
+        elif digest != text:
+            problem = f"hash {digest} of the bytes received from {self.node_label(owner)} differs from its {text}"
+        elif item.want_hash is not None and digest != item.want_hash:
+            problem = f"hash {digest} differs from the manifest's {item.want_hash}"
+        if problem is not None:
+            discard(partial_path(item.final))
+            self.outcome.failures.append(
+                ShardFailure(item.shard.url, f"{problem}; rerun stage-in --fanout")
+            )
+            return
+        os.replace(partial_path(item.final), item.final)
+        self._staged(index, written, digest)
+
+    def _staged(self, index: int, size: int, digest: str) -> None:
+        self.outcome.staged[index] = (size, digest)
+        with self.lock:
+            self.report.files_copied += 1
+            self.report.bytes_copied += size
+        self.progress.file_done()
+
+    @staticmethod
+    def _write_reason(exc: OSError, item: ExchangeShard) -> str:
+        if exc.errno in (28, 122):  # ENOSPC, EDQUOT: stage-in maps this prefix to ScratchFull
+            return f"no space left on {item.final.parent} while writing {item.final.name}; free space or pass --dest elsewhere"
+        return f"cannot write {item.final}: {_one_line(exc)}"
+
+    # ------------------------------------------------------------------------- writer thread
+    def _write(self, partial: Path, algorithm: str, chunks: queue.Queue[Any]) -> tuple[int, str]:
+        """Drain ``chunks`` to ``partial`` until ``None``; always hand every buffer back."""
+        hasher = new_hasher(algorithm)
+        error: OSError | None = None
+        written = 0
+        handle = None
+        try:
+            partial.parent.mkdir(parents=True, exist_ok=True)
+            handle = open(partial, "wb", buffering=0)  # noqa: SIM115 - closed below, after draining
+        except OSError as exc:
+            error = exc
+        while True:
+            entry = chunks.get()
+            if entry is None:
+                break
+            buf, n = entry
+            try:
+                if error is None and handle is not None:
+                    view = memoryview(buf.numpy())[:n]
+                    done = 0
+                    while done < n:
+                        done += handle.write(view[done:])
+                    hasher.update(view)
+                    written += n
+            except OSError as exc:
+                error = exc
+            finally:
+                self.free.put(buf)
+        if handle is not None:
+            try:
+                if self.options.fsync and error is None:
+                    os.fsync(handle.fileno())
+                handle.close()
+            except OSError as exc:
+                error = error or exc
+        if error is not None or self.stop.is_set():
+            discard(partial)
+            if error is not None:
+                raise error
+        return written, f"{algorithm}:{hasher.hexdigest()}"

@@ -1,0 +1,31 @@
+"""Which shards ``stage-in --subset node`` copies to this node (torch-free, for prologues).
+
+The partition is :func:`stager.plan.ranks.node_partition` over shard byte sizes: sample counts
+are unknown before copying, and sizes are a good proxy for same-format shards. It depends on
+neither seed nor epoch, so the subset serves every epoch; the loader then shuffles within the
+node's shards and agrees on the epoch length across nodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from stager.errors import UsageError
+from stager.storage.sources import SourceSet, SourceShard
+
+from stager.plan.ranks import node_partition
+
+__all__ = ["select_node_shards"]
+
+
+def select_node_shards(source: SourceSet, *, num_nodes: int, node_id: int) -> Sequence[SourceShard]:
+    """The shards node ``node_id`` of ``num_nodes`` stages, in source order."""
+    if not 0 <= node_id < num_nodes:
+        raise UsageError(f"node id {node_id} outside a job of {num_nodes} node(s); check SLURM_NODEID")
+    if len(source.shards) < num_nodes:
+        raise UsageError(
+            f"--subset node needs at least one shard per node ({len(source.shards)} shards, {num_nodes} nodes); "
+            "use --subset all"
+        )
+    mine = node_partition([s.size or 0 for s in source.shards], num_nodes)[node_id]
+    return [source.shards[i] for i in sorted(mine.tolist())]

@@ -1,0 +1,1 @@
+"""What a shard is: the manifest, the tar format (members, indexes, counts), and building them."""

@@ -1,0 +1,187 @@
+"""The dataset manifest: per shard its relative path, size, content hash and sample count.
+
+Two encodings of the same table, chosen by file suffix:
+
+* ``.json`` for small datasets: readable, diffable, written by default up to
+  :data:`JSON_MAX_ENTRIES` shards;
+* ``.parquet`` (pyarrow) for large ones: 1M shards fit in a few tens of MB and load in well
+  under a second, which a JSON list does not.
+
+``meta`` holds a few string facts about how the data was produced (source URL, subset mode),
+stored as Parquet schema metadata or a JSON object. Entries are validated on read: a manifest
+is input like any other, so a hostile relative path is refused (:func:`stager.storage.paths.safe_relpath`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from stager.errors import StagerError, UsageError
+from stager.storage.paths import safe_relpath
+
+__all__ = [
+    "ManifestEntry",
+    "Manifest",
+    "MANIFEST_NAMES",
+    "JSON_MAX_ENTRIES",
+    "find_manifest",
+    "default_manifest_name",
+]
+
+MANIFEST_NAMES = ("stager-manifest.parquet", "stager-manifest.json")
+JSON_MAX_ENTRIES = 10_000
+_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ManifestEntry:
+    """One shard: where it lives relative to the dataset root and what it must contain."""
+
+    relpath: str
+    size: int
+    hash: str | None = None  # "<algorithm>:<hex>"
+    samples: int | None = None
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """An ordered table of shards plus a little string metadata."""
+
+    entries: tuple[ManifestEntry, ...]
+    meta: Mapping[str, str] = field(default_factory=dict)
+
+    def by_relpath(self) -> dict[str, ManifestEntry]:
+        return {e.relpath: e for e in self.entries}
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.size for e in self.entries)
+
+    @property
+    def total_samples(self) -> int | None:
+        if any(e.samples is None for e in self.entries):
+            return None
+        return sum(e.samples or 0 for e in self.entries)
+
+    def write(self, path: str | os.PathLike[str]) -> Path:
+        """Write atomically (temp file + rename) as JSON or Parquet by suffix."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".partial")
+        if path.suffix not in (".parquet", ".json"):
+            raise UsageError(f"manifest path {path} must end in .json or .parquet")
+        try:
+            self._write_to(tmp, path.suffix)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # e.g. ENOSPC half-way: leave no .partial behind
+            raise
+        return path
+
+    def _write_to(self, tmp: Path, suffix: str) -> None:
+        if suffix == ".parquet":
+            _write_parquet(self, tmp)
+        else:
+            payload = {
+                "format": "stager-manifest",
+                "version": _FORMAT_VERSION,
+                "meta": dict(self.meta),
+                "shards": [
+                    {"path": e.relpath, "size": e.size, "hash": e.hash, "samples": e.samples}
+                    for e in self.entries
+                ],
+            }
+            tmp.write_text(json.dumps(payload, indent=1) + "\n")
+
+    @classmethod
+    def read(cls, path: str | os.PathLike[str]) -> Manifest:
+        """Read and validate a manifest; raises :class:`UsageError` naming the file on bad input."""
+        path = Path(path)
+        try:
+            if path.suffix == ".parquet":
+                return _read_parquet(path)
+            return _from_json(json.loads(path.read_text()), path)
+        except StagerError:
+            raise  # UsageError, or UnsafePath for a hostile entry: keep its meaning and exit code
+        except FileNotFoundError as exc:
+            raise UsageError(f"manifest not found: {path}") from exc
+        except Exception as exc:  # noqa: BLE001 - any parse failure is a bad manifest
+            raise UsageError(f"manifest {path} is unreadable ({type(exc).__name__}: {exc}); re-run stager index") from exc
+
+
+def default_manifest_name(num_entries: int) -> str:
+    """JSON while it stays small, Parquet beyond :data:`JSON_MAX_ENTRIES` shards."""
+    return MANIFEST_NAMES[1] if num_entries <= JSON_MAX_ENTRIES else MANIFEST_NAMES[0]
+
+
+def find_manifest(directory: str | os.PathLike[str]) -> Path | None:
+    """The manifest inside ``directory`` (Parquet preferred), or None."""
+    for name in MANIFEST_NAMES:
+        candidate = Path(directory) / name
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _entry(relpath: object, size: object, hash_: object, samples: object, where: Path) -> ManifestEntry:
+    if not isinstance(relpath, str):
+        raise UsageError(f"manifest {where}: shard path {relpath!r} is not a string")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise UsageError(f"manifest {where}: size {size!r} of {relpath!r} is not a non-negative integer")
+    if hash_ is not None and (not isinstance(hash_, str) or not hash_):
+        raise UsageError(f"manifest {where}: hash {hash_!r} of {relpath!r} is not a string")
+    if samples is not None and (not isinstance(samples, int) or isinstance(samples, bool) or samples < 0):
+        raise UsageError(f"manifest {where}: samples {samples!r} of {relpath!r} is not a non-negative integer")
+    return ManifestEntry(safe_relpath(relpath), size, hash_, samples)
+
+
+def _from_json(payload: object, where: Path) -> Manifest:
+    if not isinstance(payload, dict) or payload.get("format") != "stager-manifest":
+        raise UsageError(f"{where} is not a stager manifest (missing format tag)")
+    shards = payload.get("shards")
+    meta = payload.get("meta") or {}
+    if not isinstance(shards, list) or not isinstance(meta, dict):
+        raise UsageError(f"manifest {where}: 'shards' must be a list and 'meta' an object")
+    entries = []
+    for item in shards:
+        if not isinstance(item, dict):
+            raise UsageError(f"manifest {where}: shard entry {item!r} is not an object")
+        entries.append(_entry(item.get("path"), item.get("size"), item.get("hash"), item.get("samples"), where))
+    return Manifest(tuple(entries), {str(k): str(v) for k, v in meta.items()})
+
+
+def _write_parquet(manifest: Manifest, path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table(
+        {
+            "path": pa.array([e.relpath for e in manifest.entries], pa.string()),
+            "size": pa.array([e.size for e in manifest.entries], pa.int64()),
+            "hash": pa.array([e.hash for e in manifest.entries], pa.string()),
+            "samples": pa.array([e.samples for e in manifest.entries], pa.int64()),
+        }
+    )
+    meta = {b"stager.format": b"stager-manifest", b"stager.version": str(_FORMAT_VERSION).encode()}
+    meta.update({f"stager.meta.{k}".encode(): v.encode() for k, v in manifest.meta.items()})
+    pq.write_table(table.replace_schema_metadata(meta), path)
+
+
+def _read_parquet(path: Path) -> Manifest:
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    raw_meta = table.schema.metadata or {}
+    if raw_meta.get(b"stager.format") != b"stager-manifest":
+        raise UsageError(f"{path} is not a stager manifest (missing format tag)")
+    columns = table.to_pydict()
+    entries = [
+        _entry(p, s, h, n, path)
+        for p, s, h, n in zip(columns["path"], columns["size"], columns["hash"], columns["samples"])
+    ]
+    prefix = b"stager.meta."
+    meta = {k[len(prefix) :].decode(): v.decode() for k, v in raw_meta.items() if k.startswith(prefix)}
+    return Manifest(tuple(entries), meta)

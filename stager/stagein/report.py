@@ -1,0 +1,79 @@
+"""The end-of-run summary of a stage-in: one line for the log, the same facts as JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from stager.errors import ShardFailure
+from stager.stagein.progress import human_bytes
+
+__all__ = ["StageInReport"]
+
+
+@dataclass
+class StageInReport:
+    """What one node's stage-in did. ``role`` is ``copier`` or ``waiter`` (adopted a result)."""
+
+    node: str
+    job_id: str
+    dataset_dir: str
+    source: str
+    files_total: int = 0
+    files_copied: int = 0
+    files_skipped: int = 0
+    files_failed: int = 0
+    bytes_total: int = 0
+    bytes_copied: int = 0
+    bytes_read_source: int = 0
+    bytes_received_peers: int = 0
+    seconds: float = 0.0
+    retries: int = 0
+    streams: int = 0
+    subset: str = "all"
+    role: str = "copier"
+    fanout: str = "off"  # off | on (stage-in --fanout) | fallback (the group did not form)
+    fanout_form_s: float = 0.0  # of ``seconds``: waiting for the node group to form (torch import included)
+    exit_code: int = 0
+    failures: list[dict[str, str]] = field(default_factory=list)
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes_copied / self.seconds / 1e6 if self.seconds > 0 else 0.0
+
+    def add_failure(self, failure: ShardFailure) -> None:
+        self.failures.append({"url": failure.url, "reason": failure.reason})
+        self.files_failed = len(self.failures)
+
+    def summary_line(self) -> str:
+        return (
+            f"[{self.node}] stage-in: {self.files_total} files, {self.files_copied} copied, "
+            f"{self.files_skipped} skipped, {self.files_failed} failed; "
+            f"{human_bytes(self.bytes_copied)} in {self.seconds:.2f} s ({self.mb_per_s:.1f} MB/s)"
+            + (
+                f" [fan-out {self.fanout}: {human_bytes(self.bytes_read_source)} from the source, "
+                f"{human_bytes(self.bytes_received_peers)} from peers]"
+                if self.fanout != "off" else ""
+            )
+            + f" -> {self.dataset_dir}"
+        )
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["mb_per_s"] = round(self.mb_per_s, 3)
+        return out
+
+    def write(self, path: str | os.PathLike[str]) -> None:
+        """Write atomically so a reader never sees half a report."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        tmp.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        os.replace(tmp, path)
+
+    @classmethod
+    def from_json(cls, payload: dict) -> StageInReport:
+        payload = {k: v for k, v in payload.items() if k in cls.__dataclass_fields__}
+        return cls(**payload)

@@ -1,0 +1,244 @@
+"""Size walked shards in the background, ahead of their copies, and hold back their publication
+until the free-space check on those sizes has passed.
+
+Why: a shard found by walking a directory (no manifest beside it) has no size until a stat, and
+on NFS each stat is a metadata round trip. Statting all of them before the first copy cost
+~1.1 s per 3,000 shards at 10 ms, and the entries it cached had expired by the time the copies
+reached them, so each copy paid the lookup again. Here the stats run on their own threads in
+listing order while the copies follow, so the copies find the entries fresh; the free-space
+check runs when the last size is in (or as soon as the sizes seen so far exceed the space).
+Until it has passed, finished copies stay ``.partial``: a refusal still leaves nothing staged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import threading
+from collections.abc import Callable, Sequence
+
+from stager.storage.paths import discard
+from stager.storage.workers import run_in_threads
+
+__all__ = ["DROPPED", "UNKNOWN", "SizeProbe", "PublishGate", "DeferredPreflight"]
+
+#: The shard vanished since the listing, or is a directory named like a shard: the walk
+#: would not have listed it, so it is dropped without a failure.
+DROPPED = -1
+#: The stat failed otherwise (e.g. permission denied, EIO): :meth:`SizeProbe.error` says why.
+UNKNOWN = -2
+_PENDING = object()
+
+
+def _stat(path: str) -> os.stat_result:
+    """One metadata round trip (a module function, so tests can count them)."""
+    return os.stat(path)
+
+
+class SizeProbe:
+    """``os.stat`` each path on background threads, in order; :meth:`get` waits for one result.
+
+    Results are a size in bytes, :data:`DROPPED` or :data:`UNKNOWN`. ``on_size(size)`` is
+    called (on a probe thread) for each size found; ``on_done()`` once all are in.
+    """
+
+    def __init__(
+        self,
+        paths: Sequence[str],
+        threads: int,
+        *,
+        on_size: Callable[[int], None] | None = None,
+        on_done: Callable[[], None] | None = None,
+    ):
+        self._paths = list(paths)
+        self._results: list[object] = [_PENDING] * len(self._paths)
+        self._threads = max(1, min(threads, len(self._paths)))
+        self._on_size = on_size
+        self._on_done = on_done
+        self._cond = threading.Condition()
+        self._waiting = 0
+        self._errors: dict[int, str] = {}
+        self.failure: BaseException | None = None  # the probe itself broke (not one stat)
+        self._runner = threading.Thread(target=self._run, name="size-probe", daemon=True)
+
+    def __len__(self) -> int:
+        return len(self._paths)
+
+    def start(self) -> SizeProbe:
+        self._runner.start()
+        return self
+
+    def join(self) -> None:
+        self._runner.join()
+
+    def get(self, index: int) -> int:
+        """The result for ``paths[index]``, waiting for the probe to reach it."""
+        result = self._results[index]
+        if result is _PENDING:
+            with self._cond:
+                self._waiting += 1
+                while self._results[index] is _PENDING:
+                    self._cond.wait()
+                self._waiting -= 1
+                result = self._results[index]
+        return result  # type: ignore[return-value]
+
+    def error(self, index: int) -> str:
+        """Why ``paths[index]`` is :data:`UNKNOWN`."""
+        return self._errors.get(index, "the size probe stopped before reaching it")
+
+    def _probe(self, index: int) -> None:
+        try:
+            st = _stat(self._paths[index])
+            result = DROPPED if stat.S_ISDIR(st.st_mode) else st.st_size
+        except FileNotFoundError:
+            result = DROPPED
+        except OSError as exc:
+            result = UNKNOWN
+            self._errors[index] = f"cannot stat it: {exc.strerror or exc}"
+        if result >= 0 and self._on_size is not None:
+            self._on_size(result)
+        with self._cond:
+            self._results[index] = result
+            if self._waiting:
+                self._cond.notify_all()
+
+    def _run(self) -> None:
+        try:
+            run_in_threads(self._probe, range(len(self._paths)), self._threads, name="size-probe")
+        except BaseException as exc:  # noqa: BLE001 - kept for the caller; no copy may wait forever
+            self.failure = exc
+        finally:
+            with self._cond:  # whatever went wrong, no copy may wait forever
+                for i, result in enumerate(self._results):
+                    if result is _PENDING:
+                        self._results[i] = UNKNOWN
+                self._cond.notify_all()
+            if self._on_done is not None:
+                self._on_done()
+
+
+class PublishGate:
+    """Renames finished copies into place only once the free-space check has passed.
+
+    Before the verdict, :meth:`publish` keeps each ``.partial`` aside; :meth:`pass_` renames
+    those kept, :meth:`refuse` deletes them. After the verdict, publishing renames at once
+    (passed) or deletes (refused).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._verdict: bool | None = None
+        self._held: list[tuple[str, str]] = []
+
+    @property
+    def refused(self) -> bool:
+        return self._verdict is False
+
+    @property
+    def passed(self) -> bool:
+        return self._verdict is True
+
+    def publish(self, partial: str, final: str) -> bool:
+        """Rename now (True), or hold or delete the copy (False: not under its final name yet)."""
+        if self._verdict is True:  # one-way: once passed, no lock is needed
+            os.replace(partial, final)
+            return True
+        with self._lock:
+            if self._verdict is None:
+                self._held.append((partial, final))
+                return False
+        if self._verdict:
+            os.replace(partial, final)
+            return True
+        discard(partial)
+        return False
+
+    def pass_(self) -> list[tuple[str, OSError]]:
+        """Rename the copies held so far; returns the finals that could not be renamed."""
+        with self._lock:
+            if self._verdict is not None:
+                return []
+            failed = []
+            for partial, final in self._held:
+                try:
+                    os.replace(partial, final)
+                except OSError as exc:
+                    failed.append((final, exc))
+                    with contextlib.suppress(OSError):
+                        discard(partial)
+            self._held = []
+            self._verdict = True
+        return failed
+
+    def refuse(self) -> None:
+        with self._lock:
+            if self._verdict is not None:
+                return
+            held, self._held = self._held, []
+            self._verdict = False
+        for partial, _ in held:
+            discard(partial)
+
+
+class DeferredPreflight:
+    """The free-space check for shards sized while they copy: a :class:`SizeProbe` feeding a
+    running total, and the :class:`PublishGate` it opens or shuts.
+
+    Refuses as soon as the sizes seen so far (plus ``known_bytes``, the shards sized before,
+    and ``min_free_bytes``) exceed ``free_bytes``, the space free before the first copy; passes
+    when the last size is in. ``on_sized(total_bytes, dropped)`` runs once all sizes are in.
+    """
+
+    def __init__(
+        self,
+        paths: Sequence[str],
+        threads: int,
+        *,
+        known_bytes: int,
+        free_bytes: int,
+        min_free_bytes: int = 0,
+        on_sized: Callable[[int, int], None] | None = None,
+    ):
+        self.gate = PublishGate()
+        self.needed_bytes = known_bytes
+        self.probed_bytes = 0
+        self.free_bytes = free_bytes
+        self._limit = free_bytes - min_free_bytes
+        self._lock = threading.Lock()
+        self._on_sized = on_sized
+        self.probe = SizeProbe(paths, threads, on_size=self._add, on_done=self._done)
+        self.failed_renames: list[tuple[str, OSError]] = []
+
+    def start(self) -> DeferredPreflight:
+        self.probe.start()
+        return self
+
+    def size(self, index: int) -> int:
+        """The size of ``paths[index]`` (or :data:`DROPPED` / :data:`UNKNOWN`), once probed."""
+        return self.probe.get(index)
+
+    def finish(self) -> None:
+        """Wait until every size is in and the verdict is given."""
+        self.probe.join()
+
+    @property
+    def refused(self) -> bool:
+        return self.gate.refused
+
+    def _add(self, size: int) -> None:
+        with self._lock:
+            self.probed_bytes += size
+            self.needed_bytes += size
+            over = self.needed_bytes > self._limit
+        if over:
+            self.gate.refuse()
+
+    def _done(self) -> None:
+        if self.probe.failure is not None or self.needed_bytes > self._limit:
+            self.gate.refuse()  # a broken probe has no total to pass on
+        else:
+            self.failed_renames = self.gate.pass_()
+        if self._on_sized is not None:
+            self._on_sized(self.probed_bytes, sum(1 for i in range(len(self.probe)) if self.probe.get(i) == DROPPED))

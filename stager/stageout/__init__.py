@@ -1,0 +1,1 @@
+"""stage-out and restore: checkpoints from scratch to persistent storage, committed atomically."""

@@ -1,0 +1,136 @@
+"""Restore: bring the newest committed checkpoint back to node-local scratch.
+
+Only checkpoints with a commit record are candidates (:mod:`stager.stageout.store`), newest first.
+Every file is copied into a private staging directory and verified against the record's size
+and hash before one rename publishes ``<root>/<name>``; a checkpoint that fails verification
+(bit rot, a file deleted by hand) is reported on stderr and the next newest is tried, so a
+requeued job resumes from the best checkpoint that is actually whole.
+
+All ranks of a node may call it at once: one copies under the node lock, the others find the
+restored copy (``<root>/.stager-restored/<name>.json`` holds its content id) and return its path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import sys
+from pathlib import Path
+from typing import TextIO
+
+from stager.stageout.record import CommitRecord, newest_first
+from stager.stageout.store import CommitStore, open_store
+from stager.storage.copy import copy_file
+from stager.storage.dest import ensure_private_dir
+from stager.errors import CheckpointError, DestinationError, IntegrityError, NoCheckpoint, SourceError
+from stager.storage.lock import NodeLock
+from stager.storage.paths import PARTIAL_SUFFIX, safe_join
+
+__all__ = ["restore_checkpoint", "RESTORED_DIR"]
+
+RESTORED_DIR = ".stager-restored"
+_STAGING_PREFIX = ".stager-restore-"
+
+
+def _restored_marker(root: Path, name: str) -> Path:
+    return root / RESTORED_DIR / f"{name}.json"
+
+
+def _already_restored(root: Path, record: CommitRecord) -> bool:
+    """The local copy was restored from this exact content and its files still have their sizes."""
+    try:
+        payload = json.loads(_restored_marker(root, record.name).read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(payload, dict) or payload.get("content_id") != record.content_id:
+        return False
+    try:
+        return all(safe_join(root, e.relpath).stat().st_size == e.size for e in record.entries)
+    except OSError:
+        return False
+
+
+def _copy_record(store: CommitStore, record: CommitRecord, staging: Path) -> None:
+    if record.kind == "dir":
+        (staging / record.name).mkdir(parents=True, exist_ok=True)
+    for entry in record.entries:
+        copy_file(
+            store.fs,
+            store.path(entry.relpath),
+            safe_join(staging, entry.relpath),
+            url=store.display(entry.relpath),
+            expected_size=entry.size,
+            expected_hash=entry.hash,
+        )
+
+
+def _publish(root: Path, staging: Path, record: CommitRecord) -> Path:
+    target = root / record.name
+    marker = _restored_marker(root, record.name)
+    marker.unlink(missing_ok=True)  # the old local copy is no longer known to match anything
+    if os.path.lexists(target):
+        os.rename(target, staging / "old")
+    os.rename(staging / record.name, target)
+    marker.parent.mkdir(exist_ok=True)
+    tmp = marker.with_name(marker.name + PARTIAL_SUFFIX)
+    tmp.write_text(json.dumps({"content_id": record.content_id, "source": record.name}))
+    os.replace(tmp, marker)
+    return target
+
+
+def restore_checkpoint(
+    dest_url: str, local_root: str | os.PathLike[str], *, log: TextIO | None = None
+) -> Path:
+    """Copy the newest committed checkpoint at ``dest_url`` to ``local_root/<name>``; return that path.
+
+    Raises :class:`NoCheckpoint` when nothing is committed yet (a first start), and
+    :class:`CheckpointError` when checkpoints are committed but none could be restored whole.
+    """
+    log = log or sys.stderr
+    store = open_store(dest_url)
+
+    def on_bad(exc: CheckpointError) -> None:
+        print(f"stage-in: warning: {' '.join(str(exc).split())}", file=log, flush=True)
+
+    records = newest_first(store.records(on_bad=on_bad))
+    if not records:
+        raise NoCheckpoint(
+            f"no committed checkpoint at {dest_url} yet; start from scratch (exit code 9 means this)"
+        )
+    root = ensure_private_dir(local_root)
+    with NodeLock(root / ".stager-restore.lock"):
+        # Holding the lock, no one on this node is restoring: leftovers are from killed runs.
+        for leftover in root.glob(f"{_STAGING_PREFIX}*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+        damaged = []
+        for record in records:
+            if _already_restored(root, record):
+                return root / record.name
+            staging = root / f"{_STAGING_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+            try:
+                staging.mkdir()
+                _copy_record(store, record, staging)
+                return _publish(root, staging, record)
+            except (IntegrityError, SourceError, FileNotFoundError) as exc:
+                damaged.append(record.name)
+                print(
+                    f"stage-in: warning: committed checkpoint {record.name} at {dest_url} cannot be restored "
+                    f"({' '.join(str(exc).split())}); trying the next newest",
+                    file=log,
+                    flush=True,
+                )
+            except OSError as exc:
+                if isinstance(exc, DestinationError):
+                    raise
+                raise DestinationError(
+                    f"cannot restore {record.name} into {root}: {exc.strerror or exc}; "
+                    "free space or pass --dest to a usable directory"
+                ) from exc
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+    raise CheckpointError(
+        f"{len(damaged)} committed checkpoint(s) at {dest_url} but none could be restored whole "
+        f"({', '.join(damaged)}); see the warnings above"
+    )

@@ -1,0 +1,327 @@
+"""stage-out: commit checkpoints from node-local scratch to persistent storage, atomically.
+
+Per checkpoint, newest first:
+
+1. take the checkpoint's node-local lock. All ranks of a job may call stage-out at once; one
+   copies, the others wait here and then find the checkpoint committed with the same content
+   (step 3) and return "already committed". ``flock`` dies with its holder, so a killed copier
+   only hands the work to the next waiter;
+2. snapshot: list and hash the files (cached by size+mtime, so waiters and watch passes only
+   ``stat``);
+3. skip when the destination already holds a record with the same content id;
+4. check the deadline: if the estimated copy time exceeds the time left, say so in one line
+   and copy nothing;
+5. copy every file into a staging attempt, verifying size and hash
+   (:mod:`stager.stageout.store`), re-check that the source did not change meanwhile, then commit
+   (rename + record, or record last). Any failure or signal abandons the attempt, which leaves
+   nothing visible.
+
+Finally ``--keep N`` prunes all but the N newest committed checkpoints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+from stager.stageout.record import CommitRecord, plan_keep, plan_prune
+from stager.stageout.snapshot import Snapshot, newest_mtime_ns, snapshot, state_dir
+from stager.stageout.store import CommitStore, open_store
+from stager.stageout.deadline import Deadline
+from stager.errors import CheckpointError, DeadlineTooShort, IntegrityError, UsageError
+from stager.storage.hashing import hash_file
+from stager.storage.lock import NodeLock
+from stager.stagein.progress import human_bytes
+from stager.slurm import SlurmEnv
+from stager.storage.throttle import Throttle
+
+__all__ = [
+    "StageOutOptions",
+    "Outcome",
+    "stage_out",
+    "prune",
+    "COMMITTED",
+    "ALREADY",
+    "SKIPPED_DEADLINE",
+    "SKIPPED_UNSETTLED",
+    "SKIPPED_KEEP",
+    "CHANGED",
+    "estimate_s",
+    "check_outcomes",
+]
+
+COMMITTED = "committed"  # this process copied and committed it
+ALREADY = "already"  # committed earlier (or by a concurrent copier) with the same content
+SKIPPED_DEADLINE = "skipped-deadline"  # not enough time left: nothing copied
+SKIPPED_UNSETTLED = "skipped-unsettled"  # modified too recently (--watch): next pass
+SKIPPED_KEEP = "skipped-keep"  # older than what --keep retains: copying it would be pruned at once
+CHANGED = "changed"  # the source changed during the copy: abandoned, nothing visible
+
+
+@dataclass(frozen=True)
+class StageOutOptions:
+    """Everything that tunes a stage-out run; the CLI builds this from its flags."""
+
+    keep: int | None = None
+    deadline: Deadline | None = None
+    assume_mbps: float = 100.0  # copy-rate guess for the deadline check until one is measured
+    bw_limit_mbps: float | None = None
+    settle_s: float = 0.0  # skip checkpoints modified less than this long ago
+    lock_timeout_s: float = 3600.0
+    stale_s: float = 6 * 3600.0  # attempts from other nodes older than this are dead
+    log: TextIO | None = None
+
+
+@dataclass
+class Outcome:
+    """What happened to one checkpoint."""
+
+    name: str
+    status: str
+    nbytes: int = 0
+    seconds: float = 0.0
+    url: str = ""
+    message: str = ""
+
+    def line(self) -> str:
+        if self.status == COMMITTED:
+            rate = self.nbytes / self.seconds / 1e6 if self.seconds > 0 else 0.0
+            return (
+                f"stage-out: committed {self.name} ({human_bytes(self.nbytes)} in {self.seconds:.1f} s, "
+                f"{rate:.0f} MB/s) -> {self.url}"
+            )
+        if self.status == ALREADY:
+            return f"stage-out: {self.name} already committed with the same content at {self.url}"
+        return f"stage-out: {self.message}"
+
+
+@dataclass
+class _Rate:
+    """Bytes per second measured over this run's copies, for later deadline estimates."""
+
+    nbytes: int = 0
+    seconds: float = 0.0
+    assumed_bps: float = 100e6
+
+    def bps(self) -> float:
+        if self.nbytes >= (8 << 20) and self.seconds > 0:
+            return self.nbytes / self.seconds
+        return self.assumed_bps
+
+
+def estimate_s(nbytes: int, bytes_per_s: float) -> float:
+    """Seconds to copy ``nbytes`` at ``bytes_per_s``, plus a fixed second for commit round trips."""
+    return nbytes / max(bytes_per_s, 1.0) + 1.0
+
+
+def _lock_path(ckpt: Path) -> Path:
+    """Node-local lock of one checkpoint: beside it on scratch, else under the temp dir."""
+    directory = state_dir(ckpt)
+    try:
+        directory.mkdir(exist_ok=True)
+        return directory / f"{ckpt.name}.lock"
+    except OSError:
+        fallback = Path(tempfile.gettempdir()) / f"stager-stageout-{os.getuid()}"
+        fallback.mkdir(mode=0o700, exist_ok=True)
+        digest = hashlib.sha256(str(ckpt).encode()).hexdigest()[:16]  # stable across processes
+        return fallback / f"{digest}-{ckpt.name}.lock"
+
+
+def stage_out(
+    ckpts: Sequence[str | os.PathLike[str]],
+    dest_url: str,
+    options: StageOutOptions | None = None,
+    *,
+    slurm: SlurmEnv | None = None,
+    stop: threading.Event | None = None,
+) -> list[Outcome]:
+    """Commit each checkpoint in ``ckpts`` under ``dest_url``, newest first; return the outcomes.
+
+    ``stop`` (set by a signal in ``--watch``) is checked between checkpoints: the copy in flight
+    always finishes or is abandoned atomically. Raises :class:`DestinationError` when the
+    destination is unusable; per-checkpoint problems (deadline, source changing) are outcomes.
+    """
+    options = options or StageOutOptions()
+    if options.keep is not None and options.keep < 1:
+        raise UsageError("--keep must be at least 1: the newest checkpoint is never pruned")
+    log = options.log or sys.stderr
+    slurm = slurm or SlurmEnv.from_environ()
+    store = open_store(dest_url, stale_s=options.stale_s)
+    store.check_writable()
+    for name in store.clean_stale():
+        print(
+            f"stage-out: cleaned an interrupted stage-out of {name} at {store.url}",
+            file=log,
+            flush=True,
+        )
+    mtimes = {Path(os.path.abspath(p)): newest_mtime_ns(Path(p)) for p in ckpts}
+    paths = sorted(mtimes, key=lambda p: (mtimes[p], p.name), reverse=True)
+    outcomes: list[Outcome] = []
+    if options.keep is not None:
+        wanted = set(
+            plan_keep([(p.name, m) for p, m in mtimes.items()], store.records(), options.keep)
+        )
+        outcomes += [
+            Outcome(p.name, SKIPPED_KEEP, url=store.display(p.name))
+            for p in paths
+            if p.name not in wanted
+        ]
+        paths = [p for p in paths if p.name in wanted]
+    rate = _Rate(assumed_bps=options.assume_mbps * 1e6)
+    throttle = Throttle(options.bw_limit_mbps * 1e6) if options.bw_limit_mbps else None
+    for ckpt in paths:
+        if stop is not None and stop.is_set():
+            break
+        outcome = _stage_one(ckpt, store, options, slurm, rate, throttle)
+        if outcome.status != SKIPPED_UNSETTLED:
+            print(outcome.line(), file=log, flush=True)
+        outcomes.append(outcome)
+    if options.keep is not None:
+        for name in prune(store, options.keep):
+            print(f"stage-out: pruned {name} (--keep {options.keep})", file=log, flush=True)
+    return outcomes
+
+
+def prune(store: CommitStore, keep: int) -> list[str]:
+    """Remove all but the ``keep`` newest committed checkpoints; never the newest."""
+    if keep < 1:
+        raise UsageError("--keep must be at least 1: the newest checkpoint is never pruned")
+    names = plan_prune(store.records(), keep)
+    for name in names:
+        store.remove(name)
+    return names
+
+
+def _stage_one(
+    ckpt: Path,
+    store: CommitStore,
+    options: StageOutOptions,
+    slurm: SlurmEnv,
+    rate: _Rate,
+    throttle: Throttle | None,
+) -> Outcome:
+    url = store.display(ckpt.name)
+    with NodeLock(_lock_path(ckpt), timeout_s=options.lock_timeout_s):
+        snap = snapshot(ckpt)
+        if options.settle_s > 0 and snap.age_s() < options.settle_s:
+            return Outcome(
+                snap.name, SKIPPED_UNSETTLED, url=url, message=f"{snap.name} is still being written"
+            )
+        existing = store.record(snap.name)
+        if existing is not None and existing.content_id == snap.content_id:
+            return Outcome(snap.name, ALREADY, snap.total_bytes, url=url)
+        if options.deadline is not None:
+            needed_s = estimate_s(snap.total_bytes, rate.bps())
+            left_s = options.deadline.left_s()
+            if needed_s > left_s:
+                return Outcome(
+                    snap.name,
+                    SKIPPED_DEADLINE,
+                    snap.total_bytes,
+                    url=url,
+                    message=(
+                        f"not enough time to stage out {snap.name} ({human_bytes(snap.total_bytes)}, ~{needed_s:.0f} s "
+                        f"needed, {max(left_s, 0):.0f} s left by {options.deadline.source}); skipped, nothing partial left"
+                    ),
+                )
+        return _copy_and_commit(snap, store, options, slurm, rate, throttle, url)
+
+
+def _copy_and_commit(
+    snap: Snapshot,
+    store: CommitStore,
+    options: StageOutOptions,
+    slurm: SlurmEnv,
+    rate: _Rate,
+    throttle: Throttle | None,
+    url: str,
+) -> Outcome:
+    deadline = options.deadline
+
+    def on_bytes(_n: int) -> None:
+        if deadline is not None and deadline.left_s() <= 0:
+            raise DeadlineTooShort(
+                f"deadline ({deadline.source}) reached while copying {snap.name}; abandoned, nothing partial left"
+            )
+
+    started = time.monotonic()
+    attempt = store.begin(snap.name)
+    try:
+        for f in snap.files:
+            store.put_file(
+                attempt,
+                str(f.path),
+                f.relpath,
+                f.size,
+                f.hash,
+                throttle=throttle,
+                on_bytes=on_bytes,
+            )
+        if snap.changed():
+            raise IntegrityError(f"{snap.path} changed while it was copied")
+        record = CommitRecord(
+            name=snap.name,
+            kind=snap.kind,
+            entries=snap.entries,
+            source_mtime_ns=snap.mtime_ns,
+            committed_at=time.time(),
+            host=slurm.node_name,
+            job_id=slurm.job_id,
+        )
+        committed = store.commit(attempt, record)
+    except IntegrityError:
+        store.abandon(attempt)
+        if _still_matches(snap):
+            raise  # the bytes at the destination are wrong: a real integrity failure
+        return Outcome(
+            snap.name,
+            CHANGED,
+            url=url,
+            message=(
+                f"{snap.name} changed while it was copied; abandoned, nothing partial left; "
+                "stage out again once the trainer has finished writing it"
+            ),
+        )
+    except DeadlineTooShort as exc:
+        store.abandon(attempt)
+        return Outcome(snap.name, SKIPPED_DEADLINE, snap.total_bytes, url=url, message=str(exc))
+    except BaseException:
+        store.abandon(attempt)  # signal, kill of a thread, any error: leave nothing half visible
+        raise
+    seconds = time.monotonic() - started
+    rate.nbytes += snap.total_bytes
+    rate.seconds += seconds
+    return Outcome(snap.name, COMMITTED if committed else ALREADY, snap.total_bytes, seconds, url)
+
+
+def _still_matches(snap: Snapshot) -> bool:
+    """True when the source still has exactly the snapshot's bytes (so it did not change)."""
+    if snap.changed():
+        return False
+    try:
+        return all(hash_file(f.path, f.hash.split(":", 1)[0]) == f.hash for f in snap.files)
+    except OSError:
+        return False
+
+
+def check_outcomes(outcomes: Sequence[Outcome]) -> None:
+    """Raise when some requested checkpoint was not committed (deadline, source changing)."""
+    missed = [o for o in outcomes if o.status in (SKIPPED_DEADLINE, CHANGED)]
+    if not missed:
+        return
+    names = ", ".join(o.name for o in missed)
+    if all(o.status == SKIPPED_DEADLINE for o in missed):
+        raise DeadlineTooShort(
+            f"not committed for lack of time: {names}; earlier committed checkpoints are intact"
+        )
+    raise CheckpointError(
+        f"not committed: {names} (see the lines above); earlier committed checkpoints are intact"
+    )

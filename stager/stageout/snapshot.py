@@ -1,0 +1,197 @@
+"""Checkpoints on node-local scratch: finding them, and a hashed snapshot of one.
+
+A snapshot lists every file with its size, mtime and content hash. Hashes are cached in
+``<parent>/.stager-stageout/<name>.hashes.json`` keyed by (size, mtime_ns), so the ranks that
+call ``stage-out`` after the copier, and every ``--watch`` pass, decide "already committed"
+from a few ``stat`` calls instead of re-reading gigabytes. The same directory holds the
+per-checkpoint lock (node-local, where ``flock`` is reliable).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from stager.stageout.record import KIND_DIR, KIND_FILE, check_checkpoint_name, content_id
+from stager.errors import CheckpointError
+from stager.storage.hashing import hash_file
+from stager.shards.manifest import ManifestEntry
+from stager.storage.paths import PARTIAL_SUFFIX
+
+__all__ = [
+    "SourceFile",
+    "Snapshot",
+    "list_checkpoints",
+    "snapshot",
+    "state_dir",
+    "newest_mtime_ns",
+    "SKIP_SUFFIXES",
+]
+
+#: Entries of a checkpoint directory that are still being written by common trainers.
+SKIP_SUFFIXES = (PARTIAL_SUFFIX, ".tmp", ".lock")
+STATE_DIR_NAME = ".stager-stageout"
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    path: Path  # absolute, on scratch
+    relpath: str  # relative to the checkpoint's parent: "name" or "name/sub/file"
+    size: int
+    mtime_ns: int
+    hash: str
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A checkpoint as it was when hashed; :meth:`changed` tells whether it moved since."""
+
+    name: str
+    kind: str
+    path: Path
+    files: tuple[SourceFile, ...]
+
+    @property
+    def entries(self) -> tuple[ManifestEntry, ...]:
+        return tuple(ManifestEntry(f.relpath, f.size, f.hash) for f in self.files)
+
+    @property
+    def content_id(self) -> str:
+        return content_id(self.entries)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    @property
+    def mtime_ns(self) -> int:
+        """Newest modification among the files (the directory's own for an empty one)."""
+        if self.files:
+            return max(f.mtime_ns for f in self.files)
+        return self.path.stat().st_mtime_ns
+
+    def changed(self) -> bool:
+        """True when any file's size or mtime differs from the snapshot, or the set changed."""
+        try:
+            current = _walk(self.path, self.name, self.kind)
+        except OSError:
+            return True
+        if [rel for _, rel, _ in current] != [f.relpath for f in self.files]:
+            return True
+        for (_, _, st), f in zip(current, self.files, strict=True):
+            if st.st_size != f.size or st.st_mtime_ns != f.mtime_ns:
+                return True
+        return False
+
+    def age_s(self) -> float:
+        return time.time() - self.mtime_ns / 1e9
+
+
+def state_dir(ckpt_path: Path) -> Path:
+    """Where the lock and hash cache of a checkpoint live: beside it, on scratch."""
+    return ckpt_path.parent / STATE_DIR_NAME
+
+
+def _skipped(name: str) -> bool:
+    return name.startswith(".") or name.endswith(SKIP_SUFFIXES)
+
+
+def list_checkpoints(ckpt_dir: Path) -> list[Path]:
+    """Every checkpoint (file or directory) directly in ``ckpt_dir``, hidden and temp names skipped."""
+    try:
+        names = sorted(os.listdir(ckpt_dir))
+    except FileNotFoundError as exc:
+        raise CheckpointError(
+            f"checkpoint directory {ckpt_dir} does not exist; check the path"
+        ) from exc
+    except NotADirectoryError as exc:
+        raise CheckpointError(
+            f"{ckpt_dir} is not a directory; drop --all to stage out one checkpoint"
+        ) from exc
+    return [ckpt_dir / n for n in names if not _skipped(n)]
+
+
+def _walk(path: Path, name: str, kind: str) -> list[tuple[Path, str, os.stat_result]]:
+    if kind == KIND_FILE:
+        return [(path, name, path.stat())]
+    out = []
+    for root, dirs, files in os.walk(path):
+        dirs[:] = sorted(d for d in dirs if not d.endswith(PARTIAL_SUFFIX))
+        for fname in sorted(files):
+            if fname.endswith(PARTIAL_SUFFIX):
+                continue
+            full = Path(root) / fname
+            rel = full.relative_to(path.parent).as_posix()
+            out.append((full, rel, full.stat()))
+    out.sort(key=lambda item: item[1])
+    return out
+
+
+def newest_mtime_ns(ckpt_path: Path) -> int:
+    """:attr:`Snapshot.mtime_ns` from ``stat`` alone (orders checkpoints before hashing); 0 if gone."""
+    try:
+        kind = KIND_DIR if ckpt_path.is_dir() else KIND_FILE
+        walked = _walk(ckpt_path, ckpt_path.name, kind)
+        if walked:
+            return max(st.st_mtime_ns for _, _, st in walked)
+        return ckpt_path.stat().st_mtime_ns
+    except OSError:
+        return 0
+
+
+def _load_cache(cache_path: Path) -> dict[str, list]:
+    try:
+        payload = json.loads(cache_path.read_text())
+        return payload if isinstance(payload, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_cache(cache_path: Path, files: tuple[SourceFile, ...]) -> None:
+    tmp = cache_path.with_name(f"{cache_path.name}.{os.getpid()}{PARTIAL_SUFFIX}")
+    try:
+        tmp.write_text(json.dumps({f.relpath: [f.size, f.mtime_ns, f.hash] for f in files}))
+        os.replace(tmp, cache_path)
+    except OSError:
+        pass  # the cache only saves re-hashing; losing it is harmless
+
+
+def snapshot(ckpt_path: Path) -> Snapshot:
+    """Hash a checkpoint (re-using cached hashes of files whose size and mtime are unchanged)."""
+    ckpt_path = Path(os.path.abspath(ckpt_path))
+    name = check_checkpoint_name(ckpt_path.name)
+    if ckpt_path.is_dir():
+        kind = KIND_DIR
+    elif ckpt_path.is_file():
+        kind = KIND_FILE
+    else:
+        raise CheckpointError(
+            f"checkpoint {ckpt_path} does not exist (or is not a file or directory); check the path"
+        )
+    try:
+        walked = _walk(ckpt_path, name, kind)
+    except OSError as exc:
+        raise CheckpointError(
+            f"cannot read checkpoint {ckpt_path}: {exc.strerror or exc}; check permissions"
+        ) from exc
+    cache_dir = state_dir(ckpt_path)
+    cache_path = cache_dir / f"{name}.hashes.json"
+    cache = _load_cache(cache_path)
+    files, rehashed = [], False
+    for full, rel, st in walked:
+        cached = cache.get(rel)
+        if isinstance(cached, list) and cached[:2] == [st.st_size, st.st_mtime_ns]:
+            digest = str(cached[2])
+        else:
+            digest, rehashed = hash_file(full), True
+        files.append(SourceFile(full, rel, st.st_size, st.st_mtime_ns, digest))
+    snap = Snapshot(name, kind, ckpt_path, tuple(files))
+    if rehashed or len(cache) != len(files):
+        with contextlib.suppress(OSError):  # a read-only scratch only costs re-hashing
+            cache_dir.mkdir(exist_ok=True)
+            _save_cache(cache_path, snap.files)
+    return snap

@@ -1,0 +1,127 @@
+"""Publishing by rename, for a DEST that is a POSIX path (local disk, NFS, Lustre, GPFS).
+
+Files are copied into the attempt's staging directory with ``fsync``, the directories are
+fsynced bottom-up, the checkpoint moves to ``DEST/NAME`` by one ``rename`` (same filesystem:
+staging lives under ``DEST/.stager``), ``DEST`` is fsynced, and only then is the record written
+(temp file, fsync, rename, fsync of ``commits/``). See :mod:`stager.stageout.store` for the layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import posixpath
+import secrets
+import shutil
+from pathlib import Path
+
+from fsspec.implementations.local import LocalFileSystem
+
+from stager.stageout.record import CommitRecord
+from stager.stageout.store import (
+    META_DIR,
+    Attempt,
+    CommitStore,
+    dest_errors,
+    fsync_dir,
+    host_name,
+    signals_deferred,
+)
+from stager.storage.copy import copy_file
+from stager.errors import DestinationError, IntegrityError, ScratchFull
+
+__all__ = ["LocalCommitStore"]
+
+
+class LocalCommitStore(CommitStore):
+    """A POSIX path: publish by one rename, fsync files and directories for durability."""
+
+    def check_writable(self) -> None:
+        with dest_errors(self.url, "creating .stager/"):
+            os.makedirs(self.staging_dir, exist_ok=True)
+            os.makedirs(self.commits_dir, exist_ok=True)
+            probe = self.path(META_DIR, f".probe-{os.getpid()}-{secrets.token_hex(2)}")
+            with open(probe, "wb"):
+                pass
+            os.unlink(probe)
+
+    def _write_small(self, path: str, payload: bytes) -> None:
+        directory = posixpath.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.partial"
+        with open(tmp, "wb") as handle:
+            handle.write(payload)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+        fsync_dir(directory)
+
+    def put_file(self, attempt, src, relpath, size, hash_, *, throttle, on_bytes) -> None:
+        final = Path(attempt.staging, "data", relpath)
+        with dest_errors(self.url, f"writing {relpath}"):
+            try:
+                copy_file(
+                    LocalFileSystem(),
+                    src,
+                    final,
+                    url=src,
+                    expected_size=size,
+                    expected_hash=hash_,
+                    throttle=throttle,
+                    on_bytes=on_bytes,
+                    fsync=True,
+                )
+            except ScratchFull as exc:  # copy_file's message speaks of scratch
+                raise DestinationError(
+                    f"destination {self.url} is full while writing {relpath}; "
+                    "free space or prune with --keep"
+                ) from exc
+            written = final.stat().st_size
+        if written != size:
+            raise IntegrityError(
+                f"{self.display(relpath)}: {written} bytes on the destination, expected {size}"
+            )
+
+    def commit(self, attempt: Attempt, record: CommitRecord) -> bool:
+        data_root = posixpath.join(attempt.staging, "data")
+        target = self.path(record.name)
+        with dest_errors(self.url, f"committing {record.name}"):
+            staged = posixpath.join(data_root, record.name)
+            if record.kind == "dir" and not os.path.isdir(staged):
+                os.makedirs(staged)  # an empty checkpoint directory
+            for directory, _, _ in sorted(os.walk(data_root), key=lambda w: -w[0].count("/")):
+                fsync_dir(directory)  # bottom-up: file names are durable before the rename
+            existing = self.record(record.name)
+            if existing is not None and existing.content_id == record.content_id:
+                self._finish(attempt)
+                return False  # another copier committed the same bytes first
+            with signals_deferred():
+                if existing is not None:
+                    self._remove_record(record.name)
+                if os.path.lexists(target):
+                    os.rename(target, posixpath.join(attempt.staging, "old"))  # old or orphan data
+                os.rename(staged, target)
+                fsync_dir(self.root)
+                self._write_small(self.record_path(record.name), record.to_json().encode())
+                self._finish(attempt)
+        return True
+
+    def _remove_record(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.record_path(name))
+            fsync_dir(self.commits_dir)
+
+    def _remove_data(self, name: str) -> None:
+        target = self.path(name)
+        if not os.path.lexists(target):
+            return
+        # Move aside first: a kill during rmtree then leaves garbage in staging, not a torn NAME.
+        trash = posixpath.join(
+            self.staging_dir, f"{host_name()}__{os.getpid()}__{secrets.token_hex(4)}"
+        )
+        os.makedirs(trash, exist_ok=True)
+        os.rename(target, posixpath.join(trash, "old"))
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def _rm_tree(self, path: str) -> None:
+        shutil.rmtree(path, ignore_errors=True)

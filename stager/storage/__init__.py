@@ -1,0 +1,1 @@
+"""Moving and checking bytes: sources, copies, paths, hashes, throttling, retries, locks."""

@@ -1,0 +1,250 @@
+"""Copy one file from any fsspec filesystem to a local path, atomically and verified.
+
+The bytes go to ``<final>.partial``; only after the size (and, when one is known, the hash)
+check out is the file renamed to its final name. A file with its final name is therefore always
+whole: a kill at any moment leaves at most a ``.partial``, which the next run deletes. This is
+the single boundary where fsspec/OS errors on the byte path become stager errors.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from stager.errors import IntegrityError, ScratchFull, SourceError
+from stager.storage.hashing import DEFAULT_ALGORITHM, new_hasher, split_digest
+from stager.storage.paths import PARTIAL_SUFFIX, discard
+from stager.storage.sources import protocol_of
+from stager.storage.throttle import Throttle
+
+if TYPE_CHECKING:
+    import fsspec
+
+__all__ = ["CopyResult", "copy_file", "partial_path", "SizeMismatch", "HashMismatch", "DEFAULT_BLOCK_BYTES"]
+
+DEFAULT_BLOCK_BYTES = 4 << 20
+#: The first read is small so that "time to first byte" measures the source's per-file latency,
+#: not the transfer of a whole block (the stream controller depends on the difference).
+FIRST_READ_BYTES = 64 << 10
+
+_buffers = threading.local()
+
+
+def _buffer(block_bytes: int) -> memoryview:
+    """This thread's reusable copy buffer.
+
+    An anonymous mapping rather than a ``bytearray``: ``bytearray(n)`` zero-fills all ``n``
+    bytes at once, and dozens of threads each touching 4 MiB cost more than copying 300 small shards
+    (page faults and ``mmap_lock`` contention); a mapping is faulted in only as far as reads go.
+    """
+    buf = getattr(_buffers, "buf", None)
+    if buf is None or len(buf) != block_bytes:
+        buf = _buffers.buf = mmap.mmap(-1, block_bytes)
+    return memoryview(buf)
+
+
+class SizeMismatch(IntegrityError):
+    """The copy's size differs from the listing's: the file may be changing; worth a retry."""
+
+    transient = True
+
+
+class HashMismatch(IntegrityError):
+    """The copy differs from the manifest (its hash, or its size): the source changed or is corrupt."""
+
+    transient = False
+
+
+@dataclass(frozen=True)
+class CopyResult:
+    size: int
+    hash: str  # "<algorithm>:<hex>"
+    bytes_read: int
+    first_byte_s: float = 0.0  # open + first read: the per-file latency of the source
+    seconds: float = 0.0
+    #: Until the last read that returned bytes: ``last_byte_s - first_byte_s`` is the transfer,
+    #: without the local work after it (writes, the end-of-file read, the rename).
+    last_byte_s: float = 0.0
+
+
+def partial_path(final: Path) -> Path:
+    return final.with_name(final.name + PARTIAL_SUFFIX)
+
+
+class _Fd:
+    """A bare file descriptor with ``readinto``/``write``, closed by ``with``.
+
+    Why not ``open(..., buffering=0)``: each ``FileIO`` adds an ``fstat`` (and an object) per
+    file, and every system call is a point where dozens of copy threads hand the GIL around;
+    at thousands of small shards on NFS that overhead is a large part of stage-in's CPU.
+    """
+
+    __slots__ = ("fd", "url")
+
+    def __init__(self, path: str | os.PathLike[str], flags: int, url: str = ""):
+        self.fd = os.open(path, flags | os.O_CLOEXEC, 0o666)  # as open(): the umask decides
+        self.url = url
+
+    def readinto(self, view: memoryview) -> int:
+        try:
+            return os.readv(self.fd, (view,))
+        except IsADirectoryError as exc:  # os.open accepts a directory; only reading it fails
+            raise SourceError(f"source shard is a directory, not a file: {self.url}") from exc
+
+    def write(self, data: memoryview) -> int:
+        return os.write(self.fd, data)
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def __enter__(self) -> _Fd:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        os.close(self.fd)
+
+
+def _open_source(fs: fsspec.AbstractFileSystem | None, path: str, url: str, block_bytes: int):
+    """An unbuffered reader: a bare descriptor for local paths (NFS mounts included), fsspec else.
+
+    fsspec's local opener adds a stat and three seeks per file; on a mount where every
+    metadata call is a round trip, and with dozens of streams sharing one GIL, those add up.
+    """
+    try:
+        if fs is None or protocol_of(fs) == "file":
+            return _Fd(path, os.O_RDONLY, url)
+        return fs.open(path, "rb", block_size=block_bytes)
+    except FileNotFoundError as exc:
+        raise SourceError(f"source shard not found: {url}") from exc
+    except PermissionError as exc:
+        raise SourceError(f"source shard not readable (permission denied): {url}") from exc
+    except IsADirectoryError as exc:
+        raise SourceError(f"source shard is a directory, not a file: {url}") from exc
+
+
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+
+
+def _open_partial(partial: str) -> _Fd:
+    """Open the ``.partial`` for writing, creating its directory only when it is missing.
+
+    Trying first saves a ``mkdir -p`` (several stats) per file: all but the first shard of a
+    directory find it there.
+    """
+    try:
+        return _Fd(partial, _WRITE_FLAGS)
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(partial), exist_ok=True)
+        return _Fd(partial, _WRITE_FLAGS)
+
+
+def copy_file(
+    fs: fsspec.AbstractFileSystem | None,
+    src_path: str,
+    final: Path,
+    *,
+    url: str | None = None,
+    expected_size: int | None = None,
+    expected_hash: str | None = None,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    throttle: Throttle | None = None,
+    on_bytes: Callable[[int], None] | None = None,
+    inspect: Callable[[memoryview], None] | None = None,
+    fsync: bool = False,
+    size_from_manifest: bool = False,
+    publish: Callable[[str, str], object] | None = None,
+) -> CopyResult:
+    """Copy ``src_path`` on ``fs`` (None: a local path) to ``final``; return its size and hash.
+
+    Raises :class:`SizeMismatch`/:class:`HashMismatch` on verification failure,
+    :class:`ScratchFull` when the local filesystem runs out of space, and lets other transient
+    ``OSError``s through for the caller's retry loop. The partial file is removed on any error.
+    ``size_from_manifest``: ``expected_size`` is the manifest's, so a different size means the
+    source changed (an integrity error), not a file still being written (worth a retry).
+    ``publish(partial, final)`` replaces the final rename (e.g. to hold it until a check passes).
+    """
+    url = url or src_path
+    algorithm = split_digest(expected_hash)[0] if expected_hash else DEFAULT_ALGORITHM
+    hasher = new_hasher(algorithm)
+    partial = os.fspath(final) + PARTIAL_SUFFIX  # a str: pathlib costs microseconds per call
+    copied = 0
+    started = time.perf_counter()
+    first_byte_s = last_byte_s = 0.0
+    try:
+        with _open_source(fs, src_path, url, block_bytes) as src, _open_partial(partial) as dst:
+            view = _buffer(block_bytes)
+            want = min(FIRST_READ_BYTES, block_bytes)
+            while True:
+                target = view[:want]
+                n = src.readinto(target) if hasattr(src, "readinto") else _read_into(src, target)
+                want = block_bytes
+                now = time.perf_counter() - started
+                if not first_byte_s:
+                    first_byte_s = now
+                if not n:
+                    break
+                last_byte_s = now
+                chunk = view[:n]
+                hasher.update(chunk)
+                if inspect is not None:
+                    inspect(chunk)
+                written = 0
+                while written < n:
+                    written += dst.write(chunk[written:])
+                copied += n
+                if throttle is not None:
+                    throttle.consume(n)
+                if on_bytes is not None:
+                    on_bytes(n)
+            if fsync:
+                os.fsync(dst.fileno())
+        if expected_size is not None and copied != expected_size:
+            if size_from_manifest:  # the source changed since `stager index`: retrying cannot help
+                raise HashMismatch(
+                    f"{url}: copied {copied} bytes but the manifest lists {expected_size}; the source changed "
+                    "or is truncated (re-run stager index if the change is intended)"
+                )
+            raise SizeMismatch(
+                f"{url}: copied {copied} bytes but the source listed {expected_size}; "
+                "the file may be changing or truncated on the source"
+            )
+        digest = f"{algorithm}:{hasher.hexdigest()}"
+        if expected_hash is not None and digest != expected_hash:
+            raise HashMismatch(
+                f"{url}: hash {digest} does not match the manifest's {expected_hash}; "
+                "the source changed or is corrupt (re-run stager index if the change is intended)"
+            )
+        (publish or os.replace)(partial, os.fspath(final))
+    except OSError as exc:
+        discard(partial)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise ScratchFull(
+                f"no space left on {final.parent} while writing {final.name} from {url} "
+                f"({copied} bytes written); free space or pass --dest elsewhere",
+                where=str(final.parent),
+            ) from exc
+        raise
+    except BaseException:
+        discard(partial)
+        raise
+    return CopyResult(
+        size=copied,
+        hash=digest,
+        bytes_read=copied,
+        first_byte_s=first_byte_s,
+        seconds=time.perf_counter() - started,
+        last_byte_s=last_byte_s or first_byte_s,
+    )
+
+
+def _read_into(src, view: memoryview) -> int:
+    data = src.read(len(view))
+    view[: len(data)] = data
+    return len(data)

@@ -1,0 +1,57 @@
+"""Content hashes for shards and checkpoints: fast xxh3 by default, sha256 on request.
+
+A hash string carries its algorithm (``xxh3_64:9f2c...``), so a manifest written with one
+algorithm is verified with the same one whatever the current default is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Protocol
+
+import xxhash
+
+from stager.errors import UsageError
+
+__all__ = ["Hasher", "new_hasher", "hash_file", "ALGORITHMS", "DEFAULT_ALGORITHM", "split_digest"]
+
+ALGORITHMS = ("xxh3_64", "xxh64", "sha256")
+DEFAULT_ALGORITHM = "xxh3_64"
+_BLOCK = 4 << 20
+
+
+class Hasher(Protocol):
+    def update(self, data: bytes | memoryview, /) -> None: ...
+
+    def hexdigest(self) -> str: ...
+
+
+def new_hasher(algorithm: str = DEFAULT_ALGORITHM) -> Hasher:
+    """A fresh incremental hasher for ``algorithm``."""
+    if algorithm == "xxh3_64":
+        return xxhash.xxh3_64()
+    if algorithm == "xxh64":
+        return xxhash.xxh64()
+    if algorithm == "sha256":
+        return hashlib.sha256()
+    raise UsageError(f"unknown hash algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+
+
+def split_digest(digest: str) -> tuple[str, str]:
+    """``"xxh3_64:abcd"`` -> ``("xxh3_64", "abcd")``; a bare hex string is taken as sha256."""
+    algorithm, sep, hexpart = digest.partition(":")
+    if not sep:
+        return "sha256", digest
+    if algorithm not in ALGORITHMS:
+        raise UsageError(f"unknown hash algorithm in {digest!r}; expected one of {', '.join(ALGORITHMS)}")
+    return algorithm, hexpart
+
+
+def hash_file(path: str | Path, algorithm: str = DEFAULT_ALGORITHM) -> str:
+    """``"<algorithm>:<hex>"`` of a local file, read in large blocks."""
+    hasher = new_hasher(algorithm)
+    with open(path, "rb", buffering=0) as handle:
+        while block := handle.read(_BLOCK):
+            hasher.update(block)
+    return f"{algorithm}:{hasher.hexdigest()}"
