@@ -39,7 +39,14 @@ from pathlib import Path
 from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 
 from .bench_stage_in import run_tool, target_for, tool_commands
-from .common import compile_bytecode, cpu_jiffies, in_workdir, raise_on_sigterm, report, stolen_fraction
+from .common import (
+    compile_bytecode,
+    cpu_jiffies,
+    in_workdir,
+    raise_on_sigterm,
+    report,
+    stolen_fraction,
+)
 from .latencyfs import IMPLS, mounted
 
 # (label, files, approximate bytes per file)
@@ -101,7 +108,9 @@ def _tools(names: list[str], manifest: Path) -> dict[str, list[str]]:
 def make_manifest(src: Path, out: Path) -> Path:
     """``stager index`` of the source, read directly (not through the shim), kept outside it."""
     stager = Path(sys.executable).with_name("stager")
-    subprocess.run([str(stager), "index", str(src), "--out", str(out)], check=True, capture_output=True)
+    subprocess.run(
+        [str(stager), "index", str(src), "--out", str(out)], check=True, capture_output=True
+    )
     return out
 
 

@@ -51,7 +51,9 @@ def raw_tarfile(shards: list[Path], workers: int) -> int:
 def web_loader(shards: list[Path], workers: int) -> int:
     import webdataset as wds
 
-    dataset = wds.WebDataset([str(s) for s in shards], shardshuffle=False, empty_check=False).batched(BATCH)
+    dataset = wds.WebDataset(
+        [str(s) for s in shards], shardshuffle=False, empty_check=False
+    ).batched(BATCH)
     loader = wds.WebLoader(dataset, batch_size=None, num_workers=workers)
     return sum(len(batch["__key__"]) for batch in loader)
 
@@ -67,8 +69,8 @@ def sharded_loader(shards: list[Path], workers: int) -> int:
 def stage(source_dir: Path, dest_root: Path) -> list[Path]:
     """stage-in (tmpfs to tmpfs) so every loader reads the same staged files."""
     from stager.slurm import SlurmEnv
-    from stager.storage.sources import resolve_source
     from stager.stagein.run import StageInOptions, stage_in
+    from stager.storage.sources import resolve_source
 
     options = StageInOptions(dest_root=dest_root, progress="none", jitter_max_s=0)
     report = stage_in(resolve_source(str(source_dir)), options, slurm=SlurmEnv.from_environ({}))
@@ -84,7 +86,9 @@ LOADERS: dict[str, Callable[[list[Path], int], int]] = {
 }
 
 
-def measure(fn: Callable[[list[Path], int], int], shards: list[Path], workers: int, expected: int) -> float:
+def measure(
+    fn: Callable[[list[Path], int], int], shards: list[Path], workers: int, expected: int
+) -> float:
     started = time.perf_counter()
     count = fn(shards, workers)
     elapsed = time.perf_counter() - started
@@ -96,24 +100,38 @@ def measure(fn: Callable[[list[Path], int], int], shards: list[Path], workers: i
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small-samples", type=int, default=20_000, help="number of ~1 KB samples")
-    parser.add_argument("--large-samples", type=int, default=1_000, help="number of ~100 KB samples")
+    parser.add_argument(
+        "--large-samples", type=int, default=1_000, help="number of ~100 KB samples"
+    )
     parser.add_argument("--shards", type=int, default=8)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--workers", default="0,1,2")
     args = parser.parse_args(argv)
     root, condition = scratch_root("bench-loader-")
     worker_counts = [int(w) for w in args.workers.split(",")]
-    print(f"condition: {condition}; batch {BATCH}; nothing decoded; {os.cpu_count()} CPUs (shared); "
-          f"median of {args.reps} alternating runs", flush=True)
+    print(
+        f"condition: {condition}; batch {BATCH}; nothing decoded; {os.cpu_count()} CPUs (shared); "
+        f"median of {args.reps} alternating runs",
+        flush=True,
+    )
     rows = []
     try:
-        for label, total, image_bytes in (("~1 KB", args.small_samples, 1024), ("~100 KB", args.large_samples, 100_000)):
-            spec = SyntheticSpec(num_shards=args.shards, samples_per_shard=max(1, total // args.shards),
-                                 image_bytes=image_bytes, seed=0)
+        for label, total, image_bytes in (
+            ("~1 KB", args.small_samples, 1024),
+            ("~100 KB", args.large_samples, 100_000),
+        ):
+            spec = SyntheticSpec(
+                num_shards=args.shards,
+                samples_per_shard=max(1, total // args.shards),
+                image_bytes=image_bytes,
+                seed=0,
+            )
             write_synthetic_dataset(root / f"src{image_bytes}" / "ds", spec)
             shards = stage(root / f"src{image_bytes}" / "ds", root / f"scratch{image_bytes}")
             expected = sum(spec.shard_sizes())
-            sharded_loader(shards, 0)  # warm-up: builds the cached tar index, as the first epoch would
+            sharded_loader(
+                shards, 0
+            )  # warm-up: builds the cached tar index, as the first epoch would
             for workers in worker_counts:
                 names = [n for n in LOADERS if not (n == "raw tarfile loop" and workers > 0)]
                 figures: dict[str, list[float]] = {n: [] for n in names}
@@ -122,18 +140,29 @@ def main(argv: list[str] | None = None) -> int:
                         figures[name].append(measure(LOADERS[name], shards, workers, expected))
                 medians = {n: statistics.median(v) for n, v in figures.items()}
                 rows.append((label, workers, medians))
-                print(f"{label:>8} w={workers}: " + ", ".join(f"{n} {v / 1e3:.1f}k/s" for n, v in medians.items()),
-                      flush=True)
+                print(
+                    f"{label:>8} w={workers}: "
+                    + ", ".join(f"{n} {v / 1e3:.1f}k/s" for n, v in medians.items()),
+                    flush=True,
+                )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print()
-    print("| samples | workers | raw tarfile (k/s) | WebLoader (k/s) | ShardedLoader (k/s) | Sharded / WebLoader | Sharded / raw |")
+    print(
+        "| samples | workers | raw tarfile (k/s) | WebLoader (k/s) | ShardedLoader (k/s) | Sharded / WebLoader | Sharded / raw |"
+    )
     print("|---|---|---|---|---|---|---|")
     for label, workers, medians in rows:
         raw = medians.get("raw tarfile loop")
         web, ours = medians["webdataset WebLoader"], medians["ShardedLoader"]
-        print(f"| {label} | {workers} | {raw / 1e3:.1f} |" if raw else f"| {label} | {workers} | — |", end="")
-        print(f" {web / 1e3:.1f} | {ours / 1e3:.1f} | {ours / web:.2f}x | " + (f"{ours / raw:.2f}x |" if raw else "— |"))
+        print(
+            f"| {label} | {workers} | {raw / 1e3:.1f} |" if raw else f"| {label} | {workers} | — |",
+            end="",
+        )
+        print(
+            f" {web / 1e3:.1f} | {ours / 1e3:.1f} | {ours / web:.2f}x | "
+            + (f"{ours / raw:.2f}x |" if raw else "— |")
+        )
     return 0
 
 

@@ -54,9 +54,7 @@ class FileServer:
 
 def _sh(*argv: str, netns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
     prefix = ["nsenter", f"--net=/run/netns/{netns}"] if netns else []
-    done = subprocess.run(
-        [*prefix, *argv], check=False, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    done = subprocess.run([*prefix, *argv], check=False, capture_output=True, text=True)
     if check and done.returncode != 0:
         raise RuntimeError(
             f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()[-1000:]}"
@@ -331,7 +329,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     raise_on_sigterm()
     compile_bytecode()
-    rows = in_workdir(args.workdir, "bench-sshfs-", lambda w: bench(args.size, args.repeats, args.rate_mbit, w))
+    rows = in_workdir(
+        args.workdir, "bench-sshfs-", lambda w: bench(args.size, args.repeats, args.rate_mbit, w)
+    )
     report(rows, to_markdown, args.json)
     return 0
 

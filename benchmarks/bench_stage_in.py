@@ -44,7 +44,9 @@ def drop_caches() -> bool:
     return True
 
 
-def tool_commands(*, transfers: int = 8, stage_in_flags: tuple[str, ...] = ("--quiet",)) -> dict[str, list[str]]:
+def tool_commands(
+    *, transfers: int = 8, stage_in_flags: tuple[str, ...] = ("--quiet",)
+) -> dict[str, list[str]]:
     """Command templates of the tools that are installed; SRC and DST are substituted.
 
     stage-in copies SRC into DST/<basename of SRC>; the others copy SRC to DST, so callers pass
@@ -54,13 +56,24 @@ def tool_commands(*, transfers: int = 8, stage_in_flags: tuple[str, ...] = ("--q
         "cp -r": ["cp", "-r", "SRC", "DST"],
         "stage-in": [str(BIN / "stage-in"), "SRC", "--dest", "DST", *stage_in_flags],
         "rsync -a": ["rsync", "-a", "SRC/", "DST/"],
-        f"rclone --transfers {transfers}": ["rclone", "copy", "--transfers", str(transfers), "SRC", "DST"],
+        f"rclone --transfers {transfers}": [
+            "rclone",
+            "copy",
+            "--transfers",
+            str(transfers),
+            "SRC",
+            "DST",
+        ],
     }
-    return {name: cmd for name, cmd in tools.items() if shutil.which(cmd[0]) or cmd[0].startswith("/")}
+    return {
+        name: cmd for name, cmd in tools.items() if shutil.which(cmd[0]) or cmd[0].startswith("/")
+    }
 
 
 def _tools(jobs: int) -> dict[str, list[str] | None]:
-    return dict(tool_commands(transfers=jobs, stage_in_flags=("--quiet", "--jobs", str(jobs), "--no-count")))
+    return dict(
+        tool_commands(transfers=jobs, stage_in_flags=("--quiet", "--jobs", str(jobs), "--no-count"))
+    )
 
 
 def target_for(tool: str, dst: Path, name: str) -> Path:
@@ -73,9 +86,13 @@ def run_tool(cmd: list[str], src: Path, dst: Path, timeout_s: float | None = Non
     argv = [a.replace("SRC", str(src)).replace("DST", str(dst)) for a in cmd]
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     start = time.perf_counter()
-    done = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=timeout_s)
+    done = subprocess.run(
+        argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=timeout_s
+    )
     if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} exited {done.returncode}: {done.stderr.decode(errors='replace')[-1500:]}")
+        raise RuntimeError(
+            f"{' '.join(argv)} exited {done.returncode}: {done.stderr.decode(errors='replace')[-1500:]}"
+        )
     return time.perf_counter() - start
 
 
@@ -89,7 +106,10 @@ def bench(size: str, repeats: int, jobs: int, workdir: Path) -> list[dict]:
     for label, shards, samples, sample_bytes in SIZES[size]:
         src = workdir / "src" / "ds"
         shutil.rmtree(workdir / "src", ignore_errors=True)
-        write_synthetic_dataset(src, SyntheticSpec(num_shards=shards, samples_per_shard=samples, image_bytes=sample_bytes))
+        write_synthetic_dataset(
+            src,
+            SyntheticSpec(num_shards=shards, samples_per_shard=samples, image_bytes=sample_bytes),
+        )
         nbytes = sum(p.stat().st_size for p in src.iterdir())
         times: dict[str, list[float]] = {name: [] for name in tools}
         cold = True
@@ -122,9 +142,14 @@ def bench(size: str, repeats: int, jobs: int, workdir: Path) -> list[dict]:
 
 
 def to_markdown(rows: list[dict]) -> str:
-    lines = ["| dataset | tool | MB/s (median) | ratio vs cp -r | condition |", "|---|---|---|---|---|"]
+    lines = [
+        "| dataset | tool | MB/s (median) | ratio vs cp -r | condition |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['dataset']} | {r['tool']} | {r['mb_per_s']} | {r['ratio_vs_cp']}x | {r['condition']} |")
+        lines.append(
+            f"| {r['dataset']} | {r['tool']} | {r['mb_per_s']} | {r['ratio_vs_cp']}x | {r['condition']} |"
+        )
     return "\n".join(lines)
 
 
@@ -133,11 +158,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", choices=sorted(SIZES), default="small")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--jobs", type=int, default=8)
-    parser.add_argument("--workdir", type=Path, help="where to write data (default: a temp dir on /var/tmp)")
+    parser.add_argument(
+        "--workdir", type=Path, help="where to write data (default: a temp dir on /var/tmp)"
+    )
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     args = parser.parse_args(argv)
     compile_bytecode()
-    rows = in_workdir(args.workdir, "bench-stage-in-", lambda w: bench(args.size, args.repeats, args.jobs, w), parent="/var/tmp")
+    rows = in_workdir(
+        args.workdir,
+        "bench-stage-in-",
+        lambda w: bench(args.size, args.repeats, args.jobs, w),
+        parent="/var/tmp",
+    )
     report(rows, to_markdown, args.json)
     return 0
 

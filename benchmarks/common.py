@@ -12,7 +12,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 __all__ = [
-    "scratch_root", "in_workdir", "report", "cpu_jiffies", "stolen_fraction", "raise_on_sigterm", "compile_bytecode",
+    "scratch_root",
+    "in_workdir",
+    "report",
+    "cpu_jiffies",
+    "stolen_fraction",
+    "raise_on_sigterm",
+    "compile_bytecode",
     "REPO",
 ]
 
@@ -54,10 +60,18 @@ def scratch_root(prefix: str) -> tuple[Path, str]:
     shm = Path("/dev/shm")
     if shm.is_dir() and os.access(shm, os.W_OK):
         return Path(tempfile.mkdtemp(prefix=prefix, dir=shm)), "tmpfs (/dev/shm, page-cache warm)"
-    return Path(tempfile.mkdtemp(prefix=prefix)), "local disk (NOT tmpfs: figures include disk reads)"
+    return Path(
+        tempfile.mkdtemp(prefix=prefix)
+    ), "local disk (NOT tmpfs: figures include disk reads)"
 
 
-def in_workdir(workdir: Path | None, prefix: str, run: Callable[[Path], list[dict]], *, parent: str | None = None) -> list[dict]:
+def in_workdir(
+    workdir: Path | None,
+    prefix: str,
+    run: Callable[[Path], list[dict]],
+    *,
+    parent: str | None = None,
+) -> list[dict]:
     """``run(dir)`` in ``workdir``, or in a fresh temporary directory that is removed afterwards."""
     work = workdir or Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
     try:
@@ -67,7 +81,9 @@ def in_workdir(workdir: Path | None, prefix: str, run: Callable[[Path], list[dic
             shutil.rmtree(work, ignore_errors=True)
 
 
-def report(rows: list[dict], to_markdown: Callable[[list[dict]], str], json_path: Path | None) -> None:
+def report(
+    rows: list[dict], to_markdown: Callable[[list[dict]], str], json_path: Path | None
+) -> None:
     """Print the Markdown table, and write the rows as JSON when asked."""
     print(to_markdown(rows))
     if json_path:
@@ -100,4 +116,7 @@ def compile_bytecode() -> None:
 
     for package in ("stager", "loaders"):
         if not compileall.compile_dir(str(REPO / package), quiet=1):
-            print(f"note: some modules under {package}/ did not compile; they are compiled on import", file=sys.stderr)
+            print(
+                f"note: some modules under {package}/ did not compile; they are compiled on import",
+                file=sys.stderr,
+            )

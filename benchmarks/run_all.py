@@ -31,7 +31,12 @@ from pathlib import Path
 from . import bench_latency, bench_sshfs, bench_stage_in
 from .common import REPO, compile_bytecode, cpu_jiffies, stolen_fraction
 
-EXTERNAL = ("bench_loader", "bench_fanout", "bench_subset_bytes", "bench_startup")  # by others: subprocesses, if present
+EXTERNAL = (
+    "bench_loader",
+    "bench_fanout",
+    "bench_subset_bytes",
+    "bench_startup",
+)  # by others: subprocesses, if present
 EXTERNAL_TIMEOUT_S = 900
 
 

@@ -41,15 +41,17 @@ if TYPE_CHECKING:
     from loaders.loader import LoaderOptions, ShardedLoader
     from loaders.metrics import LoaderMetrics
     from loaders.rng import capture_rng_state, restore_rng_state
-    from stager.plan.ranks import PlanOptions, WorldLayout
     from loaders.state import LoaderState
+    from stager.plan.ranks import PlanOptions, WorldLayout
 
 
 def __getattr__(name: str) -> Any:
     if name not in _HOME:
         raise AttributeError(f"module 'loaders' has no attribute {name!r}")
     module = _HOME[name]
-    return getattr(importlib.import_module(module if "." in module else f"{__name__}.{module}"), name)
+    return getattr(
+        importlib.import_module(module if "." in module else f"{__name__}.{module}"), name
+    )
 
 
 def __dir__() -> list[str]:

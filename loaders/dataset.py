@@ -25,10 +25,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from stager.errors import IntegrityError
-
 from loaders.index import FlatIndex
 from loaders.samples import SamplePipeline, select_fields
+from stager.errors import IntegrityError
 
 __all__ = ["StagedTarDataset", "PackedBatch"]
 
@@ -51,7 +50,9 @@ class PackedBatch:
         """Called by DataLoader's pin-memory thread (``pin_memory=True``): pin the one payload."""
         payload = self.tensor()
         pinned = payload.pin_memory(device) if device else payload.pin_memory()
-        return PackedBatch(pinned, self.keys, self.member_sample, self.member_ext, self.member_size, self.ext_names)
+        return PackedBatch(
+            pinned, self.keys, self.member_sample, self.member_ext, self.member_size, self.ext_names
+        )
 
     def tensor(self) -> torch.Tensor:
         """The payload as a tensor (a numpy payload is wrapped, not copied)."""
@@ -60,7 +61,9 @@ class PackedBatch:
 
     def columns(self) -> dict[str, list[torch.Tensor | None]]:
         """``{"__key__": [...], ext: [uint8 tensor or None per sample]}`` (views, no copy)."""
-        views = torch.split(self.tensor(), self.member_size.tolist()) if len(self.member_size) else ()
+        views = (
+            torch.split(self.tensor(), self.member_size.tolist()) if len(self.member_size) else ()
+        )
         count = len(self.keys)
         out: dict[str, list[Any]] = {"__key__": self.keys}
         layout = self._uniform_layout()
@@ -102,7 +105,9 @@ class StagedTarDataset(Dataset):
     (``__key__``, ``__shard__`` and one ``bytes`` per member) goes through ``pipeline``.
     """
 
-    def __init__(self, shard_paths: Sequence[Path], index: FlatIndex, pipeline: SamplePipeline | None = None):
+    def __init__(
+        self, shard_paths: Sequence[Path], index: FlatIndex, pipeline: SamplePipeline | None = None
+    ):
         self.shard_paths = [str(p) for p in shard_paths]
         self.index = index
         self.pipeline = pipeline
@@ -175,13 +180,19 @@ class StagedTarDataset(Dataset):
             # shard makes the total come out wrong, and concatenate refuses it.
             views = [
                 maps[shard][start:end]
-                for shard, start, end in zip(member_shard.tolist(), offsets.tolist(), (offsets + sizes).tolist(), strict=True)
+                for shard, start, end in zip(
+                    member_shard.tolist(), offsets.tolist(), (offsets + sizes).tolist(), strict=True
+                )
             ]
             if views:
                 np.concatenate(views, out=out)
         except ValueError:
-            for shard, offset, size, who in zip(member_shard.tolist(), offsets.tolist(), sizes.tolist(), owner.tolist(), strict=True):
-                self._read(shard, offset, size, int(samples[who]))  # raises, naming shard and sample
+            for shard, offset, size, who in zip(
+                member_shard.tolist(), offsets.tolist(), sizes.tolist(), owner.tolist(), strict=True
+            ):
+                self._read(
+                    shard, offset, size, int(samples[who])
+                )  # raises, naming shard and sample
             raise
         return PackedBatch(
             payload=payload,
@@ -194,11 +205,16 @@ class StagedTarDataset(Dataset):
 
     def _sample_dict(self, g: int) -> Any:
         shard = int(self.index.shard_of(np.asarray([g]))[0])
-        sample: dict[str, Any] = {"__key__": self.index.keys[g].decode(), "__shard__": self.shard_paths[shard]}
+        sample: dict[str, Any] = {
+            "__key__": self.index.keys[g].decode(),
+            "__shard__": self.shard_paths[shard],
+        }
         lo, hi = int(self.index.member_start[g]), int(self.index.member_start[g + 1])
         for m in range(lo, hi):
             ext = self.index.ext_names[self.index.member_ext[m]]
-            sample[ext] = self._read(shard, int(self.index.member_offset[m]), int(self.index.member_size[m]), g).tobytes()
+            sample[ext] = self._read(
+                shard, int(self.index.member_offset[m]), int(self.index.member_size[m]), g
+            ).tobytes()
         return self.pipeline(sample) if self.pipeline is not None else sample
 
     def __getitem__(self, g: int) -> Any:

@@ -25,6 +25,7 @@ class ResumeMismatch(UsageError):
     def __init__(self, differences: list[str]):
         self.differences = list(differences)
         super().__init__(
-            "cannot resume the loader: " + "; ".join(self.differences)
+            "cannot resume the loader: "
+            + "; ".join(self.differences)
             + ". Resume with the same dataset, world size and batch size, or start the epoch afresh"
         )

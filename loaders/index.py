@@ -67,7 +67,9 @@ def _cache_path(shard: Path, cache_dir: Path | None, relpath: str) -> Path | Non
 CACHE_AFTER_S = 0.005
 
 
-def cached_index(shard: Path, *, cache_dir: Path | None = None, relpath: str | None = None) -> TarIndex:
+def cached_index(
+    shard: Path, *, cache_dir: Path | None = None, relpath: str | None = None
+) -> TarIndex:
     """:func:`stager.shards.tarindex.index_tar`, memoised on disk keyed by the shard's size and mtime."""
     stat = shard.stat()
     stamp = np.asarray([_CACHE_VERSION, stat.st_size, stat.st_mtime_ns], dtype=np.int64)
@@ -99,9 +101,13 @@ def _write_cache(path: Path, index: TarIndex, stamp: np.ndarray) -> None:
         np.savez(
             tmp,
             stamp=stamp,
-            keys=np.asarray([k.encode() for k in index.keys], dtype="S") if index.keys else np.zeros(0, "S1"),
+            keys=np.asarray([k.encode() for k in index.keys], dtype="S")
+            if index.keys
+            else np.zeros(0, "S1"),
             member_start=index.member_start,
-            exts=np.asarray([e.encode() for e in index.exts], dtype="S") if index.exts else np.zeros(0, "S1"),
+            exts=np.asarray([e.encode() for e in index.exts], dtype="S")
+            if index.exts
+            else np.zeros(0, "S1"),
             offsets=index.offsets,
             sizes=index.sizes,
         )
@@ -255,7 +261,11 @@ def _flatten(per_shard: list[TarIndex | None]) -> FlatIndex:
         counts.append(index.num_samples)
         keys.extend(k.encode() for k in index.keys)
         starts.append(index.member_start[:-1] + member_base)
-        exts.append(np.asarray([ext_codes.setdefault(e, len(ext_codes)) for e in index.exts], dtype=np.int16))
+        exts.append(
+            np.asarray(
+                [ext_codes.setdefault(e, len(ext_codes)) for e in index.exts], dtype=np.int16
+            )
+        )
         offsets.append(index.offsets)
         sizes.append(index.sizes)
         member_base += len(index.exts)

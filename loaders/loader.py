@@ -24,8 +24,6 @@ from typing import Any
 import numpy as np
 from torch.utils.data import DataLoader
 
-from stager.errors import UsageError
-
 from loaders.dataset import PackedBatch, StagedTarDataset
 from loaders.errors import ResumeMismatch
 from loaders.index import build_flat_index
@@ -33,6 +31,10 @@ from loaders.metrics import LoaderMetrics, batch_length
 from loaders.resolve import DatasetShards, resolve_dataset
 from loaders.sampler import RankBatchSampler
 from loaders.samples import DecodeSpec, SamplePipeline, collate_samples, make_decoder
+from loaders.state import LoaderState
+from loaders.streaming import StreamingPlan, StreamingShards, count_remote_samples, reorder_batches
+from loaders.world import detect_layout
+from stager.errors import UsageError
 from stager.plan.ranks import (
     PlanOptions,
     WorldLayout,
@@ -41,9 +43,6 @@ from stager.plan.ranks import (
     remaining_after,
     samples_per_rank,
 )
-from loaders.state import LoaderState
-from loaders.streaming import StreamingPlan, StreamingShards, count_remote_samples, reorder_batches
-from loaders.world import detect_layout
 
 __all__ = ["ShardedLoader", "LoaderOptions"]
 
@@ -54,14 +53,18 @@ log = logging.getLogger("loaders")
 class LoaderOptions:
     """Less common knobs, grouped so the constructor keeps the DataLoader-like signature."""
 
-    dest: str | None = None  # stage-in's --dest (default: $STAGER_DEST, /scratch/$SLURM_JOB_ID, ...)
+    dest: str | None = (
+        None  # stage-in's --dest (default: $STAGER_DEST, /scratch/$SLURM_JOB_ID, ...)
+    )
     name: str | None = None  # stage-in's --name
     on_error: str = "raise"  # "raise" or "skip" for corrupt/truncated shards
     shuffle_mode: str = "global"  # "global" or "blocked" when shuffle=True
     block_samples: int = 4096  # window of the blocked shuffle
     buffer_samples: int = 1000  # shuffle buffer per worker on the streaming path
     ranks_per_node: int | None = None  # default: from Slurm/torchrun
-    force_streaming: bool = False  # read local shards through the streaming path (benchmarks, tests)
+    force_streaming: bool = (
+        False  # read local shards through the streaming path (benchmarks, tests)
+    )
     log_every: int = 0  # log data-wait time and samples/s every N steps (logger "loaders"); 0: off
 
 
@@ -140,7 +143,9 @@ class ShardedLoader(DataLoader):
         if options.on_error not in ("raise", "skip"):
             raise UsageError(f"on_error must be 'raise' or 'skip', not {options.on_error!r}")
         make_decoder(decode)  # refuse a bad spec now, not in a worker
-        mode = shuffle if isinstance(shuffle, str) else (options.shuffle_mode if shuffle else "none")
+        mode = (
+            shuffle if isinstance(shuffle, str) else (options.shuffle_mode if shuffle else "none")
+        )
         layout = detect_layout(
             rank, world_size, workers_per_rank=num_workers, ranks_per_node=options.ranks_per_node
         )
@@ -171,18 +176,26 @@ class ShardedLoader(DataLoader):
             counts = index.shard_samples
         else:
             counts = np.asarray(
-                [s.samples if s.samples is not None else count_remote_samples(s.location) for s in self.shards.shards],
+                [
+                    s.samples if s.samples is not None else count_remote_samples(s.location)
+                    for s in self.shards.shards
+                ],
                 dtype=np.int64,
             )
         self.plan_options = PlanOptions(
-            batch_size=batch_size, seed=seed, shuffle=mode, even=even,
-            block_samples=options.block_samples, subset=self.shards.subset,
+            batch_size=batch_size,
+            seed=seed,
+            shuffle=mode,
+            even=even,
+            block_samples=options.block_samples,
+            subset=self.shards.subset,
         )
         self.shard_samples = counts
         self.fingerprint = fingerprint(relpaths, counts.tolist())
         per_rank = self._agree_per_rank(int(counts.sum()))
         common = dict(
-            num_workers=num_workers, pin_memory=pin_memory,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
             # streaming workers hold the epoch in their dataset copy, so they are restarted per epoch
             persistent_workers=persistent_workers and num_workers > 0 and not self._streaming,
             prefetch_factor=prefetch_factor if num_workers > 0 else None,
@@ -190,14 +203,21 @@ class ShardedLoader(DataLoader):
         if not self._streaming:
             self.batch_plan = RankBatchSampler(counts, layout, self.plan_options, per_rank)
             dataset = StagedTarDataset(locations, index, pipeline)
-            super().__init__(dataset, batch_sampler=self.batch_plan, collate_fn=_Collate(collate_fn), **common)
+            super().__init__(
+                dataset, batch_sampler=self.batch_plan, collate_fn=_Collate(collate_fn), **common
+            )
             self._num_batches = len(self.batch_plan)
         else:
-            self.stream_plan = StreamingPlan(counts, layout, self.plan_options, per_rank, max(1, num_workers))
+            self.stream_plan = StreamingPlan(
+                counts, layout, self.plan_options, per_rank, max(1, num_workers)
+            )
             dataset = StreamingShards(
-                [s.location for s in self.shards.shards], self.stream_plan,
-                pipeline or SamplePipeline(None, None, self._to_tuple), collate_fn or collate_samples,
-                buffer_samples=options.buffer_samples if mode != "none" else 0, on_error=options.on_error,
+                [s.location for s in self.shards.shards],
+                self.stream_plan,
+                pipeline or SamplePipeline(None, None, self._to_tuple),
+                collate_fn or collate_samples,
+                buffer_samples=options.buffer_samples if mode != "none" else 0,
+                on_error=options.on_error,
             )
             super().__init__(dataset, batch_size=None, collate_fn=_passthrough, **common)
             self._num_batches = self.stream_plan.num_batches
@@ -206,7 +226,9 @@ class ShardedLoader(DataLoader):
         """Samples per rank; for node subsets every node must agree (one all_reduce)."""
         if self.plan_options.subset != "node":
             return samples_per_rank(local_total, self.layout, self.plan_options.even)
-        share = samples_per_rank([local_total], WorldLayout(1, self.layout.ranks_per_node), self.plan_options.even)
+        share = samples_per_rank(
+            [local_total], WorldLayout(1, self.layout.ranks_per_node), self.plan_options.even
+        )
         import torch
         import torch.distributed as dist
 
@@ -254,9 +276,13 @@ class ShardedLoader(DataLoader):
         return self._deliver(inner)
 
     def _deliver(self, inner: Iterator[Any]) -> Iterator[Any]:
-        asked = time.perf_counter()  # from the loop asking for a batch to its arrival: the data wait
+        asked = (
+            time.perf_counter()
+        )  # from the loop asking for a batch to its arrival: the data wait
         for batch in inner:
-            self._consumed += 1  # counted before the caller sees it: a checkpoint taken in the step includes it
+            self._consumed += (
+                1  # counted before the caller sees it: a checkpoint taken in the step includes it
+            )
             out = batch.unpack(self._to_tuple) if isinstance(batch, PackedBatch) else batch
             self.metrics.record(time.perf_counter() - asked, batch_length(out))
             yield out
@@ -265,15 +291,27 @@ class ShardedLoader(DataLoader):
     # -- resume -------------------------------------------------------------------------------
     def _state(self, consumed: int) -> LoaderState:
         elastic = None
-        if not self._streaming and self.batch_plan.override is not None and self.batch_plan.override[0] == self._epoch:
+        if (
+            not self._streaming
+            and self.batch_plan.override is not None
+            and self.batch_plan.override[0] == self._epoch
+        ):
             elastic = self._elastic_origin
         return LoaderState(
-            epoch=self._epoch, batches_consumed=consumed, batches_per_epoch=len(self),
-            seed=self.plan_options.seed, batch_size=self.plan_options.batch_size,
-            world_size=self.layout.world_size, num_nodes=self.layout.num_nodes,
-            ranks_per_node=self.layout.ranks_per_node, shuffle=self.plan_options.shuffle,
-            even=self.plan_options.even, subset=self.plan_options.subset,
-            fingerprint=self.fingerprint, num_samples=int(self.shard_samples.sum()), elastic_from=elastic,
+            epoch=self._epoch,
+            batches_consumed=consumed,
+            batches_per_epoch=len(self),
+            seed=self.plan_options.seed,
+            batch_size=self.plan_options.batch_size,
+            world_size=self.layout.world_size,
+            num_nodes=self.layout.num_nodes,
+            ranks_per_node=self.layout.ranks_per_node,
+            shuffle=self.plan_options.shuffle,
+            even=self.plan_options.even,
+            subset=self.plan_options.subset,
+            fingerprint=self.fingerprint,
+            num_samples=int(self.shard_samples.sum()),
+            elastic_from=elastic,
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -291,13 +329,18 @@ class ShardedLoader(DataLoader):
         saved.check_resumable_by(self._state(0), elastic=elastic)
         origin = saved.elastic_from
         if origin is not None and saved.world_size != self.layout.world_size:
-            raise ResumeMismatch([
-                f"the state was saved inside an epoch already resumed elastically on {saved.world_size} ranks; "
-                "changing the world again mid-epoch is not supported: resume on that world size"
-            ])
+            raise ResumeMismatch(
+                [
+                    f"the state was saved inside an epoch already resumed elastically on {saved.world_size} ranks; "
+                    "changing the world again mid-epoch is not supported: resume on that world size"
+                ]
+            )
         if origin is None and saved.world_size != self.layout.world_size:
-            origin = {"num_nodes": saved.num_nodes, "ranks_per_node": saved.ranks_per_node,
-                      "batches_consumed": saved.batches_consumed}
+            origin = {
+                "num_nodes": saved.num_nodes,
+                "ranks_per_node": saved.ranks_per_node,
+                "batches_consumed": saved.batches_consumed,
+            }
             skip = 0
         else:
             skip = saved.batches_consumed
@@ -311,10 +354,19 @@ class ShardedLoader(DataLoader):
 
     def _redistribute(self, epoch: int, origin: dict[str, int]) -> None:
         if self._streaming or self.plan_options.subset != "all":
-            raise ResumeMismatch(["elastic resume needs staged data staged with --subset all (the fast path)"])
+            raise ResumeMismatch(
+                ["elastic resume needs staged data staged with --subset all (the fast path)"]
+            )
         remaining = remaining_after(
-            self.shard_samples, origin["num_nodes"], origin["ranks_per_node"], epoch=epoch,
-            options=self.plan_options, batches_consumed=origin["batches_consumed"],
+            self.shard_samples,
+            origin["num_nodes"],
+            origin["ranks_per_node"],
+            epoch=epoch,
+            options=self.plan_options,
+            batches_consumed=origin["batches_consumed"],
         )
-        self.batch_plan.override = (epoch, elastic_indices(remaining, self.layout, self.plan_options.even))
+        self.batch_plan.override = (
+            epoch,
+            elastic_indices(remaining, self.layout, self.plan_options.even),
+        )
         self._elastic_origin = dict(origin)

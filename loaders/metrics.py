@@ -60,7 +60,10 @@ class LoaderMetrics:
             m = self.as_dict()
             log.info(
                 "step %d: data wait %.1f ms/step (%.1f%% of the time), %.0f samples/s",
-                self.steps, m["wait_ms_per_step"], 100 * m["wait_fraction"], m["samples_per_s"],
+                self.steps,
+                m["wait_ms_per_step"],
+                100 * m["wait_fraction"],
+                m["samples_per_s"],
             )
 
     def as_dict(self) -> dict[str, float]:
@@ -78,7 +81,9 @@ class LoaderMetrics:
             "steps": float(self.steps),
             "samples": float(self.samples),
             "wait_s_total": self.wait_s,
-            "wait_ms_per_step": 1000 * sum(w for w, _, _ in recent) / len(recent) if recent else 0.0,
+            "wait_ms_per_step": 1000 * sum(w for w, _, _ in recent) / len(recent)
+            if recent
+            else 0.0,
             "wait_fraction": min(1.0, fraction),
             "samples_per_s": rate,
         }

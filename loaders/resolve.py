@@ -18,12 +18,12 @@ from pathlib import Path
 
 from braceexpand import braceexpand
 
-from stager.storage.dest import resolve_dest_root
 from stager.errors import SourceError, StagerError
 from stager.shards.manifest import Manifest, find_manifest
-from stager.storage.sources import SourceSet, resolve_source
-from stager.stagein.run import staged_manifest_path
 from stager.shards.tarindex import is_compressed
+from stager.stagein.run import staged_manifest_path
+from stager.storage.dest import resolve_dest_root
+from stager.storage.sources import SourceSet, resolve_source
 
 __all__ = ["ShardRef", "DatasetShards", "resolve_dataset"]
 
@@ -64,7 +64,11 @@ def _dataset_name(spec: str) -> str:
     path = spec.split("://", 1)[-1]
     if "{" in path and "}" in path:
         dirs = [posixpath.dirname(p) for p in braceexpand(path)]
-        root = posixpath.commonpath(dirs) if all(d.startswith("/") for d in dirs) else posixpath.dirname(dirs[0])
+        root = (
+            posixpath.commonpath(dirs)
+            if all(d.startswith("/") for d in dirs)
+            else posixpath.dirname(dirs[0])
+        )
     elif any(c in path for c in "*?["):
         fixed = path[: min(path.index(c) for c in "*?[" if c in path)]
         root = fixed if fixed.endswith("/") else posixpath.dirname(fixed)
@@ -88,7 +92,9 @@ def _failed_urls(dataset_dir: Path) -> set[str]:
 def _source_refs(source: SourceSet, samples: dict[str, int | None]) -> dict[str, ShardRef]:
     local = source.is_local
     return {
-        s.relpath: ShardRef(s.relpath, s.path if local else s.url, local, True, samples.get(s.relpath))
+        s.relpath: ShardRef(
+            s.relpath, s.path if local else s.url, local, True, samples.get(s.relpath)
+        )
         for s in source.shards
     }
 
@@ -126,21 +132,32 @@ def _from_staged(dataset_dir: Path, spec: str | None) -> DatasetShards:
     failed = _failed_urls(dataset_dir)
     if not missing and not failed:
         return DatasetShards(tuple(refs), subset, dataset_dir)
-    return _merge_source(refs, missing, bool(failed), spec or manifest.meta.get("source"), subset, dataset_dir)
+    return _merge_source(
+        refs, missing, bool(failed), spec or manifest.meta.get("source"), subset, dataset_dir
+    )
 
 
 def _merge_source(
-    refs: list[ShardRef], missing: list[str], failed: bool, spec: str | None, subset: str, dataset_dir: Path
+    refs: list[ShardRef],
+    missing: list[str],
+    failed: bool,
+    spec: str | None,
+    subset: str,
+    dataset_dir: Path,
 ) -> DatasetShards:
     if not spec:
-        raise SourceError(f"{dataset_dir}: {len(missing)} staged shard(s) are missing and no source is known; re-run stage-in")
+        raise SourceError(
+            f"{dataset_dir}: {len(missing)} staged shard(s) are missing and no source is known; re-run stage-in"
+        )
     source = resolve_source(spec)
     by_rel = _source_refs(source, {r.relpath: r.samples for r in refs})
     merged = []
     for ref in refs:
         if ref.relpath in missing:
             if ref.relpath not in by_rel:
-                raise SourceError(f"shard {ref.relpath} is neither staged in {dataset_dir} nor in {spec}; re-run stage-in")
+                raise SourceError(
+                    f"shard {ref.relpath} is neither staged in {dataset_dir} nor in {spec}; re-run stage-in"
+                )
             merged.append(by_rel[ref.relpath])
         else:
             merged.append(ref)
@@ -154,12 +171,17 @@ def _merge_source(
         log.warning(
             "%d of %d shard(s) are read from the source %s because their staged copy in %s is missing; "
             "re-run stage-in to read them locally",
-            count, len(merged), spec, dataset_dir,
+            count,
+            len(merged),
+            spec,
+            dataset_dir,
         )
     return DatasetShards(tuple(merged), subset, dataset_dir)
 
 
-def resolve_dataset(source: str | os.PathLike[str], *, dest: str | None = None, name: str | None = None) -> DatasetShards:
+def resolve_dataset(
+    source: str | os.PathLike[str], *, dest: str | None = None, name: str | None = None
+) -> DatasetShards:
     """Resolve what the loader was given into shards, preferring the node-local staged copy."""
     spec = os.fspath(source)
     direct = Path(spec)
@@ -172,7 +194,8 @@ def resolve_dataset(source: str | os.PathLike[str], *, dest: str | None = None, 
     refs = list(_source_refs(resolved, _source_samples(resolved)).values())
     log.warning(
         "no staged copy of %s under %s: reading all %d shard(s) from the source; run stage-in first to read them locally",
-        spec, dataset_dir, len(refs),
+        spec,
+        dataset_dir,
+        len(refs),
     )
     return DatasetShards(tuple(refs), "all", None)
-

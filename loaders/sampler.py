@@ -27,7 +27,13 @@ __all__ = ["RankBatchSampler"]
 class RankBatchSampler(Sampler[list[int]]):
     """Yields this rank's batches of global sample indices for the current epoch."""
 
-    def __init__(self, counts: np.ndarray, layout: WorldLayout, options: PlanOptions, per_rank: int | None = None):
+    def __init__(
+        self,
+        counts: np.ndarray,
+        layout: WorldLayout,
+        options: PlanOptions,
+        per_rank: int | None = None,
+    ):
         self.counts = np.asarray(counts, dtype=np.int64)
         self.layout = layout
         self.options = options
@@ -49,7 +55,9 @@ class RankBatchSampler(Sampler[list[int]]):
         if self.override is not None and self.override[0] == epoch:
             indices = self.override[1]
         else:
-            indices = rank_indices(self.counts, self.layout, epoch=epoch, options=self.options, per_rank=self.per_rank)
+            indices = rank_indices(
+                self.counts, self.layout, epoch=epoch, options=self.options, per_rank=self.per_rank
+            )
         return rank_batches(indices, self.options.batch_size, self.options.even)
 
     def __iter__(self) -> Iterator[list[int]]:

@@ -30,13 +30,17 @@ def make_decoder(decode: DecodeSpec) -> Callable[[dict[str, Any]], dict[str, Any
     if decode is None or callable(decode):
         return decode
     if not isinstance(decode, str):
-        raise UsageError(f"decode must be None, a webdataset image spec or a callable, not {decode!r}")
+        raise UsageError(
+            f"decode must be None, a webdataset image spec or a callable, not {decode!r}"
+        )
     import webdataset as wds
 
     try:
         handler = wds.autodecode.imagehandler(decode)
     except (ValueError, AssertionError) as exc:
-        raise UsageError(f"unknown decode spec {decode!r} ({exc}); use e.g. 'torchrgb', 'rgb8', 'pil'") from exc
+        raise UsageError(
+            f"unknown decode spec {decode!r} ({exc}); use e.g. 'torchrgb', 'rgb8', 'pil'"
+        ) from exc
     return wds.autodecode.Decoder([_ImagesOnly(handler)])
 
 
@@ -66,7 +70,9 @@ def select_fields(sample: dict[str, Any], to_tuple: Sequence[str]) -> tuple[Any,
                 out.append(sample[name])
                 break
         else:
-            raise KeyError(f"sample {sample.get('__key__')!r} has none of {spec!r} (has {sorted(sample)})")
+            raise KeyError(
+                f"sample {sample.get('__key__')!r} has none of {spec!r} (has {sorted(sample)})"
+            )
     return tuple(out)
 
 

@@ -17,7 +17,16 @@ __all__ = ["LoaderState", "STATE_VERSION"]
 STATE_VERSION = 1
 
 # Fields that must match for the saved position to mean the same samples.
-_MUST_MATCH = ("fingerprint", "num_samples", "world_size", "batch_size", "seed", "shuffle", "even", "subset")
+_MUST_MATCH = (
+    "fingerprint",
+    "num_samples",
+    "world_size",
+    "batch_size",
+    "seed",
+    "shuffle",
+    "even",
+    "subset",
+)
 
 
 @dataclass(frozen=True)
@@ -47,8 +56,12 @@ class LoaderState:
     @classmethod
     def from_dict(cls, payload: dict[str, Any]) -> LoaderState:
         if not isinstance(payload, dict) or payload.get("version") != STATE_VERSION:
-            raise ResumeMismatch([f"state format {payload.get('version') if isinstance(payload, dict) else payload!r} "
-                                  f"is not version {STATE_VERSION}"])
+            raise ResumeMismatch(
+                [
+                    f"state format {payload.get('version') if isinstance(payload, dict) else payload!r} "
+                    f"is not version {STATE_VERSION}"
+                ]
+            )
         required = {f.name for f in fields(cls) if f.default is MISSING}
         missing = required - set(payload)
         if missing:

@@ -27,13 +27,18 @@ from typing import Any
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
+from loaders.samples import SamplePipeline
 from stager.errors import IntegrityError, SourceError
+from stager.plan.ranks import PlanOptions, WorldLayout, _rng, num_batches, shard_offsets
 from stager.shards.tarindex import count_samples, split_key
 
-from loaders.samples import SamplePipeline
-from stager.plan.ranks import PlanOptions, WorldLayout, _rng, num_batches, shard_offsets
-
-__all__ = ["StreamingPlan", "StreamingShards", "count_remote_samples", "reorder_batches", "iter_tar_samples"]
+__all__ = [
+    "StreamingPlan",
+    "StreamingShards",
+    "count_remote_samples",
+    "reorder_batches",
+    "iter_tar_samples",
+]
 
 log = logging.getLogger("loaders")
 
@@ -44,7 +49,9 @@ def _open(location: str) -> Any:
     try:
         return fsspec.open(location, "rb").open()
     except FileNotFoundError as exc:
-        raise SourceError(f"shard not found: {location}; re-run stage-in or check the source") from exc
+        raise SourceError(
+            f"shard not found: {location}; re-run stage-in or check the source"
+        ) from exc
     except OSError as exc:
         raise SourceError(f"cannot open shard {location}: {exc}; check the source") from exc
 
@@ -88,7 +95,14 @@ def count_remote_samples(location: str) -> int:
 class StreamingPlan:
     """Per worker of this rank: the (shard, first, stop) ranges it streams, and its batch count."""
 
-    def __init__(self, counts: np.ndarray, layout: WorldLayout, options: PlanOptions, per_rank: int, workers: int):
+    def __init__(
+        self,
+        counts: np.ndarray,
+        layout: WorldLayout,
+        options: PlanOptions,
+        per_rank: int,
+        workers: int,
+    ):
         self.counts = np.asarray(counts, dtype=np.int64)
         self.layout = layout
         self.options = options
@@ -96,7 +110,9 @@ class StreamingPlan:
         self.workers = workers
         base, extra = divmod(per_rank, workers)
         self.worker_samples = [base + (1 if w < extra else 0) for w in range(workers)]
-        self.worker_batches = [num_batches(n, options.batch_size, options.even) for n in self.worker_samples]
+        self.worker_batches = [
+            num_batches(n, options.batch_size, options.even) for n in self.worker_samples
+        ]
 
     @property
     def num_batches(self) -> int:
@@ -213,7 +229,9 @@ class StreamingShards(IterableDataset):
             yield worker, number, self.collate(batch)
 
 
-def reorder_batches(tagged: Iterable[tuple[int, int, Any]], expected: Sequence[tuple[int, int]]) -> Iterator[Any]:
+def reorder_batches(
+    tagged: Iterable[tuple[int, int, Any]], expected: Sequence[tuple[int, int]]
+) -> Iterator[Any]:
     """Yield batches in ``expected`` order whatever order workers produced them in.
 
     Torch already delivers round robin, so the buffer holds about one batch per worker; it
@@ -229,8 +247,8 @@ def reorder_batches(tagged: Iterable[tuple[int, int, Any]], expected: Sequence[t
     if pending or position < len(expected):
         log.warning(
             "streaming epoch ended after %d of %d batches (a shard was skipped or shorter than counted)",
-            position, len(expected),
+            position,
+            len(expected),
         )
     for key in sorted(pending):
         yield pending.pop(key)
-

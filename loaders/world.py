@@ -12,9 +12,8 @@ import os
 from collections.abc import Mapping
 
 from stager.errors import UsageError
-from stager.slurm import SlurmEnv
-
 from stager.plan.ranks import WorldLayout
+from stager.slurm import SlurmEnv
 
 __all__ = ["detect_layout"]
 
@@ -45,11 +44,17 @@ def detect_layout(
     if dist.is_available() and dist.is_initialized():
         detected_rank, detected_world = dist.get_rank(), dist.get_world_size()
         slurm = SlurmEnv.from_environ(env)
-        detected_rpn = _env_int(env, "LOCAL_WORLD_SIZE") or (slurm.tasks_per_node if slurm.in_slurm else None)
+        detected_rpn = _env_int(env, "LOCAL_WORLD_SIZE") or (
+            slurm.tasks_per_node if slurm.in_slurm else None
+        )
     else:
         slurm = SlurmEnv.from_environ(env)
         if slurm.in_slurm and "SLURM_PROCID" in env:
-            detected_rank, detected_world, detected_rpn = slurm.proc_id, slurm.ntasks, slurm.tasks_per_node
+            detected_rank, detected_world, detected_rpn = (
+                slurm.proc_id,
+                slurm.ntasks,
+                slurm.tasks_per_node,
+            )
         elif _env_int(env, "WORLD_SIZE") is not None:
             detected_rank = _env_int(env, "RANK") or 0
             detected_world = _env_int(env, "WORLD_SIZE") or 1
@@ -61,5 +66,7 @@ def detect_layout(
         # Uneven tasks per node: the node split is meaningless, but subset="all" needs only ranks.
         rpn = world_size
     if not 0 <= rank < world_size:
-        raise UsageError(f"rank {rank} is outside a world of {world_size}; check RANK/WORLD_SIZE or SLURM_PROCID")
+        raise UsageError(
+            f"rank {rank} is outside a world of {world_size}; check RANK/WORLD_SIZE or SLURM_PROCID"
+        )
     return WorldLayout(world_size // rpn, rpn, rank, workers_per_rank)

@@ -38,10 +38,19 @@ def render() -> str:
             obj = getattr(package, name)
             kind = "class" if inspect.isclass(obj) else "function" if callable(obj) else "value"
             sig = _signature(obj) if kind != "value" else ""
-            out += [f"### `{package_name}.{name}{sig}`", "", f"*{kind}*", "", inspect.getdoc(obj) or "", ""]
+            out += [
+                f"### `{package_name}.{name}{sig}`",
+                "",
+                f"*{kind}*",
+                "",
+                inspect.getdoc(obj) or "",
+                "",
+            ]
             if inspect.isclass(obj):
                 for attr, member in sorted(vars(obj).items()):
-                    if attr.startswith("_") or not (inspect.isfunction(member) or isinstance(member, property)):
+                    if attr.startswith("_") or not (
+                        inspect.isfunction(member) or isinstance(member, property)
+                    ):
                         continue
                     doc = inspect.getdoc(member)
                     if doc:

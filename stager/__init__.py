@@ -40,8 +40,6 @@ _HOME = {
 }
 
 if TYPE_CHECKING:
-    from stager.stageout.record import CommitRecord
-    from stager.storage.dest import resolve_dest_root
     from stager.errors import (
         CheckpointError,
         DestinationError,
@@ -56,12 +54,14 @@ if TYPE_CHECKING:
         UsageError,
     )
     from stager.shards.manifest import Manifest, ManifestEntry
-    from stager.stagein.report import StageInReport
-    from stager.stageout.restore import restore_checkpoint
     from stager.slurm import SlurmEnv, parse_hostlist
-    from stager.storage.sources import SourceSet, SourceShard, resolve_source
+    from stager.stagein.report import StageInReport
     from stager.stagein.run import StageInOptions, stage_in, staged_manifest_path
+    from stager.stageout.record import CommitRecord
+    from stager.stageout.restore import restore_checkpoint
     from stager.stageout.run import StageOutOptions, stage_out
+    from stager.storage.dest import resolve_dest_root
+    from stager.storage.sources import SourceSet, SourceShard, resolve_source
 
 __version__ = "0.1.0"
 

@@ -124,7 +124,9 @@ class ScratchFull(DestinationError):
 
     exit_code = EXIT_FULL
 
-    def __init__(self, message: str, *, needed_bytes: int = 0, free_bytes: int = 0, where: str = ""):
+    def __init__(
+        self, message: str, *, needed_bytes: int = 0, free_bytes: int = 0, where: str = ""
+    ):
         self.needed_bytes = needed_bytes
         self.free_bytes = free_bytes
         self.where = where

@@ -28,7 +28,9 @@ def _expand_ranges(body: str, spec: str) -> list[str]:
     for part in body.split(","):
         match = _RANGE.match(part.strip())
         if not match:
-            raise UsageError(f"bad range {part!r} in hostlist {spec!r}; expected e.g. node[01-04,07]")
+            raise UsageError(
+                f"bad range {part!r} in hostlist {spec!r}; expected e.g. node[01-04,07]"
+            )
         lo_text, hi_text = match.group(1), match.group(2)
         if hi_text is None:
             out.append(lo_text)
@@ -174,7 +176,9 @@ class SlurmEnv:
                 tasks_per_node=1,
                 restart_count=0,
             )
-        nodelist = tuple(parse_hostlist(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""))
+        nodelist = tuple(
+            parse_hostlist(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "")
+        )
         num_nodes = _int(env, "SLURM_JOB_NUM_NODES", _int(env, "SLURM_NNODES", len(nodelist) or 1))
         ntasks = _int(env, "SLURM_NTASKS", _int(env, "SLURM_NPROCS", num_nodes))
         if env.get("SLURM_NTASKS_PER_NODE", "").isdigit():

@@ -19,7 +19,9 @@ BIN = Path(sys.executable).parent
 def small_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """8 shards x 50 samples of ~1 KB, uneven sizes; shared read-only by tests."""
     out = tmp_path_factory.mktemp("src") / "ds"
-    write_synthetic_dataset(out, SyntheticSpec(num_shards=8, samples_per_shard=50, uneven=True, seed=1))
+    write_synthetic_dataset(
+        out, SyntheticSpec(num_shards=8, samples_per_shard=50, uneven=True, seed=1)
+    )
     return out
 
 
@@ -41,10 +43,17 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120, **kw
+) -> subprocess.CompletedProcess:
     """Run a console script from the test venv and capture its output."""
     return subprocess.run(
-        [str(BIN / args[0]), *args[1:]], env=env or clean_env(), capture_output=True, text=True, timeout=timeout, **kw
+        [str(BIN / args[0]), *args[1:]],
+        env=env or clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kw,
     )
 
 

@@ -66,10 +66,14 @@ class _FaultyFile:
         self._reads += 1
         if self._rate <= 0:
             return
-        draw = xxhash.xxh64_intdigest(f"{self._key}:{self._reads}".encode(), seed=self._seed) / 2**64
+        draw = (
+            xxhash.xxh64_intdigest(f"{self._key}:{self._reads}".encode(), seed=self._seed) / 2**64
+        )
         if draw < self._rate:
             FaultyFileSystem.count("injected")
-            raise OSError(errno.EIO, f"injected transient read error ({self._key}, read {self._reads})")
+            raise OSError(
+                errno.EIO, f"injected transient read error ({self._key}, read {self._reads})"
+            )
 
     def read(self, size: int = -1) -> bytes:
         self._maybe_fail()
@@ -128,7 +132,10 @@ class FaultyFileSystem(LocalFileSystem):
             for needle in _env_list("FAULTY_DENY"):
                 if needle in path:
                     raise PermissionError(errno.EACCES, f"injected permanent error: {path}")
-            fill_on, fill_path = os.environ.get("FAULTY_FILL_ON"), os.environ.get("FAULTY_FILL_PATH")
+            fill_on, fill_path = (
+                os.environ.get("FAULTY_FILL_ON"),
+                os.environ.get("FAULTY_FILL_PATH"),
+            )
             if fill_on and fill_path and fill_on in path and not os.path.exists(fill_path):
                 _fill(fill_path)
         with self._lock:

@@ -48,13 +48,17 @@ def moto_server(timeout_s: float = 30.0) -> Iterator[str]:
         deadline = time.monotonic() + timeout_s
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"moto server exited with code {proc.returncode} before listening")
+                raise RuntimeError(
+                    f"moto server exited with code {proc.returncode} before listening"
+                )
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
                 break
             except OSError:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"moto server did not listen on port {port} within {timeout_s} s") from None
+                    raise RuntimeError(
+                        f"moto server did not listen on port {port} within {timeout_s} s"
+                    ) from None
                 time.sleep(0.1)
         yield f"http://127.0.0.1:{port}"
     finally:

@@ -11,8 +11,18 @@ from .conftest import REPO, clean_env
 
 def test_demo_stages_and_loads(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, str(REPO / "jobs" / "examples" / "demo.py"), "--workdir", str(tmp_path), "--batches", "3"],
-        env=clean_env(), capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            str(REPO / "jobs" / "examples" / "demo.py"),
+            "--workdir",
+            str(tmp_path),
+            "--batches",
+            "3",
+        ],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "stage-in: 8 files, 8 copied" in result.stderr

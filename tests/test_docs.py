@@ -58,7 +58,9 @@ exec "$@"
 @pytest.fixture(scope="module")
 def docs_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("docs")
-    write_synthetic_dataset(root / "nfs" / "datasets" / "mydata", SyntheticSpec(num_shards=4, samples_per_shard=40))
+    write_synthetic_dataset(
+        root / "nfs" / "datasets" / "mydata", SyntheticSpec(num_shards=4, samples_per_shard=40)
+    )
     shims = root / "shims"
     shims.mkdir()
     (shims / "srun").write_text(SRUN_SHIM)
@@ -80,9 +82,15 @@ def test_doc_block_runs(where: str, lang: str, body: str, docs_root: Path) -> No
         PYTHONPATH=str(REPO),
     )
     code = _localise(body, docs_root)
-    argv = ["bash", "-euo", "pipefail", "-c", code] if lang == "bash" else [sys.executable, "-c", code]
-    result = subprocess.run(argv, cwd=docs_root, env=env, capture_output=True, text=True, timeout=180)
-    assert result.returncode == 0, f"{where} failed:\n{code}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+    argv = (
+        ["bash", "-euo", "pipefail", "-c", code] if lang == "bash" else [sys.executable, "-c", code]
+    )
+    result = subprocess.run(
+        argv, cwd=docs_root, env=env, capture_output=True, text=True, timeout=180
+    )
+    assert result.returncode == 0, (
+        f"{where} failed:\n{code}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+    )
 
 
 def test_there_are_runnable_blocks() -> None:
@@ -90,13 +98,17 @@ def test_there_are_runnable_blocks() -> None:
 
 
 def test_cli_reference_is_fresh() -> None:
-    result = subprocess.run([sys.executable, "-m", "stager.cli.clidoc", "--check"], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "stager.cli.clidoc", "--check"], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr
 
 
 def test_api_reference_is_fresh() -> None:
     result = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "apidoc.py"), "--check"], capture_output=True, text=True
+        [sys.executable, str(REPO / "scripts" / "apidoc.py"), "--check"],
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 0, result.stderr
 

@@ -17,13 +17,13 @@ from stager.errors import ShardFailure
 from stager.fanout.exchange import Exchange, ExchangeOutcome, ExchangeShard
 from stager.fanout.group import FanoutError, FanoutOptions
 from stager.plan.fanout import plan_fanout
-from stager.storage.paths import safe_join
+from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 from stager.stagein.progress import Progress
 from stager.stagein.report import StageInReport
+from stager.stagein.run import StageInOptions
+from stager.storage.paths import safe_join
 from stager.storage.retry import RetryPolicy
 from stager.storage.sources import SourceSet, resolve_source
-from stager.stagein.run import StageInOptions
-from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 
 torch = pytest.importorskip("torch")
 

@@ -23,26 +23,34 @@ import pytest
 
 from stager.cli.main import stage_in_main
 from stager.errors import EXIT_FULL, EXIT_INTEGRITY, EXIT_SOURCE
-from stager.storage.hashing import hash_file
 from stager.shards.build import IndexOptions, build_manifest, write_manifest
 from stager.shards.manifest import Manifest
-from stager.storage.sources import resolve_source
-from stager.stagein.run import staged_manifest_path
 from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
+from stager.stagein.run import staged_manifest_path
+from stager.storage.hashing import hash_file
+from stager.storage.sources import resolve_source
 
 from .conftest import BIN, clean_env
 from .faulty_fs import FaultyFileSystem
 from .inproc import clean_process_env, run_main
 
 FAST = ["--jitter-max", "0", "--retry-delay", "0.01", "--quiet"]
-_FAULT_VARS = ("FAULTY_READ_FAIL_RATE", "FAULTY_SEED", "FAULTY_DENY", "FAULTY_FILL_ON", "FAULTY_FILL_PATH")
+_FAULT_VARS = (
+    "FAULTY_READ_FAIL_RATE",
+    "FAULTY_SEED",
+    "FAULTY_DENY",
+    "FAULTY_FILL_ON",
+    "FAULTY_FILL_PATH",
+)
 
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """16 shards of ~60 KB with a manifest beside them (as `stager index` writes it)."""
     root = tmp_path_factory.mktemp("faults") / "ds"
-    write_synthetic_dataset(root, SyntheticSpec(num_shards=16, samples_per_shard=12, image_bytes=4000, seed=3))
+    write_synthetic_dataset(
+        root, SyntheticSpec(num_shards=16, samples_per_shard=12, image_bytes=4000, seed=3)
+    )
     write_manifest(build_manifest(resolve_source(str(root))), str(root / "stager-manifest.json"))
     return root
 
@@ -59,7 +67,9 @@ def shards(root: Path) -> list[Path]:
     return sorted(p for p in root.glob("*.tar"))
 
 
-def assert_staged_verified(src: Path, staged: Path, names: list[str], *, with_manifest: bool = True) -> None:
+def assert_staged_verified(
+    src: Path, staged: Path, names: list[str], *, with_manifest: bool = True
+) -> None:
     """Exactly ``names`` are staged, byte-identical, and the staged manifest's hashes match."""
     assert sorted(p.name for p in shards(staged)) == sorted(names)
     for name in names:
@@ -72,12 +82,26 @@ def assert_staged_verified(src: Path, staged: Path, names: list[str], *, with_ma
 
 
 def test_transient_read_errors_are_retried_until_every_shard_is_staged(
-    dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    dataset: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     monkeypatch.setenv("FAULTY_READ_FAIL_RATE", "0.1")
-    monkeypatch.setenv("FAULTY_SEED", "8")  # a pattern that fails 8 of ~40 reads, some twice in a row
+    monkeypatch.setenv(
+        "FAULTY_SEED", "8"
+    )  # a pattern that fails 8 of ~40 reads, some twice in a row
     report = tmp_path / "r.json"
-    argv = [f"faulty://{dataset}", "--dest", str(tmp_path / "s"), "--retries", "6", "--report", str(report), *FAST]
+    argv = [
+        f"faulty://{dataset}",
+        "--dest",
+        str(tmp_path / "s"),
+        "--retries",
+        "6",
+        "--report",
+        str(report),
+        *FAST,
+    ]
     assert stage_in_main(argv) == 0, capsys.readouterr().err
     injected = FaultyFileSystem.counts()["injected"]
     assert injected >= 3, "the fault pattern should have failed some reads"
@@ -86,7 +110,10 @@ def test_transient_read_errors_are_retried_until_every_shard_is_staged(
 
 
 def test_permanent_errors_fail_alone_with_one_line_each(
-    dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    dataset: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     bad = ["train-000002.tar", "train-000011.tar"]
     monkeypatch.setenv("FAULTY_DENY", ",".join(bad))
@@ -104,7 +131,10 @@ def test_permanent_errors_fail_alone_with_one_line_each(
 
     monkeypatch.delenv("FAULTY_DENY")  # the source is fixed: a rerun copies only the two
     report = tmp_path / "r.json"
-    assert stage_in_main([f"faulty://{dataset}", "--dest", str(dest), "--report", str(report), *FAST]) == 0
+    assert (
+        stage_in_main([f"faulty://{dataset}", "--dest", str(dest), "--report", str(report), *FAST])
+        == 0
+    )
     assert json.loads(report.read_text())["files_copied"] == 2
     assert_staged_verified(dataset, dest / "ds", [p.name for p in shards(dataset)])
 
@@ -140,20 +170,33 @@ def test_transient_faults_while_indexing_give_the_clean_manifest(
     from stager.storage.retry import RetryPolicy
 
     flaky = build_manifest(
-        resolve_source(f"faulty://{dataset}"), IndexOptions(retry=RetryPolicy(attempts=8, base_delay_s=0.001))
+        resolve_source(f"faulty://{dataset}"),
+        IndexOptions(retry=RetryPolicy(attempts=8, base_delay_s=0.001)),
     )
     assert FaultyFileSystem.counts()["injected"] >= 3
     assert flaky.entries == clean.entries
 
 
 # -- kill -9 at random moments -----------------------------------------------------------------
-def _kill_trial(dataset: Path, tmp_path: Path, seed: int, capsys: pytest.CaptureFixture[str]) -> None:
+def _kill_trial(
+    dataset: Path, tmp_path: Path, seed: int, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Start stage-in, SIGKILL it at a random moment, check what it left, rerun, check again."""
     rng = random.Random(seed)
     dest = tmp_path / f"kill{seed}"
     staged = dest / "ds"
     proc = subprocess.Popen(
-        [str(BIN / "stage-in"), str(dataset), "--dest", str(dest), "--bw-limit", "1.5", "--jobs", "3", *FAST],
+        [
+            str(BIN / "stage-in"),
+            str(dataset),
+            "--dest",
+            str(dest),
+            "--bw-limit",
+            "1.5",
+            "--jobs",
+            "3",
+            *FAST,
+        ],
         env=clean_env(),
         stderr=subprocess.DEVNULL,
     )
@@ -163,11 +206,15 @@ def _kill_trial(dataset: Path, tmp_path: Path, seed: int, capsys: pytest.Capture
     survivors = {}
     for final in shards(staged) if staged.exists() else []:
         # The invariant: a file with its final name is always whole.
-        assert filecmp.cmp(final, dataset / final.name, shallow=False), f"seed {seed}: {final.name} is corrupt"
+        assert filecmp.cmp(final, dataset / final.name, shallow=False), (
+            f"seed {seed}: {final.name} is corrupt"
+        )
         survivors[final.name] = final.stat().st_ino
 
     report = tmp_path / f"r{seed}.json"
-    result = run_main(capsys, "stage-in", str(dataset), "--dest", str(dest), "--report", str(report), "--quiet")
+    result = run_main(
+        capsys, "stage-in", str(dataset), "--dest", str(dest), "--report", str(report), "--quiet"
+    )
     assert result.returncode == 0, f"seed {seed}: {result.stderr}"
     assert_staged_verified(dataset, staged, [p.name for p in shards(dataset)])
     payload = json.loads(report.read_text())
@@ -201,7 +248,9 @@ def small_tmpfs(tmp_path: Path):
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root (mount -t tmpfs)")
     result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1536k", "tmpfs", str(mount_point)], capture_output=True, text=True
+        ["mount", "-t", "tmpfs", "-o", "size=1536k", "tmpfs", str(mount_point)],
+        capture_output=True,
+        text=True,
     )
     if result.returncode != 0:
         pytest.skip(f"mount -t tmpfs is not permitted here: {result.stderr.strip()}")
@@ -215,7 +264,9 @@ def test_preflight_refuses_with_the_numbers(
     tmp_path: Path, small_tmpfs: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     src = tmp_path / "big" / "ds"
-    write_synthetic_dataset(src, SyntheticSpec(num_shards=4, samples_per_shard=10, image_bytes=60_000))
+    write_synthetic_dataset(
+        src, SyntheticSpec(num_shards=4, samples_per_shard=10, image_bytes=60_000)
+    )
     needed = sum(p.stat().st_size for p in shards(src))
     result = run_main(capsys, "stage-in", str(src), "--dest", str(small_tmpfs / "job"), *FAST)
     assert result.returncode == EXIT_FULL, result.stderr
@@ -224,11 +275,16 @@ def test_preflight_refuses_with_the_numbers(
     assert int(match.group(1)) == needed
     assert abs(int(match.group(2)) - shutil.disk_usage(small_tmpfs).free) <= 64 << 10
     assert str(small_tmpfs / "job" / "ds") in result.stderr
-    assert not [p for p in small_tmpfs.rglob("*") if p.is_file() and p.suffix in (".tar", ".partial")]
+    assert not [
+        p for p in small_tmpfs.rglob("*") if p.is_file() and p.suffix in (".tar", ".partial")
+    ]
 
 
 def test_scratch_filled_by_another_writer_mid_copy_fails_cleanly(
-    dataset: Path, small_tmpfs: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    dataset: Path,
+    small_tmpfs: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     # Opening shard 5 first fills the tmpfs to the last byte, as another job's writer would.
     filler = small_tmpfs / "other-writer"
@@ -241,7 +297,9 @@ def test_scratch_filled_by_another_writer_mid_copy_fails_cleanly(
     assert re.search(r"error: .*no space left on .* while writing train-000005\.tar", err), err
     assert not list(small_tmpfs.rglob("*.partial")), "no partial file may be left behind"
     # Scratch is still full, so the staged manifest could not be written; the rerun writes it.
-    assert_staged_verified(dataset, dest / "ds", [f"train-{i:06d}.tar" for i in range(5)], with_manifest=False)
+    assert_staged_verified(
+        dataset, dest / "ds", [f"train-{i:06d}.tar" for i in range(5)], with_manifest=False
+    )
 
     filler.unlink()  # the other writer goes away: a rerun finishes the job
     monkeypatch.delenv("FAULTY_FILL_ON")

@@ -85,7 +85,9 @@ def test_source_patterns_resolve_or_raise_stager_error(memfs_root: str, pattern:
 
 @FUZZ
 @given(lo=st.integers(0, 3), hi=st.integers(0, 3), width=st.integers(1, 2))
-def test_brace_ranges_name_exactly_the_files_they_should(memfs_root: str, lo: int, hi: int, width: int) -> None:
+def test_brace_ranges_name_exactly_the_files_they_should(
+    memfs_root: str, lo: int, hi: int, width: int
+) -> None:
     try:
         source = resolve_source(f"{memfs_root}/a{{{lo:0{width}d}..{hi:0{width}d}}}.tar", jobs=2)
     except StagerError:
@@ -93,16 +95,26 @@ def test_brace_ranges_name_exactly_the_files_they_should(memfs_root: str, lo: in
         assert not wanted
         return
     assert width == 1
-    assert sorted(s.relpath for s in source.shards) == [f"a{n}.tar" for n in (1, 2) if min(lo, hi) <= n <= max(lo, hi)]
+    assert sorted(s.relpath for s in source.shards) == [
+        f"a{n}.tar" for n in (1, 2) if min(lo, hi) <= n <= max(lo, hi)
+    ]
 
 
 # -- manifests ----------------------------------------------------------------------------------
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=12),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
     max_leaves=20,
 )
-FIELD = st.none() | st.booleans() | st.integers(-5, 2**64) | st.text(max_size=16) | st.lists(st.integers(), max_size=2)
+FIELD = (
+    st.none()
+    | st.booleans()
+    | st.integers(-5, 2**64)
+    | st.text(max_size=16)
+    | st.lists(st.integers(), max_size=2)
+)
 ENTRY = st.fixed_dictionaries(
     {},
     optional={
@@ -114,7 +126,10 @@ ENTRY = st.fixed_dictionaries(
 )
 NEAR_VALID = st.fixed_dictionaries(
     {"format": st.just("stager-manifest"), "shards": st.lists(ENTRY, max_size=4) | JSON_VALUES},
-    optional={"version": JSON_VALUES, "meta": st.dictionaries(st.text(max_size=5), JSON_VALUES, max_size=3) | JSON_VALUES},
+    optional={
+        "version": JSON_VALUES,
+        "meta": st.dictionaries(st.text(max_size=5), JSON_VALUES, max_size=3) | JSON_VALUES,
+    },
 )
 
 

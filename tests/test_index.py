@@ -14,13 +14,13 @@ import pytest
 import stager.shards.manifest
 from stager.cli.main import main
 from stager.errors import EXIT_INTEGRITY, EXIT_SOURCE, EXIT_USAGE, IntegrityError
-from stager.storage.hashing import hash_file
 from stager.shards.build import IndexOptions, build_manifest, index_source
 from stager.shards.manifest import Manifest
-from stager.storage.sources import resolve_source
-from stager.stagein.run import staged_manifest_path
 from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 from stager.shards.tarindex import count_samples, count_samples_stream, index_tar
+from stager.stagein.run import staged_manifest_path
+from stager.storage.hashing import hash_file
+from stager.storage.sources import resolve_source
 
 from .conftest import run_cli
 from .faulty_fs import FaultyFileSystem
@@ -62,9 +62,13 @@ def test_index_writes_sizes_hashes_and_sample_counts_beside_the_dataset(fresh: P
     assert manifest.total_samples == sum(SPEC.shard_sizes())
 
 
-def test_sha256_and_parquet_out(fresh: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_sha256_and_parquet_out(
+    fresh: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "elsewhere" / "m.parquet"
-    result = run_main(capsys, "stager", "index", str(fresh), "--hash", "sha256", "--out", str(out), "--jobs", "3")
+    result = run_main(
+        capsys, "stager", "index", str(fresh), "--hash", "sha256", "--out", str(out), "--jobs", "3"
+    )
     assert result.returncode == 0, result.stderr
     manifest = Manifest.read(out)
     assert all(e.hash == hash_file(fresh / e.relpath, "sha256") for e in manifest.entries)
@@ -99,7 +103,17 @@ def test_stage_in_verifies_against_the_index_and_carries_its_sample_counts(
 ) -> None:
     assert run_main(capsys, "stager", "index", str(fresh)).returncode == 0
     dest = tmp_path / "scratch"
-    result = run_main(capsys, "stage-in", str(fresh), "--dest", str(dest), "--no-count", "--jitter-max", "0", "--quiet")
+    result = run_main(
+        capsys,
+        "stage-in",
+        str(fresh),
+        "--dest",
+        str(dest),
+        "--no-count",
+        "--jitter-max",
+        "0",
+        "--quiet",
+    )
     assert result.returncode == 0, result.stderr
     staged = Manifest.read(staged_manifest_path(dest / "ds"))
     indexed = Manifest.read(fresh / "stager-manifest.json")
@@ -107,18 +121,32 @@ def test_stage_in_verifies_against_the_index_and_carries_its_sample_counts(
     assert staged.entries == indexed.entries
 
 
-def test_explicit_manifest_elsewhere_is_used(fresh: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_explicit_manifest_elsewhere_is_used(
+    fresh: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "m.json"
     assert run_main(capsys, "stager", "index", str(fresh), "--out", str(out)).returncode == 0
     data = json.loads(out.read_text())
     data["shards"][0]["hash"] = "xxh3_64:0000000000000000"  # a manifest that disagrees
     out.write_text(json.dumps(data))
-    result = run_main(capsys, "stage-in", str(fresh), "--dest", str(tmp_path / "s"), "--manifest", str(out), "--jitter-max", "0")
+    result = run_main(
+        capsys,
+        "stage-in",
+        str(fresh),
+        "--dest",
+        str(tmp_path / "s"),
+        "--manifest",
+        str(out),
+        "--jitter-max",
+        "0",
+    )
     assert result.returncode == EXIT_INTEGRITY
     assert f"FAILED {fresh / 'train-000000.tar'}:" in result.stderr
 
 
-def test_usage_and_source_errors(fresh: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_usage_and_source_errors(
+    fresh: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["index", str(fresh), "--out", str(tmp_path / "m.txt")]) == EXIT_USAGE
     assert main(["index", str(fresh), "--jobs", "0"]) == EXIT_USAGE
     capsys.readouterr()
@@ -140,7 +168,9 @@ def _count_streaming(path: Path) -> int:
         return count_samples_stream(handle, str(path))
 
 
-def test_corrupt_header_names_shard_and_member(fresh: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_corrupt_header_names_shard_and_member(
+    fresh: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     shard = fresh / "train-000001.tar"
     offset, before, _ = _member_header_offset(shard, 5)
     data = bytearray(shard.read_bytes())
@@ -172,7 +202,9 @@ def test_truncated_tar_names_shard_and_member(fresh: Path, where: str) -> None:
 
 
 def test_truncated_gzip_shard_names_shard(tmp_path: Path) -> None:
-    [path] = write_synthetic_dataset(tmp_path / "gz", SyntheticSpec(num_shards=1, samples_per_shard=5, compress=True))
+    [path] = write_synthetic_dataset(
+        tmp_path / "gz", SyntheticSpec(num_shards=1, samples_per_shard=5, compress=True)
+    )
     raw = gzip.decompress(path.read_bytes())
     assert count_samples(path) == 5
     path.write_bytes(path.read_bytes()[:-12])  # the gzip trailer (CRC, length) and a little more
@@ -193,16 +225,26 @@ def test_stage_in_stats_only_the_shards_the_manifest_does_not_describe(
     shutil.copyfile(fresh / "train-000000.tar", fresh / "train-extra.tar")  # added after indexing
     stat_calls: list[str] = []
     real_info = stager.storage.sources._local_info
-    monkeypatch.setattr(stager.storage.sources, "_local_info", lambda path: stat_calls.append(path) or real_info(path))
+    monkeypatch.setattr(
+        stager.storage.sources,
+        "_local_info",
+        lambda path: stat_calls.append(path) or real_info(path),
+    )
     real_stat = stager.stagein.sizing._stat  # shards not in the manifest are sized while they copy
-    monkeypatch.setattr(stager.stagein.sizing, "_stat", lambda path: stat_calls.append(path) or real_stat(path))
+    monkeypatch.setattr(
+        stager.stagein.sizing, "_stat", lambda path: stat_calls.append(path) or real_stat(path)
+    )
     dest = tmp_path / "scratch"
-    result = run_main(capsys, "stage-in", str(fresh), "--dest", str(dest), "--jitter-max", "0", "--quiet")
+    result = run_main(
+        capsys, "stage-in", str(fresh), "--dest", str(dest), "--jitter-max", "0", "--quiet"
+    )
     assert result.returncode == 0, result.stderr
     assert [p for p in stat_calls if p.endswith(".tar")] == [str(fresh / "train-extra.tar")]
     assert "1 shard(s) are not in the manifest" in result.stderr
     staged = Manifest.read(staged_manifest_path(dest / "ds"))
-    assert {e.relpath: e.size for e in staged.entries} == {p.name: p.stat().st_size for p in fresh.glob("*.tar")}
+    assert {e.relpath: e.size for e in staged.entries} == {
+        p.name: p.stat().st_size for p in fresh.glob("*.tar")
+    }
 
 
 def test_shard_whose_size_differs_from_the_manifest_fails_as_integrity_without_retries(
@@ -213,7 +255,15 @@ def test_shard_whose_size_differs_from_the_manifest_fails_as_integrity_without_r
     shard.write_bytes(shard.read_bytes()[:-512])  # truncated after indexing
     report = tmp_path / "report.json"
     result = run_main(
-        capsys, "stage-in", str(fresh), "--dest", str(tmp_path / "s"), "--jitter-max", "0", "--report", str(report)
+        capsys,
+        "stage-in",
+        str(fresh),
+        "--dest",
+        str(tmp_path / "s"),
+        "--jitter-max",
+        "0",
+        "--report",
+        str(report),
     )
     assert result.returncode == EXIT_INTEGRITY, result.stderr
     assert f"FAILED {shard}:" in result.stderr and "the manifest lists" in result.stderr

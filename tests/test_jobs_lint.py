@@ -14,13 +14,20 @@ import pytest
 
 from .conftest import REPO
 
-SCRIPTS = sorted([*(REPO / "jobs").glob("*.sbatch"), *(REPO / "scripts").glob("*.sh"), REPO / ".ci" / "run"])
+SCRIPTS = sorted(
+    [*(REPO / "jobs").glob("*.sbatch"), *(REPO / "scripts").glob("*.sh"), REPO / ".ci" / "run"]
+)
 
 
-@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed (scripts/setup.sh --test installs it)")
+@pytest.mark.skipif(
+    shutil.which("shellcheck") is None,
+    reason="shellcheck not installed (scripts/setup.sh --test installs it)",
+)
 @pytest.mark.parametrize("script", SCRIPTS, ids=[p.name for p in SCRIPTS])
 def test_shellcheck_finds_nothing(script) -> None:
-    result = subprocess.run(["shellcheck", "-S", "info", "-s", "bash", str(script)], capture_output=True, text=True)
+    result = subprocess.run(
+        ["shellcheck", "-S", "info", "-s", "bash", str(script)], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 

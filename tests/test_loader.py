@@ -25,14 +25,16 @@ from loaders import (
     restore_rng_state,
 )
 from stager.errors import IntegrityError
-from stager.slurm import SlurmEnv
-from stager.storage.sources import resolve_source
-from stager.stagein.run import StageInOptions, stage_in, staged_manifest_path
 from stager.shards.synth import SyntheticSpec, sample_key, sample_label, write_synthetic_dataset
+from stager.slurm import SlurmEnv
+from stager.stagein.run import StageInOptions, stage_in, staged_manifest_path
+from stager.storage.sources import resolve_source
 
 from .conftest import REPO, clean_env, run_cli
 
-SPEC = SyntheticSpec(num_shards=8, samples_per_shard=50, uneven=True, seed=1)  # the small_dataset fixture
+SPEC = SyntheticSpec(
+    num_shards=8, samples_per_shard=50, uneven=True, seed=1
+)  # the small_dataset fixture
 
 
 def all_keys(spec: SyntheticSpec = SPEC) -> set[str]:
@@ -51,9 +53,15 @@ def keys_of(loader: ShardedLoader) -> list[str]:
 
 def test_public_api_is_pinned_and_planner_is_torch_free() -> None:
     assert sorted(loaders.__all__) == [
-        "LoaderMetrics", "LoaderOptions", "LoaderState", "PlanOptions", "ResumeMismatch", "ShardedLoader",
+        "LoaderMetrics",
+        "LoaderOptions",
+        "LoaderState",
+        "PlanOptions",
+        "ResumeMismatch",
+        "ShardedLoader",
         "WorldLayout",
-        "capture_rng_state", "restore_rng_state",
+        "capture_rng_state",
+        "restore_rng_state",
     ]
     for name in loaders.__all__:
         assert getattr(loaders, name) is not None
@@ -61,12 +69,19 @@ def test_public_api_is_pinned_and_planner_is_torch_free() -> None:
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
 
 
-def test_staged_copy_is_read_alone_source_deleted(dataset_copy: Path, tmp_path: Path, caplog) -> None:
+def test_staged_copy_is_read_alone_source_deleted(
+    dataset_copy: Path, tmp_path: Path, caplog
+) -> None:
     dest = tmp_path / "scratch"
     staged = stage(dataset_copy, dest)
     shutil.rmtree(dataset_copy)  # any read of the source would now fail
     with caplog.at_level(logging.WARNING, logger="loaders"):
-        loader = ShardedLoader(dataset_copy, batch_size=16, to_tuple=("__key__", "npy"), options=LoaderOptions(dest=str(dest)))
+        loader = ShardedLoader(
+            dataset_copy,
+            batch_size=16,
+            to_tuple=("__key__", "npy"),
+            options=LoaderOptions(dest=str(dest)),
+        )
         got = keys_of(loader)
     assert isinstance(loader, DataLoader)
     assert loader.shards.staged_dir == staged and loader.shards.from_source == 0
@@ -78,12 +93,19 @@ def test_staged_copy_is_read_alone_source_deleted(dataset_copy: Path, tmp_path: 
     assert (staged / ".stager" / "index" / "dataset.flat.npz").is_file()
 
 
-def test_missing_staged_shard_falls_back_with_one_warning(dataset_copy: Path, tmp_path: Path, caplog) -> None:
+def test_missing_staged_shard_falls_back_with_one_warning(
+    dataset_copy: Path, tmp_path: Path, caplog
+) -> None:
     dest = tmp_path / "scratch"
     staged = stage(dataset_copy, dest)
     (staged / "train-000003.tar").unlink()
     with caplog.at_level(logging.WARNING, logger="loaders"):
-        loader = ShardedLoader(dataset_copy, batch_size=32, to_tuple=("__key__",), options=LoaderOptions(dest=str(dest)))
+        loader = ShardedLoader(
+            dataset_copy,
+            batch_size=32,
+            to_tuple=("__key__",),
+            options=LoaderOptions(dest=str(dest)),
+        )
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and warnings[0].startswith("1 of 8 shard(s) are read from the source")
     assert [s.relpath for s in loader.shards.shards if s.from_source] == ["train-000003.tar"]
@@ -92,7 +114,11 @@ def test_missing_staged_shard_falls_back_with_one_warning(dataset_copy: Path, tm
 
 def test_decode_npy_and_cls_with_workers(small_dataset: Path, tmp_path: Path) -> None:
     loader = ShardedLoader(
-        small_dataset, batch_size=10, num_workers=2, decode="rgb8", to_tuple=("__key__", "npy", "cls"),
+        small_dataset,
+        batch_size=10,
+        num_workers=2,
+        decode="rgb8",
+        to_tuple=("__key__", "npy", "cls"),
         options=LoaderOptions(dest=str(tmp_path)),
     )
     seen = 0
@@ -106,7 +132,9 @@ def test_decode_npy_and_cls_with_workers(small_dataset: Path, tmp_path: Path) ->
 
 
 def test_raw_members_are_tensors_and_match_the_tar(small_dataset: Path, tmp_path: Path) -> None:
-    loader = ShardedLoader(small_dataset, batch_size=7, num_workers=1, options=LoaderOptions(dest=str(tmp_path)))
+    loader = ShardedLoader(
+        small_dataset, batch_size=7, num_workers=1, options=LoaderOptions(dest=str(tmp_path))
+    )
     batch = next(iter(loader))
     assert set(batch) == {"__key__", "npy", "cls"}
     key, cls = batch["__key__"][0], batch["cls"][0]
@@ -122,9 +150,23 @@ def test_packed_batch_columns_put_each_member_under_its_sample(ragged: bool) -> 
     from loaders.dataset import PackedBatch
 
     # three samples; in the ragged case the middle one lacks "cls" and has its members reversed
-    members = [(0, "jpg", b"aa"), (0, "cls", b"1"), (1, "jpg", b"bbb"), (1, "cls", b"2"), (2, "jpg", b"c"), (2, "cls", b"3")]
+    members = [
+        (0, "jpg", b"aa"),
+        (0, "cls", b"1"),
+        (1, "jpg", b"bbb"),
+        (1, "cls", b"2"),
+        (2, "jpg", b"c"),
+        (2, "cls", b"3"),
+    ]
     if ragged:
-        members = [members[0], members[1], (1, "json", b"{}"), (1, "jpg", b"bbb"), members[4], members[5]]
+        members = [
+            members[0],
+            members[1],
+            (1, "json", b"{}"),
+            (1, "jpg", b"bbb"),
+            members[4],
+            members[5],
+        ]
     names = ("jpg", "cls", "json")
     batch = PackedBatch(
         payload=np.frombuffer(b"".join(m[2] for m in members), dtype=np.uint8).copy(),
@@ -135,9 +177,17 @@ def test_packed_batch_columns_put_each_member_under_its_sample(ragged: bool) -> 
         ext_names=names,
     )
     columns = batch.columns()
-    as_bytes = {k: [None if t is None else bytes(t.numpy()) for t in v] for k, v in columns.items() if k != "__key__"}
+    as_bytes = {
+        k: [None if t is None else bytes(t.numpy()) for t in v]
+        for k, v in columns.items()
+        if k != "__key__"
+    }
     if ragged:
-        assert as_bytes == {"jpg": [b"aa", b"bbb", b"c"], "cls": [b"1", None, b"3"], "json": [None, b"{}", None]}
+        assert as_bytes == {
+            "jpg": [b"aa", b"bbb", b"c"],
+            "cls": [b"1", None, b"3"],
+            "json": [None, b"{}", None],
+        }
     else:
         assert as_bytes == {"jpg": [b"aa", b"bbb", b"c"], "cls": [b"1", b"2", b"3"]}
     assert all(isinstance(t, torch.Tensor) for t in columns["jpg"])
@@ -151,12 +201,20 @@ def test_raw_batches_from_workers_are_the_same_through_shared_memory_or_the_pipe
 
     monkeypatch.setattr(loaders.dataset, "SHARED_MEMORY_MIN_BYTES", shm_min_bytes)
     opts = LoaderOptions(dest=str(tmp_path))
-    direct = [(b["__key__"], [bytes(t.numpy()) for t in b["npy"]]) for b in ShardedLoader(small_dataset, batch_size=5, options=opts)]
-    workers = [(b["__key__"], [bytes(t.numpy()) for t in b["npy"]]) for b in ShardedLoader(small_dataset, batch_size=5, num_workers=2, options=opts)]
+    direct = [
+        (b["__key__"], [bytes(t.numpy()) for t in b["npy"]])
+        for b in ShardedLoader(small_dataset, batch_size=5, options=opts)
+    ]
+    workers = [
+        (b["__key__"], [bytes(t.numpy()) for t in b["npy"]])
+        for b in ShardedLoader(small_dataset, batch_size=5, num_workers=2, options=opts)
+    ]
     assert workers == direct and len(direct) > 2
 
 
-@pytest.mark.skipif(not hasattr(__import__("fcntl"), "F_GETPIPE_SZ"), reason="pipe sizes are Linux's")
+@pytest.mark.skipif(
+    not hasattr(__import__("fcntl"), "F_GETPIPE_SZ"), reason="pipe sizes are Linux's"
+)
 @pytest.mark.parametrize("streaming", [False, True])
 def test_workers_result_pipe_holds_a_pipe_sent_batch(
     small_dataset: Path, tmp_path: Path, monkeypatch, streaming: bool
@@ -170,7 +228,9 @@ def test_workers_result_pipe_holds_a_pipe_sent_batch(
 
     def spy(iterator) -> None:
         widen(iterator)
-        sizes.append(fcntl.fcntl(iterator._worker_result_queue._reader.fileno(), fcntl.F_GETPIPE_SZ))
+        sizes.append(
+            fcntl.fcntl(iterator._worker_result_queue._reader.fileno(), fcntl.F_GETPIPE_SZ)
+        )
 
     monkeypatch.setattr(loaders.loader, "_widen_result_pipe", spy)
     opts = LoaderOptions(dest=str(tmp_path), force_streaming=streaming)
@@ -178,22 +238,38 @@ def test_workers_result_pipe_holds_a_pipe_sent_batch(
     assert batches and sizes == [loaders.loader.RESULT_PIPE_BYTES]
 
 
-def test_a_pipe_that_cannot_be_widened_changes_nothing(small_dataset: Path, tmp_path: Path, monkeypatch) -> None:
+def test_a_pipe_that_cannot_be_widened_changes_nothing(
+    small_dataset: Path, tmp_path: Path, monkeypatch
+) -> None:
     import loaders.loader
 
     def refuse(*args) -> None:
         raise PermissionError(1, "Operation not permitted")
 
     opts = LoaderOptions(dest=str(tmp_path))
-    widened = [b["__key__"] for b in ShardedLoader(small_dataset, batch_size=5, num_workers=2, options=opts)]
+    widened = [
+        b["__key__"]
+        for b in ShardedLoader(small_dataset, batch_size=5, num_workers=2, options=opts)
+    ]
     monkeypatch.setattr(loaders.loader.fcntl, "fcntl", refuse)
-    narrow = [b["__key__"] for b in ShardedLoader(small_dataset, batch_size=5, num_workers=2, options=opts)]
+    narrow = [
+        b["__key__"]
+        for b in ShardedLoader(small_dataset, batch_size=5, num_workers=2, options=opts)
+    ]
     assert narrow == widened and len(narrow) > 2
 
 
-def test_same_seed_and_epoch_same_order_other_epoch_differs(small_dataset: Path, tmp_path: Path) -> None:
+def test_same_seed_and_epoch_same_order_other_epoch_differs(
+    small_dataset: Path, tmp_path: Path
+) -> None:
     def order(epoch: int, seed: int = 4) -> list[str]:
-        loader = ShardedLoader(small_dataset, batch_size=16, seed=seed, to_tuple=("__key__",), options=LoaderOptions(dest=str(tmp_path)))
+        loader = ShardedLoader(
+            small_dataset,
+            batch_size=16,
+            seed=seed,
+            to_tuple=("__key__",),
+            options=LoaderOptions(dest=str(tmp_path)),
+        )
         loader.set_epoch(epoch)
         return keys_of(loader)
 
@@ -207,7 +283,12 @@ def test_ranks_of_a_simulated_world_split_the_epoch(small_dataset: Path, tmp_pat
     per_rank = []
     for rank in range(3):
         loader = ShardedLoader(
-            small_dataset, batch_size=8, rank=rank, world_size=3, even="drop", to_tuple=("__key__",),
+            small_dataset,
+            batch_size=8,
+            rank=rank,
+            world_size=3,
+            even="drop",
+            to_tuple=("__key__",),
             options=LoaderOptions(dest=str(tmp_path)),
         )
         per_rank.append([batch[0] for batch in loader])
@@ -216,7 +297,9 @@ def test_ranks_of_a_simulated_world_split_the_epoch(small_dataset: Path, tmp_pat
     assert len(flat) == len(set(flat)) and len(all_keys()) - len(flat) < 3 * 8 + 3
 
 
-def test_corrupt_header_names_shard_and_member_or_is_skipped(dataset_copy: Path, tmp_path: Path) -> None:
+def test_corrupt_header_names_shard_and_member_or_is_skipped(
+    dataset_copy: Path, tmp_path: Path
+) -> None:
     dest = tmp_path / "scratch"
     staged = stage(dataset_copy, dest)
     victim = staged / "train-000002.tar"
@@ -227,7 +310,12 @@ def test_corrupt_header_names_shard_and_member_or_is_skipped(dataset_copy: Path,
         ShardedLoader(dataset_copy, batch_size=8, options=LoaderOptions(dest=str(dest)))
     message = str(caught.value)
     assert "train-000002.tar" in message and "member" in message and "s00002-" in message
-    loader = ShardedLoader(dataset_copy, batch_size=8, to_tuple=("__key__",), options=LoaderOptions(dest=str(dest), on_error="skip"))
+    loader = ShardedLoader(
+        dataset_copy,
+        batch_size=8,
+        to_tuple=("__key__",),
+        options=LoaderOptions(dest=str(dest), on_error="skip"),
+    )
     assert loader.skipped_shards == ["train-000002.tar"]
     got = set(keys_of(loader))
     assert got == {k for k in all_keys() if not k.startswith("s00002-")}
@@ -237,23 +325,34 @@ def test_truncated_unstaged_shard_is_refused(dataset_copy: Path, tmp_path: Path)
     victim = dataset_copy / "train-000005.tar"
     victim.write_bytes(victim.read_bytes()[:3000])
     with pytest.raises(IntegrityError, match="train-000005.tar"):
-        ShardedLoader(dataset_copy, batch_size=8, options=LoaderOptions(dest=str(tmp_path / "none")))
+        ShardedLoader(
+            dataset_copy, batch_size=8, options=LoaderOptions(dest=str(tmp_path / "none"))
+        )
 
 
 def test_compressed_shards_stream_with_exact_len(tmp_path: Path) -> None:
     spec = SyntheticSpec(num_shards=3, samples_per_shard=20, uneven=True, seed=2, compress=True)
     write_synthetic_dataset(tmp_path / "tgz", spec)
-    loader = ShardedLoader(tmp_path / "tgz", batch_size=6, decode="rgb8", to_tuple=("__key__", "cls"),
-                           options=LoaderOptions(dest=str(tmp_path / "none")))
+    loader = ShardedLoader(
+        tmp_path / "tgz",
+        batch_size=6,
+        decode="rgb8",
+        to_tuple=("__key__", "cls"),
+        options=LoaderOptions(dest=str(tmp_path / "none")),
+    )
     assert not loader.shards.random_access
     batches = list(loader)
     assert len(batches) == len(loader)
     assert {k for b in batches for k in b[0]} == all_keys(spec)
 
 
-def test_resume_mismatch_is_refused_with_what_differs(small_dataset: Path, dataset_copy: Path, tmp_path: Path) -> None:
+def test_resume_mismatch_is_refused_with_what_differs(
+    small_dataset: Path, dataset_copy: Path, tmp_path: Path
+) -> None:
     def make(source: Path = small_dataset, **kw) -> ShardedLoader:
-        return ShardedLoader(source, options=LoaderOptions(dest=str(tmp_path)), **{"batch_size": 8, **kw})
+        return ShardedLoader(
+            source, options=LoaderOptions(dest=str(tmp_path)), **{"batch_size": 8, **kw}
+        )
 
     state = make().state_dict()
     with pytest.raises(ResumeMismatch, match="batch_size was 8, is now 16"):
@@ -266,9 +365,16 @@ def test_resume_mismatch_is_refused_with_what_differs(small_dataset: Path, datas
     make().load_state_dict(json.loads(json.dumps(state)))  # JSON round trip is accepted
 
 
-def test_resume_in_process_and_set_epoch_keeps_position(small_dataset: Path, tmp_path: Path) -> None:
+def test_resume_in_process_and_set_epoch_keeps_position(
+    small_dataset: Path, tmp_path: Path
+) -> None:
     def make() -> ShardedLoader:
-        return ShardedLoader(small_dataset, batch_size=16, to_tuple=("__key__",), options=LoaderOptions(dest=str(tmp_path)))
+        return ShardedLoader(
+            small_dataset,
+            batch_size=16,
+            to_tuple=("__key__",),
+            options=LoaderOptions(dest=str(tmp_path)),
+        )
 
     full = make()
     full.set_epoch(3)
@@ -298,28 +404,58 @@ def test_stage_in_subset_node_and_loader_agree(small_dataset: Path, tmp_path: Pa
     staged_sets = []
     for node in (0, 1):
         env = clean_env(
-            SLURM_JOB_ID="77", SLURM_NODEID=str(node), SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="n[0-1]",
-            SLURM_PROCID=str(node), SLURM_NTASKS="2", SLURMD_NODENAME=f"n{node}",
+            SLURM_JOB_ID="77",
+            SLURM_NODEID=str(node),
+            SLURM_JOB_NUM_NODES="2",
+            SLURM_JOB_NODELIST="n[0-1]",
+            SLURM_PROCID=str(node),
+            SLURM_NTASKS="2",
+            SLURMD_NODENAME=f"n{node}",
         )
         dest = tmp_path / f"node{node}"
-        done = run_cli("stage-in", str(small_dataset), "--dest", str(dest), "--subset", "node", "--jitter-max", "0", "--quiet", env=env)
+        done = run_cli(
+            "stage-in",
+            str(small_dataset),
+            "--dest",
+            str(dest),
+            "--subset",
+            "node",
+            "--jitter-max",
+            "0",
+            "--quiet",
+            env=env,
+        )
         assert done.returncode == 0, done.stderr
         manifest = staged_manifest_path(dest / "ds").read_text()
         assert '"subset": "node"' in manifest
         staged_sets.append({p.name for p in (dest / "ds").glob("*.tar")})
     assert not staged_sets[0] & staged_sets[1]
     assert staged_sets[0] | staged_sets[1] == {p.name for p in small_dataset.glob("*.tar")}
-    loader = ShardedLoader(small_dataset, batch_size=8, to_tuple=("__key__",), rank=0, world_size=1,
-                           options=LoaderOptions(dest=str(tmp_path / "node0")))
+    loader = ShardedLoader(
+        small_dataset,
+        batch_size=8,
+        to_tuple=("__key__",),
+        rank=0,
+        world_size=1,
+        options=LoaderOptions(dest=str(tmp_path / "node0")),
+    )
     assert loader.plan_options.subset == "node"
     node_keys = {k for k in all_keys() if f"train-{int(k[1:6]):06d}.tar" in staged_sets[0]}
     assert set(keys_of(loader)) == node_keys
 
 
-def test_elastic_resume_on_a_smaller_world_repeats_and_loses_nothing(small_dataset: Path, tmp_path: Path) -> None:
+def test_elastic_resume_on_a_smaller_world_repeats_and_loses_nothing(
+    small_dataset: Path, tmp_path: Path
+) -> None:
     def make(rank: int, world: int) -> ShardedLoader:
-        return ShardedLoader(small_dataset, batch_size=8, rank=rank, world_size=world, to_tuple=("__key__",),
-                             options=LoaderOptions(dest=str(tmp_path)))
+        return ShardedLoader(
+            small_dataset,
+            batch_size=8,
+            rank=rank,
+            world_size=world,
+            to_tuple=("__key__",),
+            options=LoaderOptions(dest=str(tmp_path)),
+        )
 
     consumed, state = [], None
     for rank in range(3):  # the old world: 3 ranks stop after 4 batches each
@@ -351,7 +487,9 @@ def test_elastic_resume_on_a_smaller_world_repeats_and_loses_nothing(small_datas
         assert len(head) + len(tail) == len(loader)
         loader.set_epoch(3)
         per_rank = -(-len(all_keys()) // 2)
-        assert len(loader) == -(-per_rank // 8), "the next epoch follows the new world's normal plan"
+        assert len(loader) == -(-per_rank // 8), (
+            "the next epoch follows the new world's normal plan"
+        )
     assert len(lengths) == 1
     assert set(consumed) | set(new_keys) == all_keys(), "nothing lost"
     assert not set(consumed) & set(new_keys), "nothing delivered twice"
@@ -364,8 +502,13 @@ def test_memory_does_not_grow_across_epochs(small_dataset: Path, tmp_path: Path)
     def rss_bytes() -> int:
         return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
-    loader = ShardedLoader(small_dataset, batch_size=16, decode="rgb8", to_tuple=("npy", "cls"),
-                           options=LoaderOptions(dest=str(tmp_path)))
+    loader = ShardedLoader(
+        small_dataset,
+        batch_size=16,
+        decode="rgb8",
+        to_tuple=("npy", "cls"),
+        options=LoaderOptions(dest=str(tmp_path)),
+    )
     for epoch in range(2):
         loader.set_epoch(epoch)
         for _ in loader:
@@ -378,10 +521,14 @@ def test_memory_does_not_grow_across_epochs(small_dataset: Path, tmp_path: Path)
     assert rss_bytes() - before < 8 << 20, "RSS grew across epochs"
 
 
-def test_dataset_index_is_cached_in_one_file_and_rebuilt_on_change(dataset_copy: Path, tmp_path: Path, monkeypatch) -> None:
+def test_dataset_index_is_cached_in_one_file_and_rebuilt_on_change(
+    dataset_copy: Path, tmp_path: Path, monkeypatch
+) -> None:
     dest = tmp_path / "scratch"
     staged = stage(dataset_copy, dest)
-    first = ShardedLoader(dataset_copy, batch_size=16, to_tuple=("__key__",), options=LoaderOptions(dest=str(dest)))
+    first = ShardedLoader(
+        dataset_copy, batch_size=16, to_tuple=("__key__",), options=LoaderOptions(dest=str(dest))
+    )
     assert (staged / ".stager" / "index" / "dataset.flat.npz").is_file()
 
     import loaders.index as index_module
@@ -390,18 +537,29 @@ def test_dataset_index_is_cached_in_one_file_and_rebuilt_on_change(dataset_copy:
         raise AssertionError("the dataset index should have come from its one-file cache")
 
     monkeypatch.setattr(index_module, "cached_index", no_header_walk)
-    again = ShardedLoader(dataset_copy, batch_size=16, to_tuple=("__key__",), options=LoaderOptions(dest=str(dest)))
+    again = ShardedLoader(
+        dataset_copy, batch_size=16, to_tuple=("__key__",), options=LoaderOptions(dest=str(dest))
+    )
     assert keys_of(again) == keys_of(first)
 
     monkeypatch.undo()
     shard = sorted(staged.glob("*.tar"))[0]
-    os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))  # a changed shard
+    os.utime(
+        shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9)
+    )  # a changed shard
     monkeypatch.setattr(index_module, "cached_index", no_header_walk)
     with pytest.raises(AssertionError, match="one-file cache"):
-        ShardedLoader(dataset_copy, batch_size=16, to_tuple=("__key__",), options=LoaderOptions(dest=str(dest)))
+        ShardedLoader(
+            dataset_copy,
+            batch_size=16,
+            to_tuple=("__key__",),
+            options=LoaderOptions(dest=str(dest)),
+        )
 
 
-def test_first_loader_after_stage_in_reads_no_tar_header(dataset_copy: Path, tmp_path: Path, monkeypatch) -> None:
+def test_first_loader_after_stage_in_reads_no_tar_header(
+    dataset_copy: Path, tmp_path: Path, monkeypatch
+) -> None:
     """stage-in hands over the member offsets it parsed in flight: no header walk, same batches."""
     dest = tmp_path / "scratch"
     staged = stage(dataset_copy, dest)
@@ -412,11 +570,21 @@ def test_first_loader_after_stage_in_reads_no_tar_header(dataset_copy: Path, tmp
         raise AssertionError("the loader walked tar headers although stage-in indexed the shards")
 
     monkeypatch.setattr(index_module, "cached_index", no_header_walk)
-    loader = ShardedLoader(dataset_copy, batch_size=16, to_tuple=("__key__", "npy"), options=LoaderOptions(dest=str(dest)))
+    loader = ShardedLoader(
+        dataset_copy,
+        batch_size=16,
+        to_tuple=("__key__", "npy"),
+        options=LoaderOptions(dest=str(dest)),
+    )
     got = keys_of(loader)
     monkeypatch.undo()
     (staged / ".stager" / "index" / "dataset.flat.npz").unlink()
-    walked = ShardedLoader(dataset_copy, batch_size=16, to_tuple=("__key__", "npy"), options=LoaderOptions(dest=str(dest)))
+    walked = ShardedLoader(
+        dataset_copy,
+        batch_size=16,
+        to_tuple=("__key__", "npy"),
+        options=LoaderOptions(dest=str(dest)),
+    )
     assert got == keys_of(walked) and set(got) == all_keys()
     first = next(iter(loader))
     again = next(iter(walked))
@@ -428,10 +596,14 @@ def test_a_shard_index_is_cached_on_disk_only_when_it_was_slow_to_build(
 ) -> None:
     import loaders.index as index_module
 
-    [shard] = write_synthetic_dataset(tmp_path / "ds", SyntheticSpec(num_shards=1, samples_per_shard=5))
+    [shard] = write_synthetic_dataset(
+        tmp_path / "ds", SyntheticSpec(num_shards=1, samples_per_shard=5)
+    )
     cache = tmp_path / "cache"
     quick = index_module.cached_index(shard, cache_dir=cache)
-    assert quick.num_samples == 5 and not list(cache.rglob("*.idx.npz"))  # re-indexing beats a cache read
+    assert quick.num_samples == 5 and not list(
+        cache.rglob("*.idx.npz")
+    )  # re-indexing beats a cache read
 
     monkeypatch.setattr(index_module, "CACHE_AFTER_S", 0.0)  # as if the shard were large
     index_module.cached_index(shard, cache_dir=cache)

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from stager.slurm import SlurmEnv
-from stager.storage.sources import resolve_source
-from stager.stagein.run import StageInOptions, stage_in
 from stager.shards.synth import SyntheticSpec, sample_key
+from stager.slurm import SlurmEnv
+from stager.stagein.run import StageInOptions, stage_in
+from stager.storage.sources import resolve_source
 
 from .conftest import REPO, clean_env
 
@@ -32,8 +32,15 @@ def _make(job: dict[str, Any], mode: str, even: str) -> Any:
     from loaders import LoaderOptions, ShardedLoader
 
     options = LoaderOptions(dest=job["dest"], force_streaming=mode == "stream", buffer_samples=40)
-    return ShardedLoader(job["source"], batch_size=BATCH, num_workers=WORKERS, seed=3, even=even,
-                         to_tuple=("__key__",), options=options)
+    return ShardedLoader(
+        job["source"],
+        batch_size=BATCH,
+        num_workers=WORKERS,
+        seed=3,
+        even=even,
+        to_tuple=("__key__",),
+        options=options,
+    )
 
 
 def _phase(job: dict[str, Any], rank: int) -> dict[str, Any]:
@@ -44,7 +51,10 @@ def _phase(job: dict[str, Any], rank: int) -> dict[str, Any]:
             for even in ("pad", "drop"):
                 loader = _make(job, mode, even)
                 loader.set_epoch(epoch)
-                out[f"{mode}/{even}"] = {"len": len(loader), "batches": [list(b[0]) for b in loader]}
+                out[f"{mode}/{even}"] = {
+                    "len": len(loader),
+                    "batches": [list(b[0]) for b in loader],
+                }
     elif job["phase"] == "stop":
         for mode in MODES:
             for k in STOP_AFTER:
@@ -72,7 +82,9 @@ def rank_main(rank: int, job: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     started = time.monotonic()
-    dist.init_process_group("gloo", init_method=f"file://{job['out']}/rendezvous", rank=rank, world_size=WORLD)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{job['out']}/rendezvous", rank=rank, world_size=WORLD
+    )
     try:
         result = _phase(job, rank)
         dist.barrier()
@@ -87,7 +99,9 @@ def run_world(job: dict[str, Any], timeout_s: float = 180) -> list[dict[str, Any
     Path(job["out"]).mkdir(parents=True)
     code = "import json, sys; from tests.test_loader_ddp import rank_main; rank_main(int(sys.argv[1]), json.loads(sys.argv[2]))"
     procs = [
-        subprocess.Popen([sys.executable, "-c", code, str(rank), json.dumps(job)], cwd=REPO, env=clean_env())
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(rank), json.dumps(job)], cwd=REPO, env=clean_env()
+        )
         for rank in range(WORLD)
     ]
     try:

@@ -40,25 +40,39 @@ def _run_epoch(loader: ShardedLoader, clock: FakeClock, step_s: float) -> dict[s
     return loader.metrics.as_dict()
 
 
-def test_wait_is_zero_when_the_data_is_ready(small_dataset: Path, tmp_path: Path, clock: FakeClock) -> None:
+def test_wait_is_zero_when_the_data_is_ready(
+    small_dataset: Path, tmp_path: Path, clock: FakeClock
+) -> None:
     """Only the time from asking for a batch to its arrival counts; the model's time does not."""
     loader = ShardedLoader(
-        str(small_dataset), batch_size=16, num_workers=0, to_tuple=("__key__",), options=LoaderOptions(dest=str(tmp_path))
+        str(small_dataset),
+        batch_size=16,
+        num_workers=0,
+        to_tuple=("__key__",),
+        options=LoaderOptions(dest=str(tmp_path)),
     )
     metrics = _run_epoch(loader, clock, step_s=0.02)
     assert metrics["steps"] == len(loader) and metrics["samples"] == loader.shard_samples.sum()
     assert metrics["wait_s_total"] == 0 and metrics["wait_fraction"] == 0
     # Over the window: every sample delivered, in the model's time between the first batch and the last.
-    assert metrics["samples_per_s"] == pytest.approx(metrics["samples"] / ((len(loader) - 1) * 0.02))
+    assert metrics["samples_per_s"] == pytest.approx(
+        metrics["samples"] / ((len(loader) - 1) * 0.02)
+    )
 
 
-def test_wait_dominates_when_the_data_path_is_slow(small_dataset: Path, tmp_path: Path, clock: FakeClock) -> None:
+def test_wait_dominates_when_the_data_path_is_slow(
+    small_dataset: Path, tmp_path: Path, clock: FakeClock
+) -> None:
     def slow_sample(sample: dict) -> dict:
         clock.advance(0.01)  # an artificially slow source/decode: 10 ms per sample
         return sample
 
     loader = ShardedLoader(
-        str(small_dataset), batch_size=8, num_workers=0, map=slow_sample, to_tuple=("__key__",),
+        str(small_dataset),
+        batch_size=8,
+        num_workers=0,
+        map=slow_sample,
+        to_tuple=("__key__",),
         options=LoaderOptions(dest=str(tmp_path)),
     )
     metrics = _run_epoch(loader, clock, step_s=0.001)

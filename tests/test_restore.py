@@ -5,8 +5,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from stager.stageout.store import META_DIR
 from stager.errors import EXIT_CHECKPOINT
+from stager.stageout.store import META_DIR
 
 from .conftest import BIN, clean_env
 from .test_stageout import (

@@ -21,14 +21,19 @@ def resumed(staged_world: dict[str, Any]) -> dict[str, Any]:  # noqa: F811 - the
     root = Path(staged_world["root"])
     job = {k: staged_world[k] for k in ("source", "dest")}
     stopped = run_world({**job, "phase": "stop", "out": str(root / "stop")})
-    tails = run_world({**job, "phase": "resume", "out": str(root / "resume"), "stopped": str(root / "stop")})
+    tails = run_world(
+        {**job, "phase": "resume", "out": str(root / "resume"), "stopped": str(root / "stop")}
+    )
     return {"stopped": stopped, "tails": tails}
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("k", STOP_AFTER)
 def test_resume_continues_exactly_per_rank(
-    staged_world: dict[str, Any], resumed: dict[str, Any], mode: str, k: int  # noqa: F811 - the imported fixture
+    staged_world: dict[str, Any],  # noqa: F811 - the imported fixture
+    resumed: dict[str, Any],
+    mode: str,
+    k: int,
 ) -> None:
     for rank in range(WORLD):
         expected = staged_world["full"][rank][f"{mode}/pad"]["batches"]

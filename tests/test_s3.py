@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 from stager.errors import EXIT_INTEGRITY, EXIT_SOURCE
-from stager.storage.hashing import hash_file
 from stager.shards.build import build_manifest
 from stager.shards.manifest import Manifest
-from stager.storage.sources import resolve_source
-from stager.stagein.run import staged_manifest_path
 from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
+from stager.stagein.run import staged_manifest_path
+from stager.storage.hashing import hash_file
+from stager.storage.sources import resolve_source
 
 from .conftest import clean_env, run_cli
 from .s3server import FlakyProxy, moto_server, s3_env
@@ -44,14 +44,20 @@ def _client(url: str):
     import boto3
 
     return boto3.client(
-        "s3", endpoint_url=url, aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1"
+        "s3",
+        endpoint_url=url,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
     )
 
 
 @pytest.fixture(scope="module")
 def local_ds(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("s3src") / "ds"
-    write_synthetic_dataset(root, SyntheticSpec(num_shards=5, samples_per_shard=8, image_bytes=3000, uneven=True))
+    write_synthetic_dataset(
+        root, SyntheticSpec(num_shards=5, samples_per_shard=8, image_bytes=3000, uneven=True)
+    )
     return root
 
 
@@ -77,10 +83,18 @@ def _assert_staged(local_ds: Path, staged: Path, names: list[str]) -> None:
     assert not list(staged.rglob("*.partial"))
 
 
-def test_stage_in_a_prefix_directory(endpoint: str, prefix: str, local_ds: Path, tmp_path: Path) -> None:
+def test_stage_in_a_prefix_directory(
+    endpoint: str, prefix: str, local_ds: Path, tmp_path: Path
+) -> None:
     report = tmp_path / "r.json"
     result = run_cli(
-        "stage-in", f"s3://{BUCKET}/{prefix}/", "--dest", str(tmp_path), "--report", str(report), *FAST,
+        "stage-in",
+        f"s3://{BUCKET}/{prefix}/",
+        "--dest",
+        str(tmp_path),
+        "--report",
+        str(report),
+        *FAST,
         env=_env(endpoint),
     )
     assert result.returncode == 0, result.stderr
@@ -88,10 +102,14 @@ def test_stage_in_a_prefix_directory(endpoint: str, prefix: str, local_ds: Path,
     _assert_staged(local_ds, tmp_path / "ds", names)
     staged = Manifest.read(staged_manifest_path(tmp_path / "ds"))
     assert [e.hash for e in staged.entries] == [hash_file(local_ds / n) for n in names]
-    assert json.loads(report.read_text())["bytes_read_source"] == sum((local_ds / n).stat().st_size for n in names)
+    assert json.loads(report.read_text())["bytes_read_source"] == sum(
+        (local_ds / n).stat().st_size for n in names
+    )
 
 
-def test_stage_in_a_brace_pattern(endpoint: str, prefix: str, local_ds: Path, tmp_path: Path) -> None:
+def test_stage_in_a_brace_pattern(
+    endpoint: str, prefix: str, local_ds: Path, tmp_path: Path
+) -> None:
     pattern = f"s3://{BUCKET}/{prefix}/train-{{000001..000003}}.tar"
     result = run_cli("stage-in", pattern, "--dest", str(tmp_path), *FAST, env=_env(endpoint))
     assert result.returncode == 0, result.stderr
@@ -104,26 +122,38 @@ def test_index_on_s3_then_stage_in_verifies_against_it(
     env = _env(endpoint)
     result = run_cli("stager", "index", f"s3://{BUCKET}/{prefix}/", env=env)
     assert result.returncode == 0, result.stderr
-    body = _client(endpoint).get_object(Bucket=BUCKET, Key=f"{prefix}/stager-manifest.json")["Body"].read()
+    body = (
+        _client(endpoint)
+        .get_object(Bucket=BUCKET, Key=f"{prefix}/stager-manifest.json")["Body"]
+        .read()
+    )
     remote = tmp_path / "remote.json"
     remote.write_bytes(body)
     indexed = Manifest.read(remote)
-    assert indexed.entries == build_manifest(resolve_source(str(local_ds))).entries  # same as a local scan
+    assert (
+        indexed.entries == build_manifest(resolve_source(str(local_ds))).entries
+    )  # same as a local scan
 
     # The manifest beside the prefix is found; --no-count: sample counts come from it.
     dest = tmp_path / "a"
-    result = run_cli("stage-in", f"s3://{BUCKET}/{prefix}/", "--dest", str(dest), "--no-count", *FAST, env=env)
+    result = run_cli(
+        "stage-in", f"s3://{BUCKET}/{prefix}/", "--dest", str(dest), "--no-count", *FAST, env=env
+    )
     assert result.returncode == 0, result.stderr
     assert Manifest.read(staged_manifest_path(dest / "ds")).entries == indexed.entries
 
     # Same bytes count, different content: only the manifest's hash can catch it.
     tampered = bytearray((local_ds / "train-000004.tar").read_bytes())
     tampered[2000] ^= 0x55
-    _client(endpoint).put_object(Bucket=BUCKET, Key=f"{prefix}/train-000004.tar", Body=bytes(tampered))
+    _client(endpoint).put_object(
+        Bucket=BUCKET, Key=f"{prefix}/train-000004.tar", Body=bytes(tampered)
+    )
     dest = tmp_path / "b"
     pattern = f"s3://{BUCKET}/{prefix}/train-{{000000..000004}}.tar"
     manifest_url = f"s3://{BUCKET}/{prefix}/stager-manifest.json"
-    result = run_cli("stage-in", pattern, "--dest", str(dest), "--manifest", manifest_url, *FAST, env=env)
+    result = run_cli(
+        "stage-in", pattern, "--dest", str(dest), "--manifest", manifest_url, *FAST, env=env
+    )
     assert result.returncode == EXIT_INTEGRITY, result.stderr
     failed = [line for line in result.stderr.splitlines() if line.startswith("FAILED")]
     assert len(failed) == 1 and f"s3://{BUCKET}/{prefix}/train-000004.tar" in failed[0]
@@ -132,7 +162,14 @@ def test_index_on_s3_then_stage_in_verifies_against_it(
 
 
 def test_missing_prefix_is_a_source_error(endpoint: str, tmp_path: Path) -> None:
-    result = run_cli("stage-in", f"s3://{BUCKET}/no-such-prefix/", "--dest", str(tmp_path), *FAST, env=_env(endpoint))
+    result = run_cli(
+        "stage-in",
+        f"s3://{BUCKET}/no-such-prefix/",
+        "--dest",
+        str(tmp_path),
+        *FAST,
+        env=_env(endpoint),
+    )
     assert result.returncode == EXIT_SOURCE
     assert "no-such-prefix" in result.stderr and "Traceback" not in result.stderr
 
@@ -144,8 +181,16 @@ def test_a_server_that_drops_connections_mid_response_is_retried(
     with FlakyProxy(port, every=3, cut_bytes=1500) as proxy:
         report = tmp_path / "r.json"
         result = run_cli(
-            "stage-in", f"s3://{BUCKET}/{prefix}/", "--dest", str(tmp_path), "--report", str(report), "--jobs", "2",
-            *FAST, env=_env(proxy.url),
+            "stage-in",
+            f"s3://{BUCKET}/{prefix}/",
+            "--dest",
+            str(tmp_path),
+            "--report",
+            str(report),
+            "--jobs",
+            "2",
+            *FAST,
+            env=_env(proxy.url),
         )
         assert proxy.cuts >= 2, "the proxy should have cut some responses"
     assert result.returncode == 0, result.stderr

@@ -49,13 +49,17 @@ def _env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _json_manifest(path: Path, name: str) -> Path:
     shard = {"path": name, "size": 10, "hash": None, "samples": None}
-    path.write_text(json.dumps({"format": "stager-manifest", "version": 1, "meta": {}, "shards": [shard]}))
+    path.write_text(
+        json.dumps({"format": "stager-manifest", "version": 1, "meta": {}, "shards": [shard]})
+    )
     return path
 
 
 def _parquet_manifest(path: Path, name: str) -> Path:
     table = pa.table({"path": [name], "size": [10], "hash": [None], "samples": [None]})
-    table = table.replace_schema_metadata({b"stager.format": b"stager-manifest", b"stager.version": b"1"})
+    table = table.replace_schema_metadata(
+        {b"stager.format": b"stager-manifest", b"stager.version": b"1"}
+    )
     pq.write_table(table, path)
     return path
 
@@ -69,16 +73,22 @@ def test_hostile_manifest_entries_are_refused(tmp_path: Path, name: str, writer)
     assert isinstance(info.value, UnsafePath) or "manifest" in str(info.value)
 
 
-def test_stage_in_with_a_hostile_manifest_writes_nothing(dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_stage_in_with_a_hostile_manifest_writes_nothing(
+    dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     manifest = _json_manifest(tmp_path / "m.json", "../../../escaped.tar")
     dest = tmp_path / "deep" / "er" / "scratch"
-    result = run_main(capsys, "stage-in", str(dataset), "--dest", str(dest), "--manifest", str(manifest), *FAST)
+    result = run_main(
+        capsys, "stage-in", str(dataset), "--dest", str(dest), "--manifest", str(manifest), *FAST
+    )
     assert result.returncode == EXIT_DEST, result.stderr
     assert "../../../escaped.tar" in result.stderr and "refused" in result.stderr
     assert not list(tmp_path.rglob("escaped.tar")) and not list(dest.rglob("*.tar"))
 
 
-def test_list_file_naming_a_path_outside_the_dataset_is_refused(dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_list_file_naming_a_path_outside_the_dataset_is_refused(
+    dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     src = tmp_path / "src" / "ds"
     src.mkdir(parents=True)
     (src / "train-000000.tar").write_bytes((dataset / "train-000000.tar").read_bytes())
@@ -88,14 +98,18 @@ def test_list_file_naming_a_path_outside_the_dataset_is_refused(dataset: Path, t
     listing = tmp_path / "list.txt"
     listing.write_text(f"{src}/train-000000.tar\n{src}/../../outside/evil.tar\n")
     dest = tmp_path / "scratch"
-    result = run_main(capsys, "stage-in", "--from-list", str(listing), "--dest", str(dest), "--name", "ds", *FAST)
+    result = run_main(
+        capsys, "stage-in", "--from-list", str(listing), "--dest", str(dest), "--name", "ds", *FAST
+    )
     assert result.returncode == EXIT_DEST, result.stderr
     assert "evil.tar" in result.stderr and "refused" in result.stderr
     assert not list(dest.rglob("*.tar")) if dest.exists() else True
     assert sorted(p.name for p in tmp_path.rglob("evil.tar")) == ["evil.tar"]  # only the original
 
 
-def test_dest_that_is_a_symlink_is_refused(dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_dest_that_is_a_symlink_is_refused(
+    dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     target = tmp_path / "victim"
     target.mkdir()
     link = tmp_path / "scratch"
@@ -105,7 +119,9 @@ def test_dest_that_is_a_symlink_is_refused(dataset: Path, tmp_path: Path, capsys
     assert not list(target.iterdir())
 
 
-def test_dataset_dir_pre_created_as_a_symlink_is_refused(dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_dataset_dir_pre_created_as_a_symlink_is_refused(
+    dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     target = tmp_path / "victim"
     target.mkdir()
     dest = tmp_path / "scratch"
@@ -117,7 +133,9 @@ def test_dataset_dir_pre_created_as_a_symlink_is_refused(dataset: Path, tmp_path
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
-def test_dest_owned_by_another_user_is_refused(dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_dest_owned_by_another_user_is_refused(
+    dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     dest = tmp_path / "scratch"
     dest.mkdir(mode=0o777)
     os.chown(dest, 12345, 12345)
@@ -126,7 +144,9 @@ def test_dest_owned_by_another_user_is_refused(dataset: Path, tmp_path: Path, ca
     assert not list(dest.iterdir())
 
 
-def test_scratch_dirs_are_private(dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_scratch_dirs_are_private(
+    dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     dest = tmp_path / "scratch"
     dest.mkdir(mode=0o755)
     os.chmod(dest, 0o755)  # pre-existing and ours, but readable by others: tightened
@@ -136,7 +156,9 @@ def test_scratch_dirs_are_private(dataset: Path, tmp_path: Path, capsys: pytest.
         assert stat.S_IMODE(path.stat().st_mode) == 0o700, path
 
 
-def test_paths_with_spaces_quotes_and_newlines(dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_paths_with_spaces_quotes_and_newlines(
+    dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     odd = "my ds 'single' \"double\" $HOME `x` ;\nline2"
     src = tmp_path / odd
     src.mkdir()
@@ -145,7 +167,9 @@ def test_paths_with_spaces_quotes_and_newlines(dataset: Path, tmp_path: Path, ca
     dest = tmp_path / f"scratch {odd}"
     result = run_main(capsys, "stage-in", str(src), "--dest", str(dest), *FAST)
     assert result.returncode == 0, result.stderr
-    assert sorted(p.name for p in (dest / odd).glob("*.tar")) == sorted(p.name for p in dataset.glob("*.tar"))
+    assert sorted(p.name for p in (dest / odd).glob("*.tar")) == sorted(
+        p.name for p in dataset.glob("*.tar")
+    )
     index = run_main(capsys, "stager", "index", str(src))
     assert index.returncode == 0 and (src / "stager-manifest.json").is_file()
 
@@ -166,11 +190,15 @@ def shell_uses(source: str, filename: str = "<source>") -> list[str]:
         if not isinstance(node, ast.Call):
             continue
         for keyword in node.keywords:
-            if keyword.arg == "shell" and not (isinstance(keyword.value, ast.Constant) and keyword.value.value is False):
+            if keyword.arg == "shell" and not (
+                isinstance(keyword.value, ast.Constant) and keyword.value.value is False
+            ):
                 found.append(f"{filename}:{node.lineno}: shell=...")
         func = node.func
         if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
-            if (func.value.id, func.attr) in _SHELL_CALLS or (func.value.id == "os" and func.attr.startswith("spawn")):
+            if (func.value.id, func.attr) in _SHELL_CALLS or (
+                func.value.id == "os" and func.attr.startswith("spawn")
+            ):
                 found.append(f"{filename}:{node.lineno}: {func.value.id}.{func.attr}")
     return found
 
@@ -188,12 +216,18 @@ def test_no_shell_anywhere_in_the_package(package: str) -> None:
     for path in files:
         text = path.read_text()
         found += shell_uses(text, str(path.relative_to(REPO)))
-        found += [f"{path.relative_to(REPO)}: text 'shell=True'" for line in text.splitlines() if "shell=True" in line]
+        found += [
+            f"{path.relative_to(REPO)}: text 'shell=True'"
+            for line in text.splitlines()
+            if "shell=True" in line
+        ]
     assert found == []
 
 
 @pytest.mark.parametrize("planted", ["sub", "train-000001.tar"])
-def test_symlink_planted_inside_the_dataset_is_refused_not_followed(tmp_path: Path, planted: str) -> None:
+def test_symlink_planted_inside_the_dataset_is_refused_not_followed(
+    tmp_path: Path, planted: str
+) -> None:
     from stager.errors import UnsafePath
     from stager.storage.paths import SafeJoiner
 
@@ -202,7 +236,9 @@ def test_symlink_planted_inside_the_dataset_is_refused_not_followed(tmp_path: Pa
     outside = tmp_path / "outside"
     outside.mkdir()
     join = SafeJoiner(root)
-    assert join("sub/train-000000.tar") == root / "sub" / "train-000000.tar"  # directory resolved and cached
+    assert (
+        join("sub/train-000000.tar") == root / "sub" / "train-000000.tar"
+    )  # directory resolved and cached
     (root / planted).symlink_to(outside if planted == "sub" else outside / "victim.tar")
     target = "sub/train-000000.tar" if planted == "sub" else planted
     fresh = SafeJoiner(root)

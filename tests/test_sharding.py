@@ -35,7 +35,9 @@ def _counts(seed: int, shards: int) -> np.ndarray:
     return rng.integers(0, 400, size=shards)
 
 
-def _world(num_nodes: int, rpn: int, counts: np.ndarray, options: PlanOptions, epoch: int = 0) -> list[list[np.ndarray]]:
+def _world(
+    num_nodes: int, rpn: int, counts: np.ndarray, options: PlanOptions, epoch: int = 0
+) -> list[list[np.ndarray]]:
     """Every rank's batches."""
     rows = world_indices(counts, num_nodes, rpn, epoch=epoch, options=options)
     return [rank_batches(row, options.batch_size, options.even) for row in rows]
@@ -43,10 +45,15 @@ def _world(num_nodes: int, rpn: int, counts: np.ndarray, options: PlanOptions, e
 
 def test_world_indices_agrees_with_rank_indices() -> None:
     counts = _counts(1, 9)
-    for options in (PlanOptions(batch_size=3), PlanOptions(batch_size=3, even="drop", shuffle="blocked", block_samples=7)):
+    for options in (
+        PlanOptions(batch_size=3),
+        PlanOptions(batch_size=3, even="drop", shuffle="blocked", block_samples=7),
+    ):
         rows = world_indices(counts, 3, 2, epoch=2, options=options)
         for rank in range(6):
-            assert np.array_equal(rows[rank], rank_indices(counts, WorldLayout(3, 2, rank), epoch=2, options=options))
+            assert np.array_equal(
+                rows[rank], rank_indices(counts, WorldLayout(3, 2, rank), epoch=2, options=options)
+            )
 
 
 @pytest.mark.parametrize("even", ["pad", "drop"])
@@ -56,7 +63,9 @@ def test_every_layout_equal_batches_full_cover_bounded_loss(even: str, shuffle: 
     total = int(counts.sum())
     for num_nodes, rpn, batch in itertools.product(NODES, RANKS_PER_NODE, (1, 7, 64)):
         world = num_nodes * rpn
-        options = PlanOptions(batch_size=batch, seed=5, shuffle=shuffle, even=even, block_samples=100)
+        options = PlanOptions(
+            batch_size=batch, seed=5, shuffle=shuffle, even=even, block_samples=100
+        )
         ranks = _world(num_nodes, rpn, counts, options)
         lengths = {len(b) for b in ranks}
         assert len(lengths) == 1, (num_nodes, rpn, batch)
@@ -86,7 +95,9 @@ def test_determinism_per_seed_and_epoch() -> None:
     a = epoch_order(counts, epoch=3, options=options)
     assert np.array_equal(a, epoch_order(counts, epoch=3, options=options))
     assert not np.array_equal(a, epoch_order(counts, epoch=4, options=options))
-    assert not np.array_equal(a, epoch_order(counts, epoch=3, options=PlanOptions(batch_size=4, seed=2)))
+    assert not np.array_equal(
+        a, epoch_order(counts, epoch=3, options=PlanOptions(batch_size=4, seed=2))
+    )
     assert sorted(a.tolist()) == list(range(100))
 
 
@@ -105,7 +116,9 @@ def test_node_partition_is_stable_and_balanced() -> None:
     counts = _counts(11, 101)
     for nodes in (1, 2, 5, 64):
         parts = node_partition(counts, nodes)
-        assert all(np.array_equal(a, b) for a, b in zip(parts, node_partition(counts, nodes), strict=True))
+        assert all(
+            np.array_equal(a, b) for a, b in zip(parts, node_partition(counts, nodes), strict=True)
+        )
         flat = np.concatenate(parts)
         assert sorted(flat.tolist()) == list(range(101))
         loads = [int(counts[p].sum()) for p in parts]
@@ -128,10 +141,14 @@ def test_node_subset_equal_batches_and_stays_within_node(even: str) -> None:
                 seen = []
                 for r in range(rpn):
                     layout = WorldLayout(num_nodes, rpn, node * rpn + r)
-                    idx = rank_indices(local, layout, epoch=epoch, options=options, per_rank=per_rank)
+                    idx = rank_indices(
+                        local, layout, epoch=epoch, options=options, per_rank=per_rank
+                    )
                     lengths.add(num_batches(len(idx), batch, even))
                     seen.extend(idx.tolist())
-                assert all(0 <= i < int(local.sum()) for i in seen), "indices refer to the node's shards"
+                assert all(0 <= i < int(local.sum()) for i in seen), (
+                    "indices refer to the node's shards"
+                )
                 if even == "drop":
                     assert len(set(seen)) == len(seen)
         assert len(lengths) == 1
@@ -141,11 +158,15 @@ def test_pad_of_tiny_dataset_and_empty_refusal() -> None:
     options = PlanOptions(batch_size=4)
     layout = WorldLayout(2, 4, 7)
     assert len(rank_indices([3], layout, epoch=0, options=options)) == 1
-    assert len(rank_indices([0], layout, epoch=0, options=options)) == 0, "empty dataset: empty epoch"
+    assert len(rank_indices([0], layout, epoch=0, options=options)) == 0, (
+        "empty dataset: empty epoch"
+    )
     node_options = PlanOptions(batch_size=4, subset="node")
     with pytest.raises(ValueError, match="empty"):
         rank_indices([0], layout, epoch=0, options=node_options, per_rank=2)
-    assert len(rank_indices([0], layout, epoch=0, options=PlanOptions(batch_size=4, even="drop"))) == 0
+    assert (
+        len(rank_indices([0], layout, epoch=0, options=PlanOptions(batch_size=4, even="drop"))) == 0
+    )
 
 
 def test_bad_arguments_refused() -> None:
@@ -170,18 +191,30 @@ def test_fingerprint_changes_with_counts_and_names() -> None:
 def test_elastic_remaining_is_exactly_what_the_old_world_still_owed(even: str) -> None:
     counts = _counts(8, 13)
     options = PlanOptions(batch_size=5, seed=2, even=even)
-    for (old_nodes, old_rpn), new_world, k in itertools.product([(1, 3), (2, 2), (4, 1)], (1, 2, 5), (0, 1, 4)):
+    for (old_nodes, old_rpn), new_world, k in itertools.product(
+        [(1, 3), (2, 2), (4, 1)], (1, 2, 5), (0, 1, 4)
+    ):
         rows = world_indices(counts, old_nodes, old_rpn, epoch=3, options=options)
         owed = rows.shape[1] if even == "pad" else num_batches(rows.shape[1], 5, "drop") * 5
         consumed = set(rows[:, : k * 5].reshape(-1).tolist())
-        remaining = remaining_after(counts, old_nodes, old_rpn, epoch=3, options=options, batches_consumed=k)
+        remaining = remaining_after(
+            counts, old_nodes, old_rpn, epoch=3, options=options, batches_consumed=k
+        )
         assert len(set(remaining.tolist())) == len(remaining), "nothing owed twice"
         assert not consumed & set(remaining.tolist()), "nothing delivered is owed again"
         assert consumed | set(remaining.tolist()) == set(rows[:, :owed].reshape(-1).tolist())
-        shares = [elastic_indices(remaining, WorldLayout(1, new_world, r), even) for r in range(new_world)]
+        shares = [
+            elastic_indices(remaining, WorldLayout(1, new_world, r), even) for r in range(new_world)
+        ]
         assert len({len(s) for s in shares}) == 1
         delivered = np.concatenate(shares).tolist()
         if even == "pad":
-            assert set(delivered) == set(remaining.tolist()) and len(delivered) - len(remaining) < new_world
+            assert (
+                set(delivered) == set(remaining.tolist())
+                and len(delivered) - len(remaining) < new_world
+            )
         else:
-            assert len(set(delivered)) == len(delivered) and len(remaining) - len(delivered) < new_world
+            assert (
+                len(set(delivered)) == len(delivered)
+                and len(remaining) - len(delivered) < new_world
+            )

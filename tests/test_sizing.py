@@ -17,9 +17,9 @@ import pytest
 
 from stager.errors import EXIT_FULL, EXIT_SOURCE
 from stager.shards.manifest import Manifest
-from stager.stagein.sizing import DROPPED, UNKNOWN, DeferredPreflight, PublishGate, SizeProbe
-from stager.stagein.run import staged_manifest_path
 from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
+from stager.stagein.run import staged_manifest_path
+from stager.stagein.sizing import DROPPED, UNKNOWN, DeferredPreflight, PublishGate, SizeProbe
 
 from .inproc import clean_process_env, run_main
 
@@ -96,7 +96,12 @@ def test_deferred_preflight_passes_when_the_sizes_fit(tmp_path: Path) -> None:
     paths = _files(tmp_path / "src", [100, 200, 300])
     totals: list[tuple[int, int]] = []
     check = DeferredPreflight(
-        paths, 2, known_bytes=50, free_bytes=700, min_free_bytes=50, on_sized=lambda b, n: totals.append((b, n))
+        paths,
+        2,
+        known_bytes=50,
+        free_bytes=700,
+        min_free_bytes=50,
+        on_sized=lambda b, n: totals.append((b, n)),
     )
     held = _partial(tmp_path, "a.tar")
     check.gate.publish(*held)  # a copy that finished before the verdict
@@ -143,10 +148,14 @@ def test_held_compressed_shards_are_counted_once_renamed(
     # the pending space check has no staged file yet, so its count must wait for the rename.
     clean_process_env(monkeypatch)
     src = tmp_path / "gz"
-    shards = write_synthetic_dataset(src, SyntheticSpec(num_shards=3, samples_per_shard=4, compress=True))
+    shards = write_synthetic_dataset(
+        src, SyntheticSpec(num_shards=3, samples_per_shard=4, compress=True)
+    )
     _slow_last_stat(monkeypatch, shards[-1].name)
     dest = tmp_path / "scratch"
-    result = run_main(capsys, "stage-in", str(src), "--dest", str(dest), "--jitter-max", "0", "--quiet")
+    result = run_main(
+        capsys, "stage-in", str(src), "--dest", str(dest), "--jitter-max", "0", "--quiet"
+    )
     assert result.returncode == 0, result.stderr
     staged = Manifest.read(staged_manifest_path(dest / "gz"))
     assert [(e.relpath, e.samples) for e in staged.entries] == [(p.name, 4) for p in shards]
@@ -166,11 +175,22 @@ def test_refusal_after_held_copies_reports_nothing_copied(
     _slow_last_stat(monkeypatch, shards[-1].name)
     real_usage = shutil.disk_usage
     monkeypatch.setattr(
-        stager.stagein.run.shutil, "disk_usage", lambda path: real_usage(path)._replace(free=total - 1)
+        stager.stagein.run.shutil,
+        "disk_usage",
+        lambda path: real_usage(path)._replace(free=total - 1),
     )
     dest, report_path = tmp_path / "scratch", tmp_path / "report.json"
     result = run_main(
-        capsys, "stage-in", str(src), "--dest", str(dest), "--jitter-max", "0", "--quiet", "--report", str(report_path)
+        capsys,
+        "stage-in",
+        str(src),
+        "--dest",
+        str(dest),
+        "--jitter-max",
+        "0",
+        "--quiet",
+        "--report",
+        str(report_path),
     )
     assert result.returncode == EXIT_FULL, result.stderr
     assert f"({total} bytes)" in result.stderr
@@ -191,8 +211,17 @@ def test_a_shard_that_cannot_be_stat_ed_fails_alone(
         raise OSError(errno.EIO, "Input/output error")
 
     _patch_stat(monkeypatch, shards[1].name, fail)
-    result = run_main(capsys, "stage-in", str(src), "--dest", str(tmp_path / "s"), "--jitter-max", "0", "--quiet")
+    result = run_main(
+        capsys, "stage-in", str(src), "--dest", str(tmp_path / "s"), "--jitter-max", "0", "--quiet"
+    )
     assert result.returncode == EXIT_SOURCE, result.stderr
     failed = [line for line in result.stderr.splitlines() if line.startswith("FAILED")]
-    assert len(failed) == 1 and shards[1].name in failed[0] and "cannot stat it: Input/output error" in failed[0]
-    assert sorted(p.name for p in (tmp_path / "s" / "ds").glob("*.tar")) == [shards[0].name, shards[2].name]
+    assert (
+        len(failed) == 1
+        and shards[1].name in failed[0]
+        and "cannot stat it: Input/output error" in failed[0]
+    )
+    assert sorted(p.name for p in (tmp_path / "s" / "ds").glob("*.tar")) == [
+        shards[0].name,
+        shards[2].name,
+    ]

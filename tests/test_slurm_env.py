@@ -25,7 +25,9 @@ def test_parse_hostlist_documented_examples(spec: str, hosts: list[str]) -> None
     assert parse_hostlist(spec) == hosts
 
 
-@pytest.mark.parametrize("spec", ["node[1-", "node]1[", "node[a-b]", "node[3-1]", "node[[1]]", "a,,b", "node[]"])
+@pytest.mark.parametrize(
+    "spec", ["node[1-", "node]1[", "node[a-b]", "node[3-1]", "node[[1]]", "a,,b", "node[]"]
+)
 def test_parse_hostlist_rejects_malformed(spec: str) -> None:
     with pytest.raises(UsageError):
         parse_hostlist(spec)

@@ -127,7 +127,9 @@ def _assert_same_model(state_path: Path, reference_path: Path) -> None:
     want = torch.load(reference_path, map_location="cpu", weights_only=False)["model"]
     assert got.keys() == want.keys()
     for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=MODEL_RTOL, atol=MODEL_ATOL, msg=name)
+        torch.testing.assert_close(
+            got[name], want[name], rtol=MODEL_RTOL, atol=MODEL_ATOL, msg=name
+        )
 
 
 def test_two_node_job_stages_in_per_node_trains_and_stages_out(slurm_cluster, jobs) -> None:
@@ -214,6 +216,10 @@ def test_single_node_template_with_torchrun(slurm_cluster, jobs) -> None:
         if (slurm_cluster.scratch(n) / reference.job_id / "checkpoints").is_dir()
     )
     ref_state = (
-        slurm_cluster.scratch(ref_node) / reference.job_id / "checkpoints" / "step-00000020" / "state.pt"
+        slurm_cluster.scratch(ref_node)
+        / reference.job_id
+        / "checkpoints"
+        / "step-00000020"
+        / "state.pt"
     )
     _assert_same_model(job.ckpt_dest / "step-00000020" / "state.pt", ref_state)

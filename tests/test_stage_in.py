@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from stager.storage.dest import resolve_dest_root
 from stager.errors import EXIT_FULL, EXIT_SOURCE, EXIT_USAGE
 from stager.shards.manifest import Manifest
-from stager.stagein.run import staged_manifest_path
 from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 from stager.shards.tarindex import count_samples
+from stager.stagein.run import staged_manifest_path
+from stager.storage.dest import resolve_dest_root
 
 from .conftest import BIN, clean_env, run_cli
 
@@ -38,7 +38,14 @@ def _assert_identical(src: Path, staged: Path) -> None:
 
 def test_directory_source_is_copied_byte_identical(small_dataset: Path, tmp_path: Path) -> None:
     report_path = tmp_path / "report.json"
-    result = run_cli("stage-in", str(small_dataset), "--dest", str(tmp_path / "scratch"), "--report", str(report_path))
+    result = run_cli(
+        "stage-in",
+        str(small_dataset),
+        "--dest",
+        str(tmp_path / "scratch"),
+        "--report",
+        str(report_path),
+    )
     assert result.returncode == 0, result.stderr
     staged = tmp_path / "scratch" / "ds"
     _assert_identical(small_dataset, staged)
@@ -58,10 +65,16 @@ def test_rerun_copies_nothing(small_dataset: Path, tmp_path: Path) -> None:
     dest = tmp_path / "scratch"
     assert run_cli("stage-in", str(small_dataset), "--dest", str(dest)).returncode == 0
     inodes = {p: p.stat().st_ino for p in _shards(dest)}
-    result = run_cli("stage-in", str(small_dataset), "--dest", str(dest), "--report", str(tmp_path / "r.json"))
+    result = run_cli(
+        "stage-in", str(small_dataset), "--dest", str(dest), "--report", str(tmp_path / "r.json")
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads((tmp_path / "r.json").read_text())
-    assert (report["files_copied"], report["files_skipped"], report["bytes_read_source"]) == (0, 8, 0)
+    assert (report["files_copied"], report["files_skipped"], report["bytes_read_source"]) == (
+        0,
+        8,
+        0,
+    )
     assert {p: p.stat().st_ino for p in _shards(dest)} == inodes
 
 
@@ -69,23 +82,41 @@ def test_brace_pattern_glob_and_list_sources(small_dataset: Path, tmp_path: Path
     brace = f"{small_dataset}/train-{{000002..000004}}.tar"
     result = run_cli("stage-in", brace, "--dest", str(tmp_path / "a"), "--name", "b")
     assert result.returncode == 0, result.stderr
-    assert [p.name for p in _shards(tmp_path / "a" / "b")] == ["train-000002.tar", "train-000003.tar", "train-000004.tar"]
+    assert [p.name for p in _shards(tmp_path / "a" / "b")] == [
+        "train-000002.tar",
+        "train-000003.tar",
+        "train-000004.tar",
+    ]
 
-    result = run_cli("stage-in", f"{small_dataset}/train-00000[0-1].tar", "--dest", str(tmp_path / "g"))
+    result = run_cli(
+        "stage-in", f"{small_dataset}/train-00000[0-1].tar", "--dest", str(tmp_path / "g")
+    )
     assert result.returncode == 0, result.stderr
-    assert [p.name for p in _shards(tmp_path / "g" / "ds")] == ["train-000000.tar", "train-000001.tar"]
+    assert [p.name for p in _shards(tmp_path / "g" / "ds")] == [
+        "train-000000.tar",
+        "train-000001.tar",
+    ]
 
     listing = tmp_path / "list.txt"
-    listing.write_text(f"# two shards\nfile://{small_dataset}/train-000005.tar\n{small_dataset}/train-000006.tar\n")
-    result = run_cli("stage-in", "--from-list", str(listing), "--dest", str(tmp_path / "l"), "--name", "x")
+    listing.write_text(
+        f"# two shards\nfile://{small_dataset}/train-000005.tar\n{small_dataset}/train-000006.tar\n"
+    )
+    result = run_cli(
+        "stage-in", "--from-list", str(listing), "--dest", str(tmp_path / "l"), "--name", "x"
+    )
     assert result.returncode == 0, result.stderr
-    assert [p.name for p in _shards(tmp_path / "l" / "x")] == ["train-000005.tar", "train-000006.tar"]
+    assert [p.name for p in _shards(tmp_path / "l" / "x")] == [
+        "train-000005.tar",
+        "train-000006.tar",
+    ]
 
 
 def test_nested_directories_keep_relative_paths(tmp_path: Path) -> None:
     src = tmp_path / "nested"
     write_synthetic_dataset(src / "train", SyntheticSpec(num_shards=2, samples_per_shard=3))
-    write_synthetic_dataset(src / "val", SyntheticSpec(num_shards=1, samples_per_shard=3, prefix="val"))
+    write_synthetic_dataset(
+        src / "val", SyntheticSpec(num_shards=1, samples_per_shard=3, prefix="val")
+    )
     (src / "README.txt").write_text("not a shard")
     result = run_cli("stage-in", f"file://{src}", "--dest", str(tmp_path / "s"))
     assert result.returncode == 0, result.stderr
@@ -100,7 +131,9 @@ def test_directory_named_like_a_shard_is_not_a_shard(tmp_path: Path, subset: str
     src = tmp_path / "ds"
     write_synthetic_dataset(src, SyntheticSpec(num_shards=2, samples_per_shard=3))
     (src / "odd.tar").mkdir()
-    result = run_cli("stage-in", str(src), "--dest", str(tmp_path / "s"), "--subset", subset, "--jitter-max", "0")
+    result = run_cli(
+        "stage-in", str(src), "--dest", str(tmp_path / "s"), "--subset", subset, "--jitter-max", "0"
+    )
     assert result.returncode == 0, result.stderr
     staged = Manifest.read(staged_manifest_path(tmp_path / "s" / "ds"))
     assert sorted(e.relpath for e in staged.entries) == ["train-000000.tar", "train-000001.tar"]
@@ -115,11 +148,16 @@ def test_missing_source_is_one_clear_line_and_exit_3(tmp_path: Path) -> None:
 
 
 def test_missing_members_of_a_pattern_fail_alone(small_dataset: Path, tmp_path: Path) -> None:
-    result = run_cli("stage-in", f"{small_dataset}/train-{{000006..000009}}.tar", "--dest", str(tmp_path / "s"))
+    result = run_cli(
+        "stage-in", f"{small_dataset}/train-{{000006..000009}}.tar", "--dest", str(tmp_path / "s")
+    )
     assert result.returncode == EXIT_SOURCE
     failed = [line for line in result.stderr.splitlines() if line.startswith("FAILED")]
     assert len(failed) == 2 and "train-000008.tar" in failed[0] and "not found" in failed[0]
-    assert [p.name for p in _shards(tmp_path / "s" / "ds")] == ["train-000006.tar", "train-000007.tar"]
+    assert [p.name for p in _shards(tmp_path / "s" / "ds")] == [
+        "train-000006.tar",
+        "train-000007.tar",
+    ]
 
 
 def test_usage_errors_exit_2(small_dataset: Path, tmp_path: Path) -> None:
@@ -132,14 +170,28 @@ def test_usage_errors_exit_2(small_dataset: Path, tmp_path: Path) -> None:
 def big_dataset(tmp_path: Path) -> Path:
     """4 shards of ~2 MB: slow enough under --bw-limit to be killed mid-copy."""
     src = tmp_path / "big"
-    write_synthetic_dataset(src, SyntheticSpec(num_shards=4, samples_per_shard=20, image_bytes=100_000))
+    write_synthetic_dataset(
+        src, SyntheticSpec(num_shards=4, samples_per_shard=20, image_bytes=100_000)
+    )
     return src
 
 
-def test_kill_mid_copy_leaves_no_partial_visible_and_rerun_completes(big_dataset: Path, tmp_path: Path) -> None:
+def test_kill_mid_copy_leaves_no_partial_visible_and_rerun_completes(
+    big_dataset: Path, tmp_path: Path
+) -> None:
     dest = tmp_path / "scratch"
     proc = subprocess.Popen(
-        [str(BIN / "stage-in"), str(big_dataset), "--dest", str(dest), "--bw-limit", "2", "--jobs", "2", "--quiet"],
+        [
+            str(BIN / "stage-in"),
+            str(big_dataset),
+            "--dest",
+            str(dest),
+            "--bw-limit",
+            "2",
+            "--jobs",
+            "2",
+            "--quiet",
+        ],
         env=clean_env(),
         stderr=subprocess.DEVNULL,
     )
@@ -155,20 +207,34 @@ def test_kill_mid_copy_leaves_no_partial_visible_and_rerun_completes(big_dataset
         assert filecmp.cmp(final, big_dataset / final.name, shallow=False)
     survivors = {p.name: p.stat().st_ino for p in _shards(staged)}
 
-    result = run_cli("stage-in", str(big_dataset), "--dest", str(dest), "--report", str(tmp_path / "r.json"))
+    result = run_cli(
+        "stage-in", str(big_dataset), "--dest", str(dest), "--report", str(tmp_path / "r.json")
+    )
     assert result.returncode == 0, result.stderr
     _assert_identical(big_dataset, staged)
     assert not list(staged.rglob("*.partial"))
     report = json.loads((tmp_path / "r.json").read_text())
-    assert report["files_skipped"] == len(survivors) and report["files_copied"] == 4 - len(survivors)
+    assert report["files_skipped"] == len(survivors) and report["files_copied"] == 4 - len(
+        survivors
+    )
     assert all(staged.joinpath(name).stat().st_ino == ino for name, ino in survivors.items())
 
 
-def test_concurrent_stage_in_on_one_node_copies_each_shard_once(big_dataset: Path, tmp_path: Path) -> None:
+def test_concurrent_stage_in_on_one_node_copies_each_shard_once(
+    big_dataset: Path, tmp_path: Path
+) -> None:
     dest = tmp_path / "scratch"
     procs = [
         subprocess.Popen(
-            [str(BIN / "stage-in"), str(big_dataset), "--dest", str(dest), "--quiet", "--report", str(tmp_path / f"r{i}.json")],
+            [
+                str(BIN / "stage-in"),
+                str(big_dataset),
+                "--dest",
+                str(dest),
+                "--quiet",
+                "--report",
+                str(tmp_path / f"r{i}.json"),
+            ],
             env=clean_env(),
             stderr=subprocess.PIPE,
         )
@@ -190,18 +256,26 @@ def _mount_tmpfs(path: Path, size: str) -> None:
     path.mkdir(parents=True)
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+    )
     if result.returncode != 0:
         pytest.skip(f"cannot mount tmpfs here: {result.stderr.decode().strip()}")
 
 
-def test_preflight_refuses_on_a_small_tmpfs_before_copying(big_dataset: Path, tmp_path: Path) -> None:
+def test_preflight_refuses_on_a_small_tmpfs_before_copying(
+    big_dataset: Path, tmp_path: Path
+) -> None:
     scratch = tmp_path / "tmpfs"
     _mount_tmpfs(scratch, "2M")
     try:
         result = run_cli("stage-in", str(big_dataset), "--dest", str(scratch))
         assert result.returncode == EXIT_FULL
-        assert "not enough space" in result.stderr and "need" in result.stderr and "free" in result.stderr
+        assert (
+            "not enough space" in result.stderr
+            and "need" in result.stderr
+            and "free" in result.stderr
+        )
         assert str(scratch) in result.stderr
         assert not _shards(scratch) and not list(scratch.rglob("*.partial"))
     finally:
@@ -210,7 +284,14 @@ def test_preflight_refuses_on_a_small_tmpfs_before_copying(big_dataset: Path, tm
 
 def test_non_tty_progress_is_plain_lines(big_dataset: Path, tmp_path: Path) -> None:
     result = run_cli(
-        "stage-in", str(big_dataset), "--dest", str(tmp_path / "s"), "--progress-interval", "0.2", "--bw-limit", "8"
+        "stage-in",
+        str(big_dataset),
+        "--dest",
+        str(tmp_path / "s"),
+        "--progress-interval",
+        "0.2",
+        "--bw-limit",
+        "8",
     )
     assert result.returncode == 0, result.stderr
     assert "\r" not in result.stderr
@@ -220,11 +301,24 @@ def test_non_tty_progress_is_plain_lines(big_dataset: Path, tmp_path: Path) -> N
 def test_python_m_and_umbrella_command_work(small_dataset: Path, tmp_path: Path) -> None:
     env = clean_env()
     by_module = subprocess.run(
-        [sys.executable, "-m", "stager", "stage-in", str(small_dataset), "--dest", str(tmp_path / "m")],
-        env=env, capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "stager",
+            "stage-in",
+            str(small_dataset),
+            "--dest",
+            str(tmp_path / "m"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert by_module.returncode == 0, by_module.stderr
-    umbrella = run_cli("stager", "stage-in", str(small_dataset), "--dest", str(tmp_path / "u"), env=env)
+    umbrella = run_cli(
+        "stager", "stage-in", str(small_dataset), "--dest", str(tmp_path / "u"), env=env
+    )
     assert umbrella.returncode == 0, umbrella.stderr
     _assert_identical(small_dataset, tmp_path / "u" / "ds")
 
@@ -240,18 +334,26 @@ def test_destination_resolution_order(tmp_path: Path) -> None:
     assert resolve_dest_root("/x", env={"STAGER_DEST": "/y", **job}) == Path("/x")
     assert resolve_dest_root(None, env={"STAGER_DEST": "/y", **job}) == Path("/y")
     assert resolve_dest_root(None, env=job) == Path("/scratch/77")
-    assert resolve_dest_root(None, env={"TMPDIR": "/t", "USER": "ann"}) == Path("/t/stager-ann/local")
+    assert resolve_dest_root(None, env={"TMPDIR": "/t", "USER": "ann"}) == Path(
+        "/t/stager-ann/local"
+    )
     assert resolve_dest_root(None, env={"USER": "ann"}) == Path("/tmp/stager-ann/local")
 
 
 def test_runaway_brace_pattern_is_refused_without_expanding(tmp_path: Path) -> None:
-    result = run_cli("stage-in", "/nfs/x-{0..99999999999}-{0..99999}.tar", "--dest", str(tmp_path), timeout=20)
+    result = run_cli(
+        "stage-in", "/nfs/x-{0..99999999999}-{0..99999}.tar", "--dest", str(tmp_path), timeout=20
+    )
     assert result.returncode == EXIT_USAGE and "expands to more than" in result.stderr
 
 
-def test_shards_missing_from_the_manifest_are_staged_with_a_warning(dataset_copy: Path, tmp_path: Path) -> None:
+def test_shards_missing_from_the_manifest_are_staged_with_a_warning(
+    dataset_copy: Path, tmp_path: Path
+) -> None:
     assert run_cli("stager", "index", str(dataset_copy)).returncode == 0
-    write_synthetic_dataset(dataset_copy, SyntheticSpec(num_shards=1, samples_per_shard=3, prefix="extra"))
+    write_synthetic_dataset(
+        dataset_copy, SyntheticSpec(num_shards=1, samples_per_shard=3, prefix="extra")
+    )
     result = run_cli("stage-in", str(dataset_copy), "--dest", str(tmp_path / "s"))
     assert result.returncode == 0, result.stderr
     warning = [line for line in result.stderr.splitlines() if "not in the manifest" in line]
@@ -263,11 +365,15 @@ def test_space_check_on_sizes_found_while_copying_leaves_nothing_staged(tmp_path
     # A walked directory without a manifest is sized while it copies: the shards that fit may
     # already be copied when the last size is in, and must not be left staged by the refusal.
     src = tmp_path / "ds"
-    write_synthetic_dataset(src, SyntheticSpec(num_shards=6, samples_per_shard=10, image_bytes=100_000))
+    write_synthetic_dataset(
+        src, SyntheticSpec(num_shards=6, samples_per_shard=10, image_bytes=100_000)
+    )
     scratch = tmp_path / "tmpfs"
     _mount_tmpfs(scratch, "3M")  # two ~1 MB shards fit, six do not
     try:
-        result = run_cli("stage-in", str(src), "--dest", str(scratch), "--jobs", "2", "--min-jobs", "2")
+        result = run_cli(
+            "stage-in", str(src), "--dest", str(scratch), "--jobs", "2", "--min-jobs", "2"
+        )
         assert result.returncode == EXIT_FULL, result.stderr
         assert "not enough space" in result.stderr and "nothing was copied" in result.stderr
         assert not _shards(scratch) and not list(scratch.rglob("*.partial"))
@@ -275,13 +381,24 @@ def test_space_check_on_sizes_found_while_copying_leaves_nothing_staged(tmp_path
         subprocess.run(["umount", str(scratch)], check=False)
 
 
-def test_rerun_sizes_staged_shards_first_and_the_rest_while_copying(small_dataset: Path, tmp_path: Path) -> None:
+def test_rerun_sizes_staged_shards_first_and_the_rest_while_copying(
+    small_dataset: Path, tmp_path: Path
+) -> None:
     dest = tmp_path / "s"
-    first = run_cli("stage-in", f"{small_dataset}/train-{{000000..000002}}.tar", "--dest", str(dest), "--name", "ds")
+    first = run_cli(
+        "stage-in",
+        f"{small_dataset}/train-{{000000..000002}}.tar",
+        "--dest",
+        str(dest),
+        "--name",
+        "ds",
+    )
     assert first.returncode == 0, first.stderr
     staged = dest / "ds" / "train-000001.tar"
     staged.write_bytes(staged.read_bytes()[:-512])  # a stale copy: its size no longer matches
-    result = run_cli("stage-in", str(small_dataset), "--dest", str(dest), "--report", str(tmp_path / "r.json"))
+    result = run_cli(
+        "stage-in", str(small_dataset), "--dest", str(dest), "--report", str(tmp_path / "r.json")
+    )
     assert result.returncode == 0, result.stderr
     _assert_identical(small_dataset, dest / "ds")
     report = json.loads((tmp_path / "r.json").read_text())
@@ -291,7 +408,9 @@ def test_rerun_sizes_staged_shards_first_and_the_rest_while_copying(small_datase
     assert report["bytes_total"] == sum(p.stat().st_size for p in small_dataset.glob("*.tar"))
 
 
-def test_staged_files_take_their_mode_from_the_umask_like_cp(small_dataset: Path, tmp_path: Path) -> None:
+def test_staged_files_take_their_mode_from_the_umask_like_cp(
+    small_dataset: Path, tmp_path: Path
+) -> None:
     # The directories stay private (0700); the files inside are created as open() would (0666 & ~umask).
     old = os.umask(0o002)
     try:

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from stager.errors import EXIT_CHECKPOINT, EXIT_DEST, EXIT_NO_CHECKPOINT, EXIT_USAGE
 from stager.stageout.record import CommitRecord
 from stager.stageout.store import META_DIR
-from stager.errors import EXIT_CHECKPOINT, EXIT_DEST, EXIT_NO_CHECKPOINT, EXIT_USAGE
 from stager.storage.hashing import hash_file
 
 from .conftest import BIN, clean_env, run_cli

@@ -9,16 +9,16 @@ from datetime import datetime
 
 import pytest
 
-from stager.stageout.record import CommitRecord, content_id, newest_first, plan_keep, plan_prune
+from stager.errors import CheckpointError
+from stager.shards.manifest import ManifestEntry
+from stager.slurm import SlurmEnv
 from stager.stageout.deadline import (
     parse_scontrol_end_time,
     parse_slurm_time,
     resolve_deadline,
     slurm_job_end_epoch,
 )
-from stager.errors import CheckpointError
-from stager.shards.manifest import ManifestEntry
-from stager.slurm import SlurmEnv
+from stager.stageout.record import CommitRecord, content_id, newest_first, plan_keep, plan_prune
 
 
 def _record(name: str, mtime_ns: int, committed_at: float = 0.0, kind: str = "dir") -> CommitRecord:

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from stager.storage.copy import FIRST_READ_BYTES, copy_file
-from stager.stagein.streams import StreamController
 from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
+from stager.stagein.streams import StreamController
+from stager.storage.copy import FIRST_READ_BYTES, copy_file
 
 from .inproc import clean_process_env, run_main
 
@@ -107,7 +107,9 @@ def test_stage_in_reports_transfer_without_the_local_rename(
     timings: list[tuple[float, float]] = []
     real_release, real_replace = StreamController.release, os.replace
 
-    def release(self: StreamController, first: float | None = None, last: float | None = None) -> None:
+    def release(
+        self: StreamController, first: float | None = None, last: float | None = None
+    ) -> None:
         if first is not None and last is not None:
             timings.append((first, last))
         real_release(self, first, last)
@@ -119,7 +121,9 @@ def test_stage_in_reports_transfer_without_the_local_rename(
 
     monkeypatch.setattr(StreamController, "release", release)
     monkeypatch.setattr(stager.storage.copy.os, "replace", slow_replace)
-    result = run_main(capsys, "stage-in", str(src), "--dest", str(tmp_path / "s"), "--jitter-max", "0", "--quiet")
+    result = run_main(
+        capsys, "stage-in", str(src), "--dest", str(tmp_path / "s"), "--jitter-max", "0", "--quiet"
+    )
     assert result.returncode == 0, result.stderr
     assert len(timings) == 3
     assert all(last - first < 0.05 for first, last in timings)

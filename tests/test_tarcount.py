@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from stager.errors import IntegrityError
-from stager.shards.tarparse import TarSampleCounter
 from stager.shards.tarindex import count_samples
+from stager.shards.tarparse import TarSampleCounter
 
 
 def _tar(path: Path, fmt: int, long_names: bool) -> Path:
@@ -50,7 +50,9 @@ def test_truncated_or_corrupt_streams_give_none(tmp_path: Path) -> None:
     cut.feed(data[: len(data) // 2])
     assert cut.samples is None
     garbled = bytearray(data)
-    garbled[header_at + 130] ^= 0x01  # a size digit of a later header: its checksum no longer matches
+    garbled[header_at + 130] ^= (
+        0x01  # a size digit of a later header: its checksum no longer matches
+    )
     bad = TarSampleCounter()
     bad.feed(bytes(garbled))
     assert bad.samples is None
@@ -58,7 +60,9 @@ def test_truncated_or_corrupt_streams_give_none(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
 def test_index_from_the_stream_equals_index_tar(tmp_path: Path, fmt: int) -> None:
-    from stager.shards.tarindex import _index_tarfile as index_tar  # the tarfile reference, not the fast path
+    from stager.shards.tarindex import (
+        _index_tarfile as index_tar,
+    )  # the tarfile reference, not the fast path
 
     path = _tar(tmp_path / "s.tar", fmt, long_names=fmt != tarfile.USTAR_FORMAT)
     data = path.read_bytes()
@@ -68,13 +72,17 @@ def test_index_from_the_stream_equals_index_tar(tmp_path: Path, fmt: int) -> Non
     got, want = counter.index(), index_tar(path)
     assert got is not None
     assert got.keys == want.keys and got.exts == want.exts
-    assert got.offsets.tolist() == want.offsets.tolist() and got.sizes.tolist() == want.sizes.tolist()
+    assert (
+        got.offsets.tolist() == want.offsets.tolist() and got.sizes.tolist() == want.sizes.tolist()
+    )
     assert got.member_start.tolist() == want.member_start.tolist()
 
 
 def _same_index(got, want) -> None:
     assert got.keys == want.keys and got.exts == want.exts
-    assert got.offsets.tolist() == want.offsets.tolist() and got.sizes.tolist() == want.sizes.tolist()
+    assert (
+        got.offsets.tolist() == want.offsets.tolist() and got.sizes.tolist() == want.sizes.tolist()
+    )
     assert got.member_start.tolist() == want.member_start.tolist()
 
 
@@ -99,7 +107,9 @@ def test_fast_index_leaves_what_it_does_not_vouch_for_to_tarfile(tmp_path: Path)
     import stager.shards.tarindex as tarindex
 
     path = tmp_path / "g.tar"
-    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT, pax_headers={"comment": "made by git archive"}) as tar:
+    with tarfile.open(
+        path, "w", format=tarfile.PAX_FORMAT, pax_headers={"comment": "made by git archive"}
+    ) as tar:
         for ext in ("cls", "jpg"):
             info = tarfile.TarInfo(f"key000.{ext}")
             info.size = 3

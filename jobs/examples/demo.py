@@ -42,7 +42,9 @@ def simulated_job_env(workdir: Path) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="stage a synthetic dataset and load it")
-    parser.add_argument("--workdir", type=Path, help="where the pretend NFS and scratch live (default: a temp dir)")
+    parser.add_argument(
+        "--workdir", type=Path, help="where the pretend NFS and scratch live (default: a temp dir)"
+    )
     parser.add_argument("--batches", type=int, default=5, help="batches to print")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     args = parser.parse_args(argv)
@@ -53,24 +55,45 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(f"1/3 writing a synthetic dataset to {source}", flush=True)
         subprocess.run(
-            [str(BIN / "stager"), "make-dataset", str(source), "--shards", "8", "--samples", "64", "--uneven"],
-            check=True, env=env,
+            [
+                str(BIN / "stager"),
+                "make-dataset",
+                str(source),
+                "--shards",
+                "8",
+                "--samples",
+                "64",
+                "--uneven",
+            ],
+            check=True,
+            env=env,
         )
-        print("2/3 stage-in (what `srun --ntasks-per-node=1 stage-in ...` does in a prologue)", flush=True)
+        print(
+            "2/3 stage-in (what `srun --ntasks-per-node=1 stage-in ...` does in a prologue)",
+            flush=True,
+        )
         subprocess.run([str(BIN / "stage-in"), str(source)], check=True, env=env)
 
         print("3/3 loading from node-local scratch with ShardedLoader", flush=True)
         from loaders import ShardedLoader
 
         loader = ShardedLoader(
-            str(source), batch_size=32, num_workers=2, shuffle=True, seed=0, decode="torchrgb", to_tuple=("npy", "cls")
+            str(source),
+            batch_size=32,
+            num_workers=2,
+            shuffle=True,
+            seed=0,
+            decode="torchrgb",
+            to_tuple=("npy", "cls"),
         )
         print(f"    {len(loader)} batches per epoch on this rank")
         loader.set_epoch(0)
         for step, (images, labels) in enumerate(loader):
             if step >= args.batches:
                 break
-            print(f"    batch {step}: images {tuple(images.shape)} {images.dtype}, labels {labels[:8].tolist()}...")
+            print(
+                f"    batch {step}: images {tuple(images.shape)} {images.dtype}, labels {labels[:8].tolist()}..."
+            )
         print("demo ok")
         return 0
     finally:

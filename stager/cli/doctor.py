@@ -22,12 +22,20 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from stager.storage.dest import ensure_private_dir
 from stager.stagein.progress import human_bytes
-from stager.storage.sources import SourceSet
 from stager.stagein.streams import DEFAULT_JOBS
+from stager.storage.dest import ensure_private_dir
+from stager.storage.sources import SourceSet
 
-__all__ = ["SourceProbe", "ScratchProbe", "LoaderProbe", "Diagnosis", "diagnose", "probe_source", "probe_scratch"]
+__all__ = [
+    "SourceProbe",
+    "ScratchProbe",
+    "LoaderProbe",
+    "Diagnosis",
+    "diagnose",
+    "probe_source",
+    "probe_scratch",
+]
 
 _BLOCK = 4 << 20
 
@@ -96,8 +104,12 @@ class Diagnosis:
             f"  scratch  {d.mb_per_s:8.1f} MB/s write (fsync'd) at {d.path}; {human_bytes(d.free_bytes)} free",
         ]
         if self.loader is not None and self.loader.samples_per_s:
-            rates = ", ".join(f"{w} workers {r:,.0f}/s" for w, r in sorted(self.loader.samples_per_s.items()))
-            lines.append(f"  loader   {rates} (~{human_bytes(self.loader.bytes_per_sample)}/sample)")
+            rates = ", ".join(
+                f"{w} workers {r:,.0f}/s" for w, r in sorted(self.loader.samples_per_s.items())
+            )
+            lines.append(
+                f"  loader   {rates} (~{human_bytes(self.loader.bytes_per_sample)}/sample)"
+            )
         elif self.loader is not None:
             lines.append(f"  loader   not measured: {self.loader.error}")
         lines.append("verdict:")
@@ -112,7 +124,9 @@ def _sample(shards: Sequence, max_files: int) -> list:
     return [shards[int(i * step)] for i in range(max_files)]
 
 
-def probe_source(source: SourceSet, *, max_files: int = 16, max_bytes: int = 256 << 20, streams: int = 8) -> SourceProbe:
+def probe_source(
+    source: SourceSet, *, max_files: int = 16, max_bytes: int = 256 << 20, streams: int = 8
+) -> SourceProbe:
     """Read a spread-out sample of shards (bounded by count and bytes) and time it."""
     picked, total = [], 0
     for shard in _sample(source.shards, max_files):
@@ -137,7 +151,10 @@ def probe_source(source: SourceSet, *, max_files: int = 16, max_bytes: int = 256
         nbytes = sum(pool.map(read, picked))
     seconds = time.perf_counter() - started
     return SourceProbe(
-        files=len(picked), bytes_read=nbytes, seconds=seconds, streams=max(1, min(streams, len(picked))),
+        files=len(picked),
+        bytes_read=nbytes,
+        seconds=seconds,
+        streams=max(1, min(streams, len(picked))),
         first_byte_ms=1000 * statistics.median(first_bytes) if first_bytes else 0.0,
     )
 
@@ -162,7 +179,9 @@ def probe_scratch(dest_root: Path, *, nbytes: int = 128 << 20) -> ScratchProbe:
     return ScratchProbe(path=str(root), bytes_written=written, seconds=seconds, free_bytes=free)
 
 
-def probe_loader(dataset: str, workers: Sequence[int], *, seconds: float = 3.0, batch_size: int = 64) -> LoaderProbe:
+def probe_loader(
+    dataset: str, workers: Sequence[int], *, seconds: float = 3.0, batch_size: int = 64
+) -> LoaderProbe:
     """samples/s of ShardedLoader for each worker count, nothing decoded."""
     try:
         from loaders import ShardedLoader
@@ -172,7 +191,12 @@ def probe_loader(dataset: str, workers: Sequence[int], *, seconds: float = 3.0, 
     bytes_per_sample = 0.0
     for count in workers:
         loader = ShardedLoader(
-            dataset, batch_size=batch_size, num_workers=count, shuffle=True, decode=None, to_tuple=None,
+            dataset,
+            batch_size=batch_size,
+            num_workers=count,
+            shuffle=True,
+            decode=None,
+            to_tuple=None,
             persistent_workers=count > 0,
         )
         samples, nbytes, epoch = 0, 0, 0
@@ -187,7 +211,11 @@ def probe_loader(dataset: str, workers: Sequence[int], *, seconds: float = 3.0, 
                 samples += len(keys)
                 for name, value in batch.items():
                     if not name.startswith("__"):
-                        nbytes += sum(len(v) for v in value) if isinstance(value, list) else int(value.numel())
+                        nbytes += (
+                            sum(len(v) for v in value)
+                            if isinstance(value, list)
+                            else int(value.numel())
+                        )
                 if time.perf_counter() - started > seconds:
                     break
             epoch += 1
@@ -222,7 +250,9 @@ def _verdict(diag: Diagnosis, epochs: int, ranks_per_node: int) -> list[str]:
                 f"{ranks_per_node} ranks share it) is slower than the loader ({loader_mbps:.0f} MB/s): stage-in pays off"
             )
         else:
-            out.append("the loader, not the storage, limits samples/s: compare it with your training step's samples/s")
+            out.append(
+                "the loader, not the storage, limits samples/s: compare it with your training step's samples/s"
+            )
     if src > 0 and diag.dataset_bytes:
         stage_s = diag.dataset_bytes / (src * 1e6)
         local_mbps = max(scratch, 1e-9)
@@ -236,7 +266,9 @@ def _verdict(diag: Diagnosis, epochs: int, ranks_per_node: int) -> list[str]:
                 f"pays off after {payoff} epoch(s) (you plan {epochs})"
             )
         else:
-            out.append(f"staging takes ~{stage_s:.1f} s and saves no read time per epoch here: stage only to spare the shared filesystem")
+            out.append(
+                f"staging takes ~{stage_s:.1f} s and saves no read time per epoch here: stage only to spare the shared filesystem"
+            )
     if diag.scratch.free_bytes < diag.dataset_bytes:
         out.append(
             f"scratch has {human_bytes(diag.scratch.free_bytes)} free for a {human_bytes(diag.dataset_bytes)} dataset: "
@@ -264,7 +296,9 @@ def diagnose(
         dataset_bytes=source.total_bytes,
         source=probe_source(source, max_bytes=max_source_bytes),
         scratch=probe_scratch(dest_root, nbytes=scratch_bytes),
-        loader=probe_loader(loader_dataset, workers, seconds=loader_seconds) if loader_dataset else None,
+        loader=probe_loader(loader_dataset, workers, seconds=loader_seconds)
+        if loader_dataset
+        else None,
     )
     diag.verdict = _verdict(diag, epochs, ranks_per_node)
     return diag

@@ -35,7 +35,8 @@ def _command_module(name: str):
 def build_parser(prog: str = "stager") -> argparse.ArgumentParser:
     """The umbrella parser with one subparser per command (used by the docs check too)."""
     parser = argparse.ArgumentParser(
-        prog=prog, description="Stage datasets to node-local scratch and checkpoints back, on SLURM."
+        prog=prog,
+        description="Stage datasets to node-local scratch and checkpoints back, on SLURM.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
@@ -80,4 +81,3 @@ def stage_in_main(argv: Sequence[str] | None = None) -> int:
 def stage_out_main(argv: Sequence[str] | None = None) -> int:
     """``stage-out ...`` (same as ``stager stage-out ...``)."""
     return _single("stage-out", argv)
-

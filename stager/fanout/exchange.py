@@ -28,17 +28,17 @@ from typing import Any, TextIO
 
 import numpy
 
-from stager.storage.copy import CopyResult, copy_file, partial_path
 from stager.errors import ShardFailure
 from stager.fanout.group import FanoutError, FanoutOptions, NodeGroup
 from stager.plan.fanout import FanoutPlan
-from stager.storage.hashing import hash_file, new_hasher, split_digest
-from stager.storage.paths import discard
 from stager.stagein.progress import Progress
 from stager.stagein.report import StageInReport
+from stager.stagein.run import StageInOptions
+from stager.storage.copy import CopyResult, copy_file, partial_path
+from stager.storage.hashing import hash_file, new_hasher, split_digest
+from stager.storage.paths import discard
 from stager.storage.retry import call_with_retries
 from stager.storage.sources import SourceSet, SourceShard
-from stager.stagein.run import StageInOptions
 from stager.storage.throttle import Throttle
 
 __all__ = ["ExchangeShard", "ExchangeOutcome", "Exchange", "HEADER_BYTES"]

@@ -42,11 +42,9 @@ from stager.fanout.group import (
 )
 from stager.plan.fanout import plan_fanout, shard_list_digest
 from stager.shards.manifest import Manifest, ManifestEntry
-from stager.storage.paths import safe_join
+from stager.slurm import SlurmEnv
 from stager.stagein.progress import Progress
 from stager.stagein.report import StageInReport
-from stager.slurm import SlurmEnv
-from stager.storage.sources import SourceSet
 
 # Planning, preflight, lock adoption and the plain copy are stage-in's own; reusing them keeps
 # the two paths' skip/verify/adopt semantics identical.
@@ -65,6 +63,8 @@ from stager.stagein.run import (
     stage_in,
     staged_manifest_path,
 )
+from stager.storage.paths import safe_join
+from stager.storage.sources import SourceSet
 
 __all__ = [
     "fanout_stage_in",
@@ -107,7 +107,9 @@ def fanout_stage_in(
 
     def work(dataset_dir: Path) -> StageInReport:
         # torch takes seconds to import: do it while this node plans and verifies its shards.
-        threading.Thread(target=_import_torch_distributed, name="fanout-import", daemon=True).start()
+        threading.Thread(
+            target=_import_torch_distributed, name="fanout-import", daemon=True
+        ).start()
         report = _new_report(slurm, dataset_dir, source, options, "on")
         try:
             try:

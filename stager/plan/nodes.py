@@ -11,9 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from stager.errors import UsageError
-from stager.storage.sources import SourceSet, SourceShard
-
 from stager.plan.ranks import node_partition
+from stager.storage.sources import SourceSet, SourceShard
 
 __all__ = ["select_node_shards"]
 
@@ -21,7 +20,9 @@ __all__ = ["select_node_shards"]
 def select_node_shards(source: SourceSet, *, num_nodes: int, node_id: int) -> Sequence[SourceShard]:
     """The shards node ``node_id`` of ``num_nodes`` stages, in source order."""
     if not 0 <= node_id < num_nodes:
-        raise UsageError(f"node id {node_id} outside a job of {num_nodes} node(s); check SLURM_NODEID")
+        raise UsageError(
+            f"node id {node_id} outside a job of {num_nodes} node(s); check SLURM_NODEID"
+        )
     if len(source.shards) < num_nodes:
         raise UsageError(
             f"--subset node needs at least one shard per node ({len(source.shards)} shards, {num_nodes} nodes); "

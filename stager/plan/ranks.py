@@ -134,10 +134,14 @@ def shard_offsets(counts: Sequence[int] | np.ndarray) -> np.ndarray:
 
 def _rng(seed: int, epoch: int, salt: int) -> np.random.Generator:
     # SeedSequence mixes the words, so (seed, epoch) pairs never alias as seed + epoch would.
-    return np.random.default_rng(np.random.SeedSequence([seed & 0xFFFFFFFF, epoch & 0xFFFFFFFF, salt]))
+    return np.random.default_rng(
+        np.random.SeedSequence([seed & 0xFFFFFFFF, epoch & 0xFFFFFFFF, salt])
+    )
 
 
-def epoch_order(counts: Sequence[int] | np.ndarray, *, epoch: int, options: PlanOptions, salt: int = 0) -> np.ndarray:
+def epoch_order(
+    counts: Sequence[int] | np.ndarray, *, epoch: int, options: PlanOptions, salt: int = 0
+) -> np.ndarray:
     """The order in which the samples of ``counts`` are visited this epoch (global indices)."""
     offsets = shard_offsets(counts)
     total = int(offsets[-1])
@@ -215,7 +219,9 @@ def rank_indices(
         order = epoch_order(counts, epoch=epoch, options=options, salt=1 + layout.node_rank)
         if per_rank is None:
             if layout.num_nodes != 1:
-                raise ValueError("node subsets need per_rank agreed across nodes (samples_per_rank)")
+                raise ValueError(
+                    "node subsets need per_rank agreed across nodes (samples_per_rank)"
+                )
             per_rank = samples_per_rank(len(order), layout, options.even)
         group, position = layout.ranks_per_node, layout.rank_of_node
     else:
@@ -228,7 +234,12 @@ def rank_indices(
 
 
 def world_indices(
-    counts: Sequence[int] | np.ndarray, num_nodes: int, ranks_per_node: int, *, epoch: int, options: PlanOptions
+    counts: Sequence[int] | np.ndarray,
+    num_nodes: int,
+    ranks_per_node: int,
+    *,
+    epoch: int,
+    options: PlanOptions,
 ) -> np.ndarray:
     """Row ``r`` is :func:`rank_indices` of rank ``r`` (``subset="all"``), computed in one pass.
 
@@ -243,7 +254,12 @@ def world_indices(
 
 
 def remaining_after(
-    counts: Sequence[int] | np.ndarray, num_nodes: int, ranks_per_node: int, *, epoch: int, options: PlanOptions,
+    counts: Sequence[int] | np.ndarray,
+    num_nodes: int,
+    ranks_per_node: int,
+    *,
+    epoch: int,
+    options: PlanOptions,
     batches_consumed: int,
 ) -> np.ndarray:
     """The samples an epoch still owes after every rank consumed ``batches_consumed`` batches.

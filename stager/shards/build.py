@@ -26,7 +26,6 @@ from typing import BinaryIO
 import fsspec
 from fsspec.core import url_to_fs
 
-from stager.storage.copy import DEFAULT_BLOCK_BYTES, SizeMismatch
 from stager.errors import (
     EXIT_INTEGRITY,
     IntegrityError,
@@ -36,11 +35,12 @@ from stager.errors import (
     StagerError,
     UsageError,
 )
-from stager.storage.hashing import ALGORITHMS, DEFAULT_ALGORITHM, new_hasher
 from stager.shards.manifest import Manifest, ManifestEntry, default_manifest_name
+from stager.shards.tarindex import count_samples_stream, is_compressed
+from stager.storage.copy import DEFAULT_BLOCK_BYTES, SizeMismatch
+from stager.storage.hashing import ALGORITHMS, DEFAULT_ALGORITHM, new_hasher
 from stager.storage.retry import RetryPolicy, call_with_retries
 from stager.storage.sources import SourceSet, SourceShard, is_shard_name, protocol_of
-from stager.shards.tarindex import count_samples_stream, is_compressed
 
 __all__ = [
     "IndexOptions",
@@ -125,7 +125,9 @@ def scan_shard(
         reader = _HashingReader(handle, options.algorithm)
         samples = None
         if options.count_samples and is_shard_name(shard.relpath):
-            samples = count_samples_stream(reader, shard.url, compressed=is_compressed(shard.relpath))
+            samples = count_samples_stream(
+                reader, shard.url, compressed=is_compressed(shard.relpath)
+            )
         reader.drain(options.block_bytes)
     if shard.size is not None and reader.nbytes != shard.size:
         raise SizeMismatch(
@@ -148,7 +150,9 @@ def build_manifest(
     were listed explicitly but do not exist.
     """
     if options.algorithm not in ALGORITHMS:
-        raise UsageError(f"unknown hash algorithm {options.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+        raise UsageError(
+            f"unknown hash algorithm {options.algorithm!r}; choose one of {', '.join(ALGORITHMS)}"
+        )
     if options.jobs < 1:
         raise UsageError("--jobs must be at least 1")
     results: dict[str, ManifestEntry] = {}
@@ -158,19 +162,25 @@ def build_manifest(
 
     def one(shard: SourceShard) -> None:
         try:
-            entry = call_with_retries(lambda: scan_shard(source.fs, shard, options), options.retry, on_retry=on_retry)
+            entry = call_with_retries(
+                lambda: scan_shard(source.fs, shard, options), options.retry, on_retry=on_retry
+            )
         except Exception as exc:  # noqa: BLE001 - every failure becomes one report line
             if isinstance(exc, IntegrityError) and not getattr(exc, "transient", False):
                 corrupt.set()
             reason = " ".join((str(exc) or type(exc).__name__).split())
-            reason = reason.removeprefix(f"{shard.url}: ")  # the FAILED line names the shard already
+            reason = reason.removeprefix(
+                f"{shard.url}: "
+            )  # the FAILED line names the shard already
             with lock:
                 failures.append(ShardFailure(shard.url, reason))
             return
         with lock:
             results[shard.relpath] = entry
 
-    with ThreadPoolExecutor(max_workers=max(1, min(options.jobs, len(source.shards))), thread_name_prefix="index") as pool:
+    with ThreadPoolExecutor(
+        max_workers=max(1, min(options.jobs, len(source.shards))), thread_name_prefix="index"
+    ) as pool:
         list(pool.map(one, source.shards))
     if failures:
         raise IndexFailed(failures, corrupt=corrupt.is_set())
@@ -213,7 +223,9 @@ def write_manifest(manifest: Manifest, out: str) -> str:
     except StagerError:
         raise
     except OSError as exc:
-        raise SourceError(f"cannot write the manifest to {out}: {exc}; check the location and permissions") from exc
+        raise SourceError(
+            f"cannot write the manifest to {out}: {exc}; check the location and permissions"
+        ) from exc
 
 
 def index_source(

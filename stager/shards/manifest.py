@@ -109,7 +109,9 @@ class Manifest:
         except FileNotFoundError as exc:
             raise UsageError(f"manifest not found: {path}") from exc
         except Exception as exc:  # noqa: BLE001 - any parse failure is a bad manifest
-            raise UsageError(f"manifest {path} is unreadable ({type(exc).__name__}: {exc}); re-run stager index") from exc
+            raise UsageError(
+                f"manifest {path} is unreadable ({type(exc).__name__}: {exc}); re-run stager index"
+            ) from exc
 
 
 def default_manifest_name(num_entries: int) -> str:
@@ -126,15 +128,23 @@ def find_manifest(directory: str | os.PathLike[str]) -> Path | None:
     return None
 
 
-def _entry(relpath: object, size: object, hash_: object, samples: object, where: Path) -> ManifestEntry:
+def _entry(
+    relpath: object, size: object, hash_: object, samples: object, where: Path
+) -> ManifestEntry:
     if not isinstance(relpath, str):
         raise UsageError(f"manifest {where}: shard path {relpath!r} is not a string")
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-        raise UsageError(f"manifest {where}: size {size!r} of {relpath!r} is not a non-negative integer")
+        raise UsageError(
+            f"manifest {where}: size {size!r} of {relpath!r} is not a non-negative integer"
+        )
     if hash_ is not None and (not isinstance(hash_, str) or not hash_):
         raise UsageError(f"manifest {where}: hash {hash_!r} of {relpath!r} is not a string")
-    if samples is not None and (not isinstance(samples, int) or isinstance(samples, bool) or samples < 0):
-        raise UsageError(f"manifest {where}: samples {samples!r} of {relpath!r} is not a non-negative integer")
+    if samples is not None and (
+        not isinstance(samples, int) or isinstance(samples, bool) or samples < 0
+    ):
+        raise UsageError(
+            f"manifest {where}: samples {samples!r} of {relpath!r} is not a non-negative integer"
+        )
     return ManifestEntry(safe_relpath(relpath), size, hash_, samples)
 
 
@@ -149,7 +159,9 @@ def _from_json(payload: object, where: Path) -> Manifest:
     for item in shards:
         if not isinstance(item, dict):
             raise UsageError(f"manifest {where}: shard entry {item!r} is not an object")
-        entries.append(_entry(item.get("path"), item.get("size"), item.get("hash"), item.get("samples"), where))
+        entries.append(
+            _entry(item.get("path"), item.get("size"), item.get("hash"), item.get("samples"), where)
+        )
     return Manifest(tuple(entries), {str(k): str(v) for k, v in meta.items()})
 
 
@@ -180,8 +192,12 @@ def _read_parquet(path: Path) -> Manifest:
     columns = table.to_pydict()
     entries = [
         _entry(p, s, h, n, path)
-        for p, s, h, n in zip(columns["path"], columns["size"], columns["hash"], columns["samples"])
+        for p, s, h, n in zip(
+            columns["path"], columns["size"], columns["hash"], columns["samples"], strict=True
+        )
     ]
     prefix = b"stager.meta."
-    meta = {k[len(prefix) :].decode(): v.decode() for k, v in raw_meta.items() if k.startswith(prefix)}
+    meta = {
+        k[len(prefix) :].decode(): v.decode() for k, v in raw_meta.items() if k.startswith(prefix)
+    }
     return Manifest(tuple(entries), meta)

@@ -59,7 +59,9 @@ def _image(rng: np.random.Generator, image_bytes: int) -> bytes:
     return buf.getvalue()
 
 
-def write_synthetic_dataset(out_dir: str | Path, spec: SyntheticSpec = SyntheticSpec()) -> list[Path]:
+def write_synthetic_dataset(
+    out_dir: str | Path, spec: SyntheticSpec = SyntheticSpec()
+) -> list[Path]:
     """Write ``spec.num_shards`` tar shards into ``out_dir`` and return their paths."""
     import webdataset as wds
 
@@ -72,7 +74,9 @@ def write_synthetic_dataset(out_dir: str | Path, spec: SyntheticSpec = Synthetic
         tmp = path.with_name(path.name + ".partial")
         rng = np.random.default_rng([spec.seed, shard])
         with open(tmp, "wb") as stream:
-            writer = wds.TarWriter(stream, compress=spec.compress, mtime=_FIXED_MTIME, encoder=False)
+            writer = wds.TarWriter(
+                stream, compress=spec.compress, mtime=_FIXED_MTIME, encoder=False
+            )
             for index in range(count):
                 writer.write(
                     {

@@ -32,7 +32,14 @@ from stager.errors import IntegrityError
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["TarIndex", "index_tar", "count_samples", "count_samples_stream", "split_key", "is_compressed"]
+__all__ = [
+    "TarIndex",
+    "index_tar",
+    "count_samples",
+    "count_samples_stream",
+    "split_key",
+    "is_compressed",
+]
 
 _KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")
 
@@ -79,7 +86,9 @@ def _open_tar(path: Path, mode: str) -> tarfile.TarFile:
     try:
         return tarfile.open(path, mode)  # noqa: SIM115 - closed by the caller's with
     except (tarfile.TarError, EOFError, OSError) as exc:
-        raise IntegrityError(f"{path}: not a readable tar ({exc}); re-stage or re-create this shard") from exc
+        raise IntegrityError(
+            f"{path}: not a readable tar ({exc}); re-stage or re-create this shard"
+        ) from exc
 
 
 def _check_end(tail: bytes, where: str, offset: int, last_name: str) -> None:
@@ -230,7 +239,9 @@ class _TailReader:
             pass
         start = offset - (self.pos - len(self._recent))
         if start < 0:
-            raise IntegrityError(f"cannot re-read byte {offset} of the tar stream")  # never with tarfile's buffers
+            raise IntegrityError(
+                f"cannot re-read byte {offset} of the tar stream"
+            )  # never with tarfile's buffers
         return self._recent[start : start + count]
 
 
@@ -253,7 +264,9 @@ def count_samples_stream(stream: BinaryIO, name: str, *, compressed: bool = Fals
                 if parts and parts[0] != last_key:
                     count += 1
                     last_key = parts[0]
-            _check_end(reader.bytes_from(tar.offset, tarfile.BLOCKSIZE), name, tar.offset, last_name)
+            _check_end(
+                reader.bytes_from(tar.offset, tarfile.BLOCKSIZE), name, tar.offset, last_name
+            )
             while reader.read(1 << 20):
                 pass  # the padding, and for gzip the trailer whose CRC is checked on the way
     except (tarfile.TarError, EOFError, gzip.BadGzipFile, zlib.error) as exc:

@@ -148,7 +148,12 @@ class TarSampleCounter:
             raise ValueError("header checksum mismatch")
         size = _octal(header[124:136])
         kind = header[156:157]
-        if kind in (b"S", b"M", b"V", b"g"):  # sparse, multi-volume, volume, global PAX: left to tarfile
+        if kind in (
+            b"S",
+            b"M",
+            b"V",
+            b"g",
+        ):  # sparse, multi-volume, volume, global PAX: left to tarfile
             raise ValueError(f"tar member type {kind!r} not handled here")
         if kind in (b"x", b"L"):
             if size > _MAX_META:

@@ -54,7 +54,12 @@ class Progress:
             from tqdm import tqdm
 
             self._bar = tqdm(
-                total=total_bytes, unit="B", unit_scale=True, unit_divisor=1000, desc=label, file=self.stream
+                total=total_bytes,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1000,
+                desc=label,
+                file=self.stream,
             )
 
     def advance(self, nbytes: int) -> None:
@@ -81,7 +86,9 @@ class Progress:
         with self._lock:
             self.files_done += 1
             if self._bar is not None:
-                self._bar.set_postfix_str(f"files {self.files_done}/{self.total_files}", refresh=False)
+                self._bar.set_postfix_str(
+                    f"files {self.files_done}/{self.total_files}", refresh=False
+                )
 
     def _print_line(self, now: float) -> None:
         elapsed = max(now - self._start, 1e-9)

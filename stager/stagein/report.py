@@ -35,7 +35,9 @@ class StageInReport:
     subset: str = "all"
     role: str = "copier"
     fanout: str = "off"  # off | on (stage-in --fanout) | fallback (the group did not form)
-    fanout_form_s: float = 0.0  # of ``seconds``: waiting for the node group to form (torch import included)
+    fanout_form_s: float = (
+        0.0  # of ``seconds``: waiting for the node group to form (torch import included)
+    )
     exit_code: int = 0
     failures: list[dict[str, str]] = field(default_factory=list)
 
@@ -55,7 +57,8 @@ class StageInReport:
             + (
                 f" [fan-out {self.fanout}: {human_bytes(self.bytes_read_source)} from the source, "
                 f"{human_bytes(self.bytes_received_peers)} from peers]"
-                if self.fanout != "off" else ""
+                if self.fanout != "off"
+                else ""
             )
             + f" -> {self.dataset_dir}"
         )

@@ -29,9 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from stager.shards import tarindex
-from stager.storage.copy import DEFAULT_BLOCK_BYTES, CopyResult, copy_file
-from stager.storage.dest import ensure_private_dir
 from stager.errors import (
     EXIT_INTEGRITY,
     AdoptedFailure,
@@ -45,18 +42,21 @@ from stager.errors import (
     UsageError,
     exit_code_for,
 )
-from stager.storage.hashing import hash_file
-from stager.storage.lock import NodeLock
+from stager.shards import tarindex
 from stager.shards.manifest import MANIFEST_NAMES, Manifest, ManifestEntry, find_manifest
-from stager.storage.paths import PARTIAL_SUFFIX, SafeJoiner, safe_relpath
+from stager.shards.tarparse import TarSampleCounter
+from stager.slurm import SlurmEnv
 from stager.stagein.progress import Progress, human_bytes
 from stager.stagein.report import StageInReport
-from stager.storage.retry import RetryPolicy, call_with_retries
 from stager.stagein.sizing import DROPPED, UNKNOWN, DeferredPreflight
-from stager.slurm import SlurmEnv
-from stager.storage.sources import SourceSet, SourceShard, fill_sizes
 from stager.stagein.streams import DEFAULT_JOBS, StreamController
-from stager.shards.tarparse import TarSampleCounter
+from stager.storage.copy import DEFAULT_BLOCK_BYTES, CopyResult, copy_file
+from stager.storage.dest import ensure_private_dir
+from stager.storage.hashing import hash_file
+from stager.storage.lock import NodeLock
+from stager.storage.paths import PARTIAL_SUFFIX, SafeJoiner, safe_relpath
+from stager.storage.retry import RetryPolicy, call_with_retries
+from stager.storage.sources import SourceSet, SourceShard, fill_sizes
 from stager.storage.throttle import Throttle
 from stager.storage.workers import run_in_threads
 
@@ -119,7 +119,11 @@ def _load_manifest(source: SourceSet, options: StageInOptions) -> Manifest | Non
             import fsspec
 
             with fsspec.open(options.manifest, "rb") as handle:
-                local = Path(options.dest_root) / ".stager-source-manifest" / Path(options.manifest).name
+                local = (
+                    Path(options.dest_root)
+                    / ".stager-source-manifest"
+                    / Path(options.manifest).name
+                )
                 local.parent.mkdir(parents=True, exist_ok=True)
                 local.write_bytes(handle.read())
             return Manifest.read(local)
@@ -190,7 +194,10 @@ class _Plan:
 
 
 def _sized_while_copying(
-    source: SourceSet, shards: Sequence[SourceShard], expected: dict[str, ManifestEntry], dataset_dir: Path
+    source: SourceSet,
+    shards: Sequence[SourceShard],
+    expected: dict[str, ManifestEntry],
+    dataset_dir: Path,
 ) -> set[str]:
     """Walked shards to size during the copy (:mod:`stager.stagein.sizing`) rather than before it.
 
@@ -203,7 +210,9 @@ def _sized_while_copying(
     return {
         s.relpath
         for s in shards
-        if s.size is None and s.relpath not in expected and not os.path.lexists(os.path.join(base, s.relpath))
+        if s.size is None
+        and s.relpath not in expected
+        and not os.path.lexists(os.path.join(base, s.relpath))
     }
 
 
@@ -224,7 +233,9 @@ def _plan(
         want_hash = want.hash if want is not None else None
         if final.is_file() and (size is None or final.stat().st_size == size):
             before = previous.get(shard.relpath)
-            have_hash = before.hash if before is not None and before.size == final.stat().st_size else None
+            have_hash = (
+                before.hash if before is not None and before.size == final.stat().st_size else None
+            )
             if want_hash is not None and have_hash != want_hash:
                 have_hash = hash_file(final, want_hash.split(":", 1)[0])
             if want_hash is None or have_hash == want_hash:
@@ -233,7 +244,9 @@ def _plan(
                     samples = before.samples
                 if samples is None and options.count_samples:
                     samples = _count(final, log)
-                kept[shard.relpath] = ManifestEntry(shard.relpath, final.stat().st_size, have_hash, samples)
+                kept[shard.relpath] = ManifestEntry(
+                    shard.relpath, final.stat().st_size, have_hash, samples
+                )
                 continue
         to_copy.append((shard, final, size, want_hash))
     return _Plan(to_copy, kept)
@@ -276,7 +289,10 @@ def stage_in(
 
     def work(dataset_dir: Path) -> StageInReport:
         report = StageInReport(
-            node=slurm.node_name, job_id=slurm.job_id, dataset_dir=str(dataset_dir), source=source.root_url,
+            node=slurm.node_name,
+            job_id=slurm.job_id,
+            dataset_dir=str(dataset_dir),
+            source=source.root_url,
             subset=options.subset,
         )
         try:
@@ -340,7 +356,9 @@ def _adopt(result_path: Path, wait_started: float) -> StageInReport | None:
     report = StageInReport.from_json(payload["report"])
     report.role = "waiter"
     if report.exit_code != 0:
-        raise AdoptedFailure(payload.get("error") or "the copier on this node failed", report.exit_code)
+        raise AdoptedFailure(
+            payload.get("error") or "the copier on this node failed", report.exit_code
+        )
     return report
 
 
@@ -352,7 +370,9 @@ def _write_result(result_path: Path, report: StageInReport, error: str) -> None:
     """
     tmp = result_path.with_name(result_path.name + PARTIAL_SUFFIX)
     try:
-        tmp.write_text(json.dumps({"finished_at": time.time(), "error": error, "report": report.to_json()}))
+        tmp.write_text(
+            json.dumps({"finished_at": time.time(), "error": error, "report": report.to_json()})
+        )
         tmp.replace(result_path)
     except OSError:
         tmp.unlink(missing_ok=True)
@@ -389,7 +409,9 @@ def _run(
     plan = _plan(shards, dataset_dir, expected, _read_previous(dataset_dir), options, log)
     report.files_total = len(shards) + len(source.missing)
     report.files_skipped = len(plan.kept)
-    report.bytes_total = sum(e.size for e in plan.kept.values()) + sum(s or 0 for _, _, s, _ in plan.to_copy)
+    report.bytes_total = sum(e.size for e in plan.kept.values()) + sum(
+        s or 0 for _, _, s, _ in plan.to_copy
+    )
     for url in source.missing:
         report.add_failure(ShardFailure(url, "not found on the source"))
     needed = sum(size or 0 for _, _, size, _ in plan.to_copy)
@@ -408,7 +430,12 @@ def _run(
 
     staged = Manifest(
         tuple(entries[s.relpath] for s in shards if s.relpath in entries),
-        {"source": source.root_url, "subset": options.subset, "node": slurm.node_name, "job_id": slurm.job_id},
+        {
+            "source": source.root_url,
+            "subset": options.subset,
+            "node": slurm.node_name,
+            "job_id": slurm.job_id,
+        },
     )
     staged_path = staged_manifest_path(dataset_dir)
     staged_path.parent.mkdir(exist_ok=True)
@@ -439,10 +466,14 @@ def _import_in_background(module: str) -> None:
     finished copy, it held the import lock while the other copy threads queued behind it; done
     here, it overlaps copies that are waiting on the source.
     """
-    threading.Thread(target=importlib.import_module, args=(module,), name="stage-in-import", daemon=True).start()
+    threading.Thread(
+        target=importlib.import_module, args=(module,), name="stage-in-import", daemon=True
+    ).start()
 
 
-def _save_loader_index(dataset_dir: Path, staged: Manifest, parsed: dict[str, TarSampleCounter]) -> None:
+def _save_loader_index(
+    dataset_dir: Path, staged: Manifest, parsed: dict[str, TarSampleCounter]
+) -> None:
     """Hand the loader the member offsets parsed in flight, so its first start reads no header.
 
     Only when every staged shard was parsed in this run; after a partial rerun the loader
@@ -471,7 +502,9 @@ def _manifest_write_error(exc: OSError, staged_path: Path) -> DestinationError:
             "Free space and rerun stage-in (it copies nothing again)",
             where=str(staged_path.parent),
         )
-    return DestinationError(f"cannot write {staged_path}: {exc.strerror or exc}; check the destination")
+    return DestinationError(
+        f"cannot write {staged_path}: {exc.strerror or exc}; check the destination"
+    )
 
 
 def _copy_all(
@@ -506,7 +539,9 @@ def _copy_all(
     held: list[str] = []  # copied, but kept .partial until the free-space verdict
     count_later: list[str] = []  # held copies whose samples must be counted on the final file
     late_shards = [shard for shard, _, _, _ in plan.to_copy if shard.relpath in plan.sized_later]
-    late = {shard.relpath: i for i, shard in enumerate(late_shards)}  # relpath -> index in the probe
+    late = {
+        shard.relpath: i for i, shard in enumerate(late_shards)
+    }  # relpath -> index in the probe
     preflight: DeferredPreflight | None = None
     if late:
         preflight = DeferredPreflight(
@@ -564,9 +599,17 @@ def _copy_all(
                 nonlocal counter
                 counter = TarSampleCounter() if count_in_flight else None  # fresh per attempt
                 return copy_file(
-                    source.remote_fs, shard.path, final, url=shard.url, expected_size=size, expected_hash=want_hash,
-                    block_bytes=options.block_bytes, throttle=throttle, on_bytes=on_bytes,
-                    inspect=counter.feed if counter is not None else None, fsync=options.fsync,
+                    source.remote_fs,
+                    shard.path,
+                    final,
+                    url=shard.url,
+                    expected_size=size,
+                    expected_hash=want_hash,
+                    block_bytes=options.block_bytes,
+                    throttle=throttle,
+                    on_bytes=on_bytes,
+                    inspect=counter.feed if counter is not None else None,
+                    fsync=options.fsync,
                     size_from_manifest=shard.relpath in known_samples,
                     publish=publish if preflight is not None else None,
                 )
@@ -581,19 +624,27 @@ def _copy_all(
                     corrupt.set()
                 failure = ShardFailure(shard.url, _one_line(exc))
             finally:
-                streams.release(result.first_byte_s if result else None, result.last_byte_s if result else None)
+                streams.release(
+                    result.first_byte_s if result else None, result.last_byte_s if result else None
+                )
             if result is not None:
                 samples = known_samples.get(shard.relpath)
                 if counter is not None and counter.samples is not None:
-                    parsed[shard.relpath] = counter  # arrays are built after the copy, off the copy threads
+                    parsed[shard.relpath] = (
+                        counter  # arrays are built after the copy, off the copy threads
+                    )
                 if samples is None and counter is not None:
                     samples = counter.samples
                 late_count = samples is None and options.count_samples
                 if late_count and published:
-                    samples = _count(final, log)  # compressed, or odd enough that the stream parser gave up
+                    samples = _count(
+                        final, log
+                    )  # compressed, or odd enough that the stream parser gave up
                 entry = ManifestEntry(shard.relpath, result.size, result.hash, samples)
                 with lock:
-                    if not published:  # held as .partial until the verdict: counted, if need be, after it
+                    if (
+                        not published
+                    ):  # held as .partial until the verdict: counted, if need be, after it
                         held.append(shard.relpath)
                         if late_count:
                             count_later.append(shard.relpath)
@@ -616,7 +667,9 @@ def _copy_all(
         progress.close()
         report.streams = streams.peak
     if preflight is not None:
-        _settle_sized_later(preflight, plan, _Held(dropped, held, count_later), report, entries, log)
+        _settle_sized_later(
+            preflight, plan, _Held(dropped, held, count_later), report, entries, log
+        )
     return corrupt.is_set()
 
 
@@ -658,16 +711,22 @@ def _settle_sized_later(
             raise SourceError(
                 f"[{report.node}] sizing the source's shards failed: {_one_line(preflight.probe.failure)}; nothing was copied"
             ) from preflight.probe.failure
-        raise _space_error(report.dataset_dir, preflight.needed_bytes, preflight.free_bytes, report.node)
+        raise _space_error(
+            report.dataset_dir, preflight.needed_bytes, preflight.free_bytes, report.node
+        )
     if preflight.failed_renames:
         shard_of = {os.fspath(final): shard for shard, final, _, _ in plan.to_copy}
         for final_path, exc in preflight.failed_renames:
             shard = shard_of[final_path]
             unstage(shard.relpath)
-            report.add_failure(ShardFailure(shard.url, f"copied but not renamed into place: {exc.strerror or exc}"))
+            report.add_failure(
+                ShardFailure(shard.url, f"copied but not renamed into place: {exc.strerror or exc}")
+            )
     if copies.count_later:
         final_of = {shard.relpath: final for shard, final, _, _ in plan.to_copy}
         for relpath in copies.count_later:
             entry = entries.get(relpath)
             if entry is not None:
-                entries[relpath] = dataclasses.replace(entry, samples=_count(final_of[relpath], log))
+                entries[relpath] = dataclasses.replace(
+                    entry, samples=_count(final_of[relpath], log)
+                )

@@ -241,4 +241,7 @@ class DeferredPreflight:
         else:
             self.failed_renames = self.gate.pass_()
         if self._on_sized is not None:
-            self._on_sized(self.probed_bytes, sum(1 for i in range(len(self.probe)) if self.probe.get(i) == DROPPED))
+            self._on_sized(
+                self.probed_bytes,
+                sum(1 for i in range(len(self.probe)) if self.probe.get(i) == DROPPED),
+            )

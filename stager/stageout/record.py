@@ -17,8 +17,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from stager.errors import CheckpointError
-from stager.storage.hashing import new_hasher
 from stager.shards.manifest import ManifestEntry
+from stager.storage.hashing import new_hasher
 from stager.storage.paths import safe_relpath
 
 __all__ = [

@@ -20,11 +20,17 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
+from stager.errors import (
+    CheckpointError,
+    DestinationError,
+    IntegrityError,
+    NoCheckpoint,
+    SourceError,
+)
 from stager.stageout.record import CommitRecord, newest_first
 from stager.stageout.store import CommitStore, open_store
 from stager.storage.copy import copy_file
 from stager.storage.dest import ensure_private_dir
-from stager.errors import CheckpointError, DestinationError, IntegrityError, NoCheckpoint, SourceError
 from stager.storage.lock import NodeLock
 from stager.storage.paths import PARTIAL_SUFFIX, safe_join
 

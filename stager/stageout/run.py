@@ -32,15 +32,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from stager.errors import CheckpointError, DeadlineTooShort, IntegrityError, UsageError
+from stager.slurm import SlurmEnv
+from stager.stagein.progress import human_bytes
+from stager.stageout.deadline import Deadline
 from stager.stageout.record import CommitRecord, plan_keep, plan_prune
 from stager.stageout.snapshot import Snapshot, newest_mtime_ns, snapshot, state_dir
 from stager.stageout.store import CommitStore, open_store
-from stager.stageout.deadline import Deadline
-from stager.errors import CheckpointError, DeadlineTooShort, IntegrityError, UsageError
 from stager.storage.hashing import hash_file
 from stager.storage.lock import NodeLock
-from stager.stagein.progress import human_bytes
-from stager.slurm import SlurmEnv
 from stager.storage.throttle import Throttle
 
 __all__ = [

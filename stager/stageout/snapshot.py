@@ -16,10 +16,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from stager.stageout.record import KIND_DIR, KIND_FILE, check_checkpoint_name, content_id
 from stager.errors import CheckpointError
-from stager.storage.hashing import hash_file
 from stager.shards.manifest import ManifestEntry
+from stager.stageout.record import KIND_DIR, KIND_FILE, check_checkpoint_name, content_id
+from stager.storage.hashing import hash_file
 from stager.storage.paths import PARTIAL_SUFFIX
 
 __all__ = [

@@ -42,8 +42,8 @@ from dataclasses import dataclass
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from stager.stageout.record import CommitRecord, check_checkpoint_name
 from stager.errors import CheckpointError, DestinationError, StagerError
+from stager.stageout.record import CommitRecord, check_checkpoint_name
 from stager.storage.throttle import Throttle
 
 __all__ = [

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import contextlib
 
+from stager.errors import IntegrityError, StagerError
 from stager.stageout.record import CommitRecord
 from stager.stageout.store import Attempt, CommitStore, dest_errors, signals_deferred
-from stager.errors import IntegrityError, StagerError
 from stager.storage.hashing import new_hasher
 
 __all__ = ["ObjectCommitStore"]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from fsspec.implementations.local import LocalFileSystem
 
+from stager.errors import DestinationError, IntegrityError, ScratchFull
 from stager.stageout.record import CommitRecord
 from stager.stageout.store import (
     META_DIR,
@@ -28,7 +29,6 @@ from stager.stageout.store import (
     signals_deferred,
 )
 from stager.storage.copy import copy_file
-from stager.errors import DestinationError, IntegrityError, ScratchFull
 
 __all__ = ["LocalCommitStore"]
 

@@ -27,7 +27,14 @@ from stager.storage.throttle import Throttle
 if TYPE_CHECKING:
     import fsspec
 
-__all__ = ["CopyResult", "copy_file", "partial_path", "SizeMismatch", "HashMismatch", "DEFAULT_BLOCK_BYTES"]
+__all__ = [
+    "CopyResult",
+    "copy_file",
+    "partial_path",
+    "SizeMismatch",
+    "HashMismatch",
+    "DEFAULT_BLOCK_BYTES",
+]
 
 DEFAULT_BLOCK_BYTES = 4 << 20
 #: The first read is small so that "time to first byte" measures the source's per-file latency,

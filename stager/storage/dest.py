@@ -32,7 +32,9 @@ def _user(env: Mapping[str, str]) -> str:
         return str(os.getuid())
 
 
-def resolve_dest_root(dest: str | None = None, *, env: Mapping[str, str] | None = None, slurm: SlurmEnv | None = None) -> Path:
+def resolve_dest_root(
+    dest: str | None = None, *, env: Mapping[str, str] | None = None, slurm: SlurmEnv | None = None
+) -> Path:
     """The directory under which datasets are staged as ``<root>/<name>/``."""
     env = os.environ if env is None else env
     if dest:
@@ -61,15 +63,25 @@ def ensure_private_dir(path: str | os.PathLike[str]) -> Path:
             pass
         info = os.lstat(path)
     except PermissionError as exc:
-        raise DestinationError(f"cannot create {path}: permission denied; pass --dest to a writable directory") from exc
+        raise DestinationError(
+            f"cannot create {path}: permission denied; pass --dest to a writable directory"
+        ) from exc
     except OSError as exc:
-        raise DestinationError(f"cannot create {path}: {exc.strerror or exc}; pass --dest to a usable directory") from exc
+        raise DestinationError(
+            f"cannot create {path}: {exc.strerror or exc}; pass --dest to a usable directory"
+        ) from exc
     if stat.S_ISLNK(info.st_mode):
-        raise UnsafePath(f"{path} is a symlink; refusing to stage through it (remove it or pass another --dest)")
+        raise UnsafePath(
+            f"{path} is a symlink; refusing to stage through it (remove it or pass another --dest)"
+        )
     if not stat.S_ISDIR(info.st_mode):
-        raise DestinationError(f"{path} exists and is not a directory; remove it or pass another --dest")
+        raise DestinationError(
+            f"{path} exists and is not a directory; remove it or pass another --dest"
+        )
     if info.st_uid != os.geteuid():
-        raise UnsafePath(f"{path} is owned by uid {info.st_uid}, not by you; refusing (another user may have pre-created it)")
+        raise UnsafePath(
+            f"{path} is owned by uid {info.st_uid}, not by you; refusing (another user may have pre-created it)"
+        )
     if stat.S_IMODE(info.st_mode) & 0o077:
         os.chmod(path, 0o700)
     return path

@@ -44,7 +44,9 @@ def split_digest(digest: str) -> tuple[str, str]:
     if not sep:
         return "sha256", digest
     if algorithm not in ALGORITHMS:
-        raise UsageError(f"unknown hash algorithm in {digest!r}; expected one of {', '.join(ALGORITHMS)}")
+        raise UsageError(
+            f"unknown hash algorithm in {digest!r}; expected one of {', '.join(ALGORITHMS)}"
+        )
     return algorithm, hexpart
 
 

@@ -24,7 +24,9 @@ __all__ = ["NodeLock"]
 class NodeLock:
     """An exclusive advisory lock; ``contended`` says whether someone else held it first."""
 
-    def __init__(self, path: str | os.PathLike[str], *, timeout_s: float = 24 * 3600, poll_s: float = 0.05):
+    def __init__(
+        self, path: str | os.PathLike[str], *, timeout_s: float = 24 * 3600, poll_s: float = 0.05
+    ):
         self.path = Path(path)
         self.timeout_s = timeout_s
         self.poll_s = poll_s
@@ -63,6 +65,9 @@ class NodeLock:
         return self.acquire()
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         self.release()

@@ -31,11 +31,19 @@ def safe_relpath(relpath: str) -> str:
     """Normalise a POSIX relative path, refusing anything that is absolute or climbs out."""
     if not relpath or "\x00" in relpath:
         raise UnsafePath(f"empty or NUL-containing shard path {relpath!r}; fix the source listing")
-    if relpath.startswith("/") or relpath.startswith("\\") or (len(relpath) > 1 and relpath[1] == ":"):
-        raise UnsafePath(f"absolute shard path {relpath!r} refused; paths must be relative to the dataset")
+    if (
+        relpath.startswith("/")
+        or relpath.startswith("\\")
+        or (len(relpath) > 1 and relpath[1] == ":")
+    ):
+        raise UnsafePath(
+            f"absolute shard path {relpath!r} refused; paths must be relative to the dataset"
+        )
     parts = relpath.replace("\\", "/").split("/")
     if any(p == ".." for p in parts):
-        raise UnsafePath(f"shard path {relpath!r} contains '..' and could escape the dataset root; refused")
+        raise UnsafePath(
+            f"shard path {relpath!r} contains '..' and could escape the dataset root; refused"
+        )
     norm = posixpath.normpath("/".join(p for p in parts if p not in ("", ".")))
     if norm in (".", "") or norm.startswith(".."):
         raise UnsafePath(f"shard path {relpath!r} does not name a file inside the dataset; refused")
@@ -60,7 +68,9 @@ class SafeJoiner:
     def __init__(self, root: str | os.PathLike[str]):
         self.root = Path(root)
         self._root = str(self.root)
-        self._inside = os.path.realpath(self._root).rstrip("/") + "/"  # what a shard path must start with
+        self._inside = (
+            os.path.realpath(self._root).rstrip("/") + "/"
+        )  # what a shard path must start with
         self._resolved_dirs: dict[str, str] = {}
 
     def __call__(self, relpath: str) -> Path:
@@ -70,7 +80,13 @@ class SafeJoiner:
         resolved_parent = self._resolved_dirs.get(parent)
         if resolved_parent is None:
             resolved_parent = self._resolved_dirs[parent] = os.path.realpath(parent)
-        resolved = os.path.realpath(target) if os.path.islink(target) else os.path.join(resolved_parent, name)
+        resolved = (
+            os.path.realpath(target)
+            if os.path.islink(target)
+            else os.path.join(resolved_parent, name)
+        )
         if not resolved.startswith(self._inside):
-            raise UnsafePath(f"shard path {relpath!r} resolves outside {self.root} (a symlink?); refused")
+            raise UnsafePath(
+                f"shard path {relpath!r} resolves outside {self.root} (a symlink?); refused"
+            )
         return Path(target)

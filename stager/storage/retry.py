@@ -20,7 +20,15 @@ __all__ = ["RetryPolicy", "is_transient", "call_with_retries"]
 
 T = TypeVar("T")
 
-_PERMANENT_ERRNOS = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR, errno.ENOSPC, errno.EDQUOT}
+_PERMANENT_ERRNOS = {
+    errno.ENOENT,
+    errno.EACCES,
+    errno.EPERM,
+    errno.EISDIR,
+    errno.ENOTDIR,
+    errno.ENOSPC,
+    errno.EDQUOT,
+}
 
 
 def is_transient(exc: BaseException) -> bool:

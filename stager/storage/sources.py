@@ -12,12 +12,12 @@ parent directory for a brace pattern or a list.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import posixpath
 import re
 import stat
-import dataclasses
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -31,7 +31,14 @@ from stager.storage.workers import map_in_threads
 if TYPE_CHECKING:
     import fsspec
 
-__all__ = ["SourceShard", "SourceSet", "resolve_source", "fill_sizes", "SHARD_SUFFIXES", "is_shard_name"]
+__all__ = [
+    "SourceShard",
+    "SourceSet",
+    "resolve_source",
+    "fill_sizes",
+    "SHARD_SUFFIXES",
+    "is_shard_name",
+]
 
 SHARD_SUFFIXES = (".tar", ".tgz", ".tar.gz")
 #: A brace pattern expanding past this is a typo (``{0..99999999999}``), not a dataset.
@@ -96,7 +103,9 @@ def _translate(exc: Exception, url: str) -> SourceError:
     if isinstance(exc, FileNotFoundError):
         return SourceError(f"source not found: {url}; check the path (is the filesystem mounted?)")
     if isinstance(exc, PermissionError):
-        return SourceError(f"source not readable: {url} (permission denied); check its mode and owner")
+        return SourceError(
+            f"source not readable: {url} (permission denied); check its mode and owner"
+        )
     return SourceError(f"cannot list source {url}: {exc}; check the URL and credentials")
 
 
@@ -154,14 +163,16 @@ def _has_glob(text: str) -> bool:
 
 def _common_dir(paths: list[str]) -> str:
     dirs = [posixpath.dirname(p) for p in paths]
-    common = posixpath.commonpath(dirs) if all(d.startswith("/") for d in dirs) else _prefix_dir(dirs)
+    common = (
+        posixpath.commonpath(dirs) if all(d.startswith("/") for d in dirs) else _prefix_dir(dirs)
+    )
     return common
 
 
 def _prefix_dir(dirs: list[str]) -> str:
     split = [d.split("/") for d in dirs]
     out: list[str] = []
-    for parts in zip(*split):
+    for parts in zip(*split, strict=False):  # stops at the shortest path
         if len(set(parts)) != 1:
             break
         out.append(parts[0])
@@ -174,7 +185,9 @@ def _local_info(path: str) -> dict:
     return {"size": st.st_size, "type": "directory" if stat.S_ISDIR(st.st_mode) else "file"}
 
 
-def _stat_many(fs: fsspec.AbstractFileSystem | None, paths: list[str], jobs: int) -> list[dict | None]:
+def _stat_many(
+    fs: fsspec.AbstractFileSystem | None, paths: list[str], jobs: int
+) -> list[dict | None]:
     """``fs.info`` for each path, in parallel because each is a metadata round trip on NFS."""
 
     def info(path: str) -> dict | None:
@@ -202,7 +215,9 @@ def _from_paths(
             missing.append(_display(fs, path))
             continue
         rel = posixpath.relpath(path, root) if root else path
-        shards.append(SourceShard(_display(fs, path), path, safe_relpath(rel), int(info.get("size") or 0)))
+        shards.append(
+            SourceShard(_display(fs, path), path, safe_relpath(rel), int(info.get("size") or 0))
+        )
     return SourceSet(root_url, name or _basename(root), tuple(shards), tuple(missing), fs)
 
 
@@ -266,7 +281,9 @@ def _split_fs(url: str) -> tuple[fsspec.AbstractFileSystem | None, str]:
     try:
         fs, path = url_to_fs(url)
     except (ImportError, ValueError) as exc:
-        raise UsageError(f"cannot open {url!r}: {exc}; install the fsspec backend (e.g. s3fs)") from exc
+        raise UsageError(
+            f"cannot open {url!r}: {exc}; install the fsspec backend (e.g. s3fs)"
+        ) from exc
     return (None, path) if protocol_of(fs) == "file" else (fs, path)
 
 
@@ -311,7 +328,9 @@ def resolve_source(
         for url in urls:
             other_fs, path = _split_fs(url)
             if type(other_fs) is not type(fs):
-                raise UsageError(f"list {from_list} mixes filesystems ({url}); use one list per filesystem")
+                raise UsageError(
+                    f"list {from_list} mixes filesystems ({url}); use one list per filesystem"
+                )
             paths.append(path)
         root = _common_dir(paths)
         return _from_paths(fs, paths, root, name, jobs, from_list)
@@ -319,25 +338,35 @@ def resolve_source(
     assert spec is not None
     if "{" in spec and "}" in spec:
         if pattern_size_bound(spec) > MAX_PATTERN_SHARDS:
-            raise UsageError(f"brace pattern {spec!r} expands to more than {MAX_PATTERN_SHARDS} shards; check the ranges")
+            raise UsageError(
+                f"brace pattern {spec!r} expands to more than {MAX_PATTERN_SHARDS} shards; check the ranges"
+            )
         try:
             expanded = list(itertools.islice(braceexpand(spec), MAX_PATTERN_SHARDS + 1))
         except ValueError as exc:  # braceexpand.UnbalancedBracesError
-            raise UsageError(f"bad brace pattern {spec!r} ({exc}); e.g. train-{{000000..000099}}.tar") from exc
+            raise UsageError(
+                f"bad brace pattern {spec!r} ({exc}); e.g. train-{{000000..000099}}.tar"
+            ) from exc
         if len(expanded) > MAX_PATTERN_SHARDS:
-            raise UsageError(f"brace pattern {spec!r} expands to more than {MAX_PATTERN_SHARDS} shards; check the ranges")
+            raise UsageError(
+                f"brace pattern {spec!r} expands to more than {MAX_PATTERN_SHARDS} shards; check the ranges"
+            )
         fs, _ = _split_fs(expanded[0])
         paths = [_split_fs(u)[1] for u in expanded]
         root = _common_dir(paths)
         result = _from_paths(fs, paths, root, name, jobs, spec)
         if not result.shards:
-            raise SourceError(f"source not found: none of the {len(paths)} files of {spec} exist; check the pattern")
+            raise SourceError(
+                f"source not found: none of the {len(paths)} files of {spec} exist; check the pattern"
+            )
         return result
 
     fs, path = _split_fs(spec)
     if _has_glob(path):
         try:
-            matches = sorted(_fsspec_view(fs).glob(path, detail=True).items())  # fsspec's glob rules
+            matches = sorted(
+                _fsspec_view(fs).glob(path, detail=True).items()
+            )  # fsspec's glob rules
         except Exception as exc:  # noqa: BLE001 - translated at this boundary
             raise _translate(exc, spec) from exc
         files = [(p, info) for p, info in matches if info.get("type") != "directory"]
@@ -346,7 +375,12 @@ def resolve_source(
         fixed = path[: min(path.index(c) for c in _GLOB_CHARS if c in path)]
         root = fixed if fixed.endswith("/") else posixpath.dirname(fixed)
         shards = tuple(
-            SourceShard(_display(fs, p), p, safe_relpath(posixpath.relpath(p, root)), int(info.get("size") or 0))
+            SourceShard(
+                _display(fs, p),
+                p,
+                safe_relpath(posixpath.relpath(p, root)),
+                int(info.get("size") or 0),
+            )
             for p, info in files
         )
         return SourceSet(spec, name or _basename(root), shards, remote_fs=fs)
@@ -357,7 +391,12 @@ def resolve_source(
         raise _translate(exc, spec) from exc
     if info.get("type") != "directory":
         root = posixpath.dirname(path)
-        shard = SourceShard(_display(fs, path), path, safe_relpath(posixpath.basename(path)), int(info.get("size") or 0))
+        shard = SourceShard(
+            _display(fs, path),
+            path,
+            safe_relpath(posixpath.basename(path)),
+            int(info.get("size") or 0),
+        )
         return SourceSet(spec, name or _basename(root), (shard,), remote_fs=fs)
     root = path.rstrip("/")
     if fs is None:
@@ -366,19 +405,25 @@ def resolve_source(
             names = _walk_local(root)
         except OSError as exc:
             raise _translate(exc, spec) from exc
-        shards = tuple(SourceShard(p, p, safe_relpath(posixpath.relpath(p, root)), None) for p in names)
+        shards = tuple(
+            SourceShard(p, p, safe_relpath(posixpath.relpath(p, root)), None) for p in names
+        )
         result = SourceSet(spec, name or _basename(root), shards)
         if stat_listed:
             result = dataclasses.replace(result, shards=tuple(fill_sizes(result, shards, jobs)))
         if not result.shards:
-            raise SourceError(f"no shards (*.tar, *.tgz, *.tar.gz) under {spec}; check the directory")
+            raise SourceError(
+                f"no shards (*.tar, *.tgz, *.tar.gz) under {spec}; check the directory"
+            )
         return result
     try:
         found = fs.find(path, detail=True)
     except Exception as exc:  # noqa: BLE001 - translated at this boundary
         raise _translate(exc, spec) from exc
     shards = tuple(
-        SourceShard(_display(fs, p), p, safe_relpath(posixpath.relpath(p, root)), int(info.get("size") or 0))
+        SourceShard(
+            _display(fs, p), p, safe_relpath(posixpath.relpath(p, root)), int(info.get("size") or 0)
+        )
         for p, info in sorted(found.items())
         if is_shard_name(p) and info.get("type") != "directory"
     )

@@ -18,7 +18,9 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-def run_in_threads(fn: Callable[[T], object], items: Iterable[T], threads: int, *, name: str = "worker") -> None:
+def run_in_threads(
+    fn: Callable[[T], object], items: Iterable[T], threads: int, *, name: str = "worker"
+) -> None:
     """Call ``fn(item)`` for every item on up to ``threads`` threads; return when all are done.
 
     The first exception raised by ``fn`` stops the other threads from taking new items and is
@@ -44,7 +46,9 @@ def run_in_threads(fn: Callable[[T], object], items: Iterable[T], threads: int, 
     if count == 1:
         loop()
     else:
-        pool = [threading.Thread(target=loop, name=f"{name}-{i}", daemon=True) for i in range(count)]
+        pool = [
+            threading.Thread(target=loop, name=f"{name}-{i}", daemon=True) for i in range(count)
+        ]
         for thread in pool:
             thread.start()
         for thread in pool:
@@ -53,7 +57,9 @@ def run_in_threads(fn: Callable[[T], object], items: Iterable[T], threads: int, 
         raise failures[0]
 
 
-def map_in_threads(fn: Callable[[T], R], items: Sequence[T], threads: int, *, name: str = "worker") -> list[R]:
+def map_in_threads(
+    fn: Callable[[T], R], items: Sequence[T], threads: int, *, name: str = "worker"
+) -> list[R]:
     """``[fn(item) for item in items]`` computed on up to ``threads`` threads."""
     results: list[R | None] = [None] * len(items)
 

@@ -25,22 +25,45 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.epilog = parser.epilog or EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument(
-        "source", nargs="?", metavar="SRC",
+        "source",
+        nargs="?",
+        metavar="SRC",
         help="directory, glob, brace pattern or single shard; any fsspec URL (s3://bucket/prefix/)",
     )
-    parser.add_argument("--from-list", metavar="FILE", help="read shard URLs from FILE (one per line, # comments)")
     parser.add_argument(
-        "--out", metavar="PATH",
+        "--from-list", metavar="FILE", help="read shard URLs from FILE (one per line, # comments)"
+    )
+    parser.add_argument(
+        "--out",
+        metavar="PATH",
         help="where to write the manifest, .json or .parquet, local or a URL (default: beside the dataset)",
     )
     parser.add_argument(
-        "--hash", choices=ALGORITHMS, default=DEFAULT_ALGORITHM,
+        "--hash",
+        choices=ALGORITHMS,
+        default=DEFAULT_ALGORITHM,
         help=f"content hash (default {DEFAULT_ALGORITHM}: fast; sha256 for strict sites)",
     )
-    parser.add_argument("--jobs", type=int, default=8, metavar="N", help="shards read in parallel (default 8)")
-    parser.add_argument("--retries", type=int, default=3, metavar="N", help="retries per shard on transient errors (default 3)")
-    parser.add_argument("--retry-delay", type=float, default=0.5, metavar="S", help="first retry delay in s; doubles (default 0.5)")
-    parser.add_argument("--no-count", action="store_true", help="do not count samples (hash and size only)")
+    parser.add_argument(
+        "--jobs", type=int, default=8, metavar="N", help="shards read in parallel (default 8)"
+    )
+    parser.add_argument(
+        "--retries",
+        type=int,
+        default=3,
+        metavar="N",
+        help="retries per shard on transient errors (default 3)",
+    )
+    parser.add_argument(
+        "--retry-delay",
+        type=float,
+        default=0.5,
+        metavar="S",
+        help="first retry delay in s; doubles (default 0.5)",
+    )
+    parser.add_argument(
+        "--no-count", action="store_true", help="do not count samples (hash and size only)"
+    )
     parser.set_defaults(handler=run)
 
 
@@ -63,7 +86,11 @@ def run(args: argparse.Namespace) -> int:
     )
 
     def on_retry(attempt: int, exc: BaseException) -> None:
-        print(f"index: retry {attempt} after: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)
+        print(
+            f"index: retry {attempt} after: {' '.join(str(exc).split())}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     manifest, where, seconds = index_source(source, args.out, options, on_retry=on_retry)
     samples = manifest.total_samples

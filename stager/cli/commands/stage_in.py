@@ -6,14 +6,14 @@ import argparse
 import os
 import sys
 
-from stager.storage.dest import resolve_dest_root
 from stager.errors import UsageError
 from stager.fanout.group import FanoutOptions
-from stager.storage.retry import RetryPolicy
 from stager.slurm import SlurmEnv
-from stager.storage.sources import resolve_source
 from stager.stagein.run import StageInOptions, stage_in
 from stager.stagein.streams import DEFAULT_JOBS
+from stager.storage.dest import resolve_dest_root
+from stager.storage.retry import RetryPolicy
+from stager.storage.sources import resolve_source
 
 HELP = "copy dataset shards to node-local scratch (run once per node: srun --ntasks-per-node=1)"
 
@@ -34,44 +34,101 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.epilog = parser.epilog or EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument(
-        "source", nargs="?", metavar="SOURCE",
+        "source",
+        nargs="?",
+        metavar="SOURCE",
         help="directory, glob, brace pattern (train-{000000..000099}.tar) or single shard; any fsspec URL",
     )
     parser.add_argument(
-        "--checkpoint", metavar="DEST",
+        "--checkpoint",
+        metavar="DEST",
         help="restore the newest committed checkpoint from DEST (stage-out's destination) to --dest/<name>; "
         "prints its local path on stdout",
     )
-    parser.add_argument("--from-list", metavar="FILE", help="read shard URLs from FILE (one per line, # comments)")
     parser.add_argument(
-        "--dest", metavar="DIR",
+        "--from-list", metavar="FILE", help="read shard URLs from FILE (one per line, # comments)"
+    )
+    parser.add_argument(
+        "--dest",
+        metavar="DIR",
         help="destination root (default: $STAGER_DEST, else /scratch/$SLURM_JOB_ID, else $TMPDIR/stager-$USER/local)",
     )
-    parser.add_argument("--name", help="dataset name under the destination (default: source directory's basename)")
     parser.add_argument(
-        "--jobs", type=int, default=DEFAULT_JOBS, metavar="N",
+        "--name", help="dataset name under the destination (default: source directory's basename)"
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=DEFAULT_JOBS,
+        metavar="N",
         help=f"most concurrent copy streams per node (default {DEFAULT_JOBS}); the count adapts to the source's latency",
     )
-    parser.add_argument("--min-jobs", type=int, default=4, metavar="N", help="fewest concurrent streams (default 4)")
-    parser.add_argument("--fixed-jobs", action="store_true", help="always run --jobs streams (no adaptation)")
-    parser.add_argument("--bw-limit", type=float, metavar="MBPS", help="cap on source reads per node, in MB/s")
-    parser.add_argument("--retries", type=int, default=3, metavar="N", help="retries per shard on transient errors (default 3)")
-    parser.add_argument("--retry-delay", type=float, default=0.5, metavar="S", help="first retry delay in s; doubles (default 0.5)")
-    parser.add_argument("--manifest", metavar="PATH", help="manifest to verify against (default: stager-manifest.* beside the source)")
-    parser.add_argument("--report", metavar="PATH.json", help="write the run's summary as JSON")
-    parser.add_argument("--quiet", action="store_true", help="no progress output (summary line still printed)")
     parser.add_argument(
-        "--progress", choices=("auto", "bar", "lines", "none"), default="auto",
+        "--min-jobs", type=int, default=4, metavar="N", help="fewest concurrent streams (default 4)"
+    )
+    parser.add_argument(
+        "--fixed-jobs", action="store_true", help="always run --jobs streams (no adaptation)"
+    )
+    parser.add_argument(
+        "--bw-limit", type=float, metavar="MBPS", help="cap on source reads per node, in MB/s"
+    )
+    parser.add_argument(
+        "--retries",
+        type=int,
+        default=3,
+        metavar="N",
+        help="retries per shard on transient errors (default 3)",
+    )
+    parser.add_argument(
+        "--retry-delay",
+        type=float,
+        default=0.5,
+        metavar="S",
+        help="first retry delay in s; doubles (default 0.5)",
+    )
+    parser.add_argument(
+        "--manifest",
+        metavar="PATH",
+        help="manifest to verify against (default: stager-manifest.* beside the source)",
+    )
+    parser.add_argument("--report", metavar="PATH.json", help="write the run's summary as JSON")
+    parser.add_argument(
+        "--quiet", action="store_true", help="no progress output (summary line still printed)"
+    )
+    parser.add_argument(
+        "--progress",
+        choices=("auto", "bar", "lines", "none"),
+        default="auto",
         help="progress style: bar on a TTY, periodic lines otherwise (default auto)",
     )
-    parser.add_argument("--progress-interval", type=float, default=10.0, metavar="S", help="seconds between progress lines")
-    parser.add_argument("--jitter-max", type=float, default=2.0, metavar="S", help="max start delay spread over nodes (default 2)")
-    parser.add_argument("--no-count", action="store_true", help="do not count samples of copied shards")
-    parser.add_argument("--fsync", action="store_true", help="fsync each shard before publishing it")
-    parser.add_argument("--min-free", type=int, default=0, metavar="BYTES", help="bytes to keep free on scratch")
+    parser.add_argument(
+        "--progress-interval",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds between progress lines",
+    )
+    parser.add_argument(
+        "--jitter-max",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="max start delay spread over nodes (default 2)",
+    )
+    parser.add_argument(
+        "--no-count", action="store_true", help="do not count samples of copied shards"
+    )
+    parser.add_argument(
+        "--fsync", action="store_true", help="fsync each shard before publishing it"
+    )
+    parser.add_argument(
+        "--min-free", type=int, default=0, metavar="BYTES", help="bytes to keep free on scratch"
+    )
     add_fanout_arguments(parser)
     parser.add_argument(
-        "--subset", choices=("all", "node"), default="all",
+        "--subset",
+        choices=("all", "node"),
+        default="all",
         help="all: stage every shard (default); node: only this node's share, for the loader's node-local shuffle",
     )
     parser.set_defaults(handler=run)
@@ -91,7 +148,11 @@ def run(args: argparse.Namespace) -> int:
     # shard selection needs them first: --subset node partitions by size, --fanout plans by it.
     defer_stats = args.subset == "all" and not args.fanout
     source = resolve_source(
-        args.source, from_list=args.from_list, name=args.name, jobs=args.jobs, stat_listed=not defer_stats
+        args.source,
+        from_list=args.from_list,
+        name=args.name,
+        jobs=args.jobs,
+        stat_listed=not defer_stats,
     )
     options = StageInOptions(
         dest_root=resolve_dest_root(args.dest, slurm=slurm),
@@ -118,10 +179,14 @@ def run(args: argparse.Namespace) -> int:
             return select_node_shards(src, num_nodes=slurm.num_nodes, node_id=slurm.node_id)
 
     if args.fanout and args.subset != "all":
-        raise UsageError("--fanout replicates the whole dataset on every node; it needs --subset all")
+        raise UsageError(
+            "--fanout replicates the whole dataset on every node; it needs --subset all"
+        )
     try:
         if args.fanout:
-            from stager.fanout.run import fanout_stage_in  # numpy and, later, torch: only when asked for
+            from stager.fanout.run import (
+                fanout_stage_in,
+            )  # numpy and, later, torch: only when asked for
 
             report = fanout_stage_in(source, options, fanout_options_from_args(args), slurm=slurm)
         else:
@@ -144,7 +209,9 @@ def _restore(args: argparse.Namespace) -> int:
     from stager.stageout.restore import restore_checkpoint
 
     if args.source or args.from_list:
-        raise UsageError("--checkpoint takes no SOURCE or --from-list; it restores from the DEST it names")
+        raise UsageError(
+            "--checkpoint takes no SOURCE or --from-list; it restores from the DEST it names"
+        )
     path = restore_checkpoint(args.checkpoint, resolve_dest_root(args.dest))
     print(os.path.abspath(path), flush=True)
     return 0

@@ -6,11 +6,11 @@ import argparse
 import threading
 from pathlib import Path
 
-from stager.stageout.snapshot import list_checkpoints
-from stager.stageout.deadline import resolve_deadline
 from stager.errors import UsageError
 from stager.slurm import SlurmEnv
+from stager.stageout.deadline import resolve_deadline
 from stager.stageout.run import StageOutOptions, check_outcomes, stage_out
+from stager.stageout.snapshot import list_checkpoints
 from stager.stageout.watch import stop_on_signals, watch
 
 HELP = "commit checkpoints from node-local scratch to persistent storage, atomically"
