@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from loaders.index import FlatIndex
+from stager.shards.loader_index import FlatIndex
 from loaders.samples import SamplePipeline, select_fields
 from stager.errors import IntegrityError
 

@@ -26,13 +26,13 @@ from torch.utils.data import DataLoader
 
 from loaders.dataset import PackedBatch, StagedTarDataset
 from loaders.errors import ResumeMismatch
-from loaders.index import build_flat_index
+from stager.shards.loader_index import build_flat_index
 from loaders.metrics import LoaderMetrics, batch_length
 from loaders.resolve import DatasetShards, resolve_dataset
 from loaders.sampler import RankBatchSampler
 from loaders.samples import DecodeSpec, SamplePipeline, collate_samples, make_decoder
 from loaders.state import LoaderState
-from loaders.streaming import StreamingPlan, StreamingShards, count_remote_samples, reorder_batches
+from loaders.streaming import StreamingShards, count_remote_samples, reorder_batches
 from loaders.world import detect_layout
 from stager.errors import UsageError
 from stager.plan.ranks import (
@@ -43,6 +43,7 @@ from stager.plan.ranks import (
     remaining_after,
     samples_per_rank,
 )
+from stager.plan.streaming import StreamingPlan
 
 __all__ = ["ShardedLoader", "LoaderOptions"]
 

@@ -24,16 +24,15 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
 from loaders.samples import SamplePipeline
 from stager.errors import IntegrityError, SourceError
-from stager.plan.ranks import PlanOptions, WorldLayout, _rng, num_batches, shard_offsets
+from stager.plan.ranks import _rng
+from stager.plan.streaming import StreamingPlan
 from stager.shards.tarindex import count_samples, split_key
 
 __all__ = [
-    "StreamingPlan",
     "StreamingShards",
     "count_remote_samples",
     "reorder_batches",
@@ -90,66 +89,6 @@ def count_remote_samples(location: str) -> int:
     if "://" not in location:
         return count_samples(location)
     return sum(1 for _ in iter_tar_samples(location))
-
-
-class StreamingPlan:
-    """Per worker of this rank: the (shard, first, stop) ranges it streams, and its batch count."""
-
-    def __init__(
-        self,
-        counts: np.ndarray,
-        layout: WorldLayout,
-        options: PlanOptions,
-        per_rank: int,
-        workers: int,
-    ):
-        self.counts = np.asarray(counts, dtype=np.int64)
-        self.layout = layout
-        self.options = options
-        self.per_rank = per_rank
-        self.workers = workers
-        base, extra = divmod(per_rank, workers)
-        self.worker_samples = [base + (1 if w < extra else 0) for w in range(workers)]
-        self.worker_batches = [
-            num_batches(n, options.batch_size, options.even) for n in self.worker_samples
-        ]
-
-    @property
-    def num_batches(self) -> int:
-        return sum(self.worker_batches)
-
-    def delivery_order(self) -> list[tuple[int, int]]:
-        """(worker, batch number) in the order the loader yields them: round robin, as torch does."""
-        order, cursor = [], [0] * self.workers
-        while len(order) < self.num_batches:
-            for w in range(self.workers):
-                if cursor[w] < self.worker_batches[w]:
-                    order.append((w, cursor[w]))
-                    cursor[w] += 1
-        return order
-
-    def segments(self, epoch: int, worker: int) -> list[tuple[int, int, int]]:
-        """``(shard, first sample, stop sample)`` ranges streamed by ``worker`` this epoch."""
-        shard_order = np.arange(len(self.counts))
-        salt = 1 + self.layout.node_rank if self.options.subset == "node" else 0
-        if self.options.shuffle != "none":
-            shard_order = _rng(self.options.seed, epoch, salt).permutation(len(self.counts))
-        offsets = shard_offsets(self.counts[shard_order])
-        total = int(offsets[-1])
-        position = self.layout.rank_of_node if self.options.subset == "node" else self.layout.rank
-        lo = position * self.per_rank + sum(self.worker_samples[:worker])
-        hi = lo + self.worker_samples[worker]
-        out: list[tuple[int, int, int]] = []
-        while lo < hi:
-            if total == 0:
-                raise ValueError("cannot pad an empty dataset")
-            base = lo % total
-            k = int(np.searchsorted(offsets, base, side="right") - 1)
-            take = min(hi - lo, int(offsets[k + 1]) - base)
-            first = base - int(offsets[k])
-            out.append((int(shard_order[k]), first, first + take))
-            lo += take
-        return out
 
 
 class StreamingShards(IterableDataset):

@@ -531,7 +531,7 @@ def test_dataset_index_is_cached_in_one_file_and_rebuilt_on_change(
     )
     assert (staged / ".stager" / "index" / "dataset.flat.npz").is_file()
 
-    import loaders.index as index_module
+    import stager.shards.loader_index as index_module
 
     def no_header_walk(*args, **kwargs):
         raise AssertionError("the dataset index should have come from its one-file cache")
@@ -564,7 +564,7 @@ def test_first_loader_after_stage_in_reads_no_tar_header(
     dest = tmp_path / "scratch"
     staged = stage(dataset_copy, dest)
     assert (staged / ".stager" / "index" / "dataset.flat.npz").is_file()
-    import loaders.index as index_module
+    import stager.shards.loader_index as index_module
 
     def no_header_walk(*args, **kwargs):
         raise AssertionError("the loader walked tar headers although stage-in indexed the shards")
@@ -594,7 +594,7 @@ def test_first_loader_after_stage_in_reads_no_tar_header(
 def test_a_shard_index_is_cached_on_disk_only_when_it_was_slow_to_build(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import loaders.index as index_module
+    import stager.shards.loader_index as index_module
 
     [shard] = write_synthetic_dataset(
         tmp_path / "ds", SyntheticSpec(num_shards=1, samples_per_shard=5)

@@ -425,7 +425,7 @@ def _run(
         time.sleep(jitter_s(slurm.node_id, slurm.num_nodes, options.jitter_max_s))
         known_samples = {k: e.samples for k, e in expected.items()}
         if options.count_samples:
-            _import_in_background("loaders.index")  # numpy: ~0.2 s, overlapped with the copies' I/O
+            _import_in_background("stager.shards.loader_index")  # numpy: ~0.2 s, overlapped with the copies' I/O
         corrupt = _copy_all(source, plan, options, report, entries, known_samples, parsed, log)
 
     staged = Manifest(
@@ -484,7 +484,7 @@ def _save_loader_index(
     indexes = [parsed[e.relpath].index() for e in staged.entries]
     if any(index is None for index in indexes):
         return
-    from loaders.index import save_dataset_index  # numpy only; same distribution as stager
+    from stager.shards.loader_index import save_dataset_index  # numpy only; same distribution as stager
 
     save_dataset_index(
         [dataset_dir / e.relpath for e in staged.entries],
