@@ -59,7 +59,7 @@ def web_loader(shards: list[Path], workers: int) -> int:
 
 
 def sharded_loader(shards: list[Path], workers: int) -> int:
-    from loaders import ShardedLoader
+    from stager_loaders import ShardedLoader
 
     # ``shards`` are the staged copies: the loader is given the staged dataset directory.
     loader = ShardedLoader(shards[0].parent, batch_size=BATCH, num_workers=workers)

@@ -61,7 +61,7 @@ MEMORY_LOADERS = ("ShardedLoader persistent workers", "ShardedLoader", "webdatas
 
 def _make_loader(name: str, dataset_dir: Path, workers: int):
     if name.startswith("ShardedLoader"):
-        from loaders import ShardedLoader
+        from stager_loaders import ShardedLoader
 
         return ShardedLoader(
             dataset_dir,
@@ -84,7 +84,7 @@ def _child_first_batch(name: str, dataset_dir: Path, workers: int) -> dict:
     import torch  # noqa: F401 - the import cost every loader pays, reported apart
     import webdataset  # noqa: F401
 
-    import loaders  # noqa: F401
+    import stager_loaders  # noqa: F401
 
     t1 = time.perf_counter()
     loader = _make_loader(name, dataset_dir, workers)

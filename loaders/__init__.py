@@ -37,17 +37,17 @@ _HOME = {
 }
 
 if TYPE_CHECKING:
-    from loaders.errors import ResumeMismatch
-    from loaders.loader import LoaderOptions, ShardedLoader
-    from loaders.metrics import LoaderMetrics
-    from loaders.rng import capture_rng_state, restore_rng_state
-    from loaders.state import LoaderState
+    from stager_loaders.errors import ResumeMismatch
+    from stager_loaders.loader import LoaderOptions, ShardedLoader
+    from stager_loaders.metrics import LoaderMetrics
+    from stager_loaders.rng import capture_rng_state, restore_rng_state
+    from stager_loaders.state import LoaderState
     from stager.plan.ranks import PlanOptions, WorldLayout
 
 
 def __getattr__(name: str) -> Any:
     if name not in _HOME:
-        raise AttributeError(f"module 'loaders' has no attribute {name!r}")
+        raise AttributeError(f"module 'stager_loaders' has no attribute {name!r}")
     module = _HOME[name]
     return getattr(
         importlib.import_module(module if "." in module else f"{__name__}.{module}"), name

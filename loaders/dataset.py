@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import Dataset, get_worker_info
 
 from stager.shards.loader_index import FlatIndex
-from loaders.samples import SamplePipeline, select_fields
+from stager_loaders.samples import SamplePipeline, select_fields
 from stager.errors import IntegrityError
 
 __all__ = ["StagedTarDataset", "PackedBatch"]

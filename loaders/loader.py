@@ -7,7 +7,7 @@ Two paths, chosen per dataset:
   count, so ``len(loader)`` is exact and resume is "skip the first k batches".
 * **streaming** (a remote source, ``.tgz`` shards, or missing staged copies read from a remote
   source): a webdataset tar stream per worker over the same kind of plan, re-ordered in the
-  main process so that resume is exact too (see :mod:`loaders.streaming`).
+  main process so that resume is exact too (see :mod:`stager_loaders.streaming`).
 """
 
 from __future__ import annotations
@@ -24,16 +24,16 @@ from typing import Any
 import numpy as np
 from torch.utils.data import DataLoader
 
-from loaders.dataset import PackedBatch, StagedTarDataset
-from loaders.errors import ResumeMismatch
+from stager_loaders.dataset import PackedBatch, StagedTarDataset
+from stager_loaders.errors import ResumeMismatch
 from stager.shards.loader_index import build_flat_index
-from loaders.metrics import LoaderMetrics, batch_length
-from loaders.resolve import DatasetShards, resolve_dataset
-from loaders.sampler import RankBatchSampler
-from loaders.samples import DecodeSpec, SamplePipeline, collate_samples, make_decoder
-from loaders.state import LoaderState
-from loaders.streaming import StreamingShards, count_remote_samples, reorder_batches
-from loaders.world import detect_layout
+from stager_loaders.metrics import LoaderMetrics, batch_length
+from stager_loaders.resolve import DatasetShards, resolve_dataset
+from stager_loaders.sampler import RankBatchSampler
+from stager_loaders.samples import DecodeSpec, SamplePipeline, collate_samples, make_decoder
+from stager_loaders.state import LoaderState
+from stager_loaders.streaming import StreamingShards, count_remote_samples, reorder_batches
+from stager_loaders.world import detect_layout
 from stager.errors import UsageError
 from stager.plan.ranks import (
     PlanOptions,
@@ -47,7 +47,7 @@ from stager.plan.streaming import StreamingPlan
 
 __all__ = ["ShardedLoader", "LoaderOptions"]
 
-log = logging.getLogger("loaders")
+log = logging.getLogger("stager_loaders")
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class LoaderOptions:
 
 
 #: The size asked for the workers' result pipe: batches under 1 MiB (``SHARED_MEMORY_MIN_BYTES``
-#: in :mod:`loaders.dataset`) cross it pickled. 1 MiB is also Linux's default
+#: in :mod:`stager_loaders.dataset`) cross it pickled. 1 MiB is also Linux's default
 #: ``fs.pipe-max-size``, the most an unprivileged process may ask for.
 RESULT_PIPE_BYTES = 1 << 20
 

@@ -16,7 +16,7 @@ from typing import Any
 
 __all__ = ["LoaderMetrics", "batch_length"]
 
-log = logging.getLogger("loaders")
+log = logging.getLogger("stager_loaders")
 
 
 def batch_length(batch: Any) -> int:

@@ -27,7 +27,7 @@ from stager.storage.sources import SourceSet, resolve_source
 
 __all__ = ["ShardRef", "DatasetShards", "resolve_dataset"]
 
-log = logging.getLogger("loaders")
+log = logging.getLogger("stager_loaders")
 
 
 @dataclass(frozen=True)

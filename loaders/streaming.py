@@ -26,7 +26,7 @@ from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from loaders.samples import SamplePipeline
+from stager_loaders.samples import SamplePipeline
 from stager.errors import IntegrityError, SourceError
 from stager.plan.ranks import _rng
 from stager.plan.streaming import StreamingPlan
@@ -39,7 +39,7 @@ __all__ = [
     "iter_tar_samples",
 ]
 
-log = logging.getLogger("loaders")
+log = logging.getLogger("stager_loaders")
 
 
 def _open(location: str) -> Any:

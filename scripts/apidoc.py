@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "api.md"
-PACKAGES = ("loaders", "stager")
+PACKAGES = ("stager_loaders", "stager")
 
 
 def _signature(obj: object) -> str:

@@ -113,7 +113,7 @@ def test_api_reference_is_fresh() -> None:
     assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.parametrize("package", ["loaders", "stager"])
+@pytest.mark.parametrize("package", ["stager_loaders", "stager"])
 def test_every_public_name_is_documented(package: str) -> None:
     module = importlib.import_module(package)
     api = (REPO / "docs" / "api.md").read_text()

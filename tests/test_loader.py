@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-import loaders
-from loaders import (
+import stager_loaders
+from stager_loaders import (
     LoaderOptions,
     ResumeMismatch,
     ShardedLoader,
@@ -52,7 +52,7 @@ def keys_of(loader: ShardedLoader) -> list[str]:
 
 
 def test_public_api_is_pinned_and_planner_is_torch_free() -> None:
-    assert sorted(loaders.__all__) == [
+    assert sorted(stager_loaders.__all__) == [
         "LoaderMetrics",
         "LoaderOptions",
         "LoaderState",
@@ -63,8 +63,8 @@ def test_public_api_is_pinned_and_planner_is_torch_free() -> None:
         "capture_rng_state",
         "restore_rng_state",
     ]
-    for name in loaders.__all__:
-        assert getattr(loaders, name) is not None
+    for name in stager_loaders.__all__:
+        assert getattr(stager_loaders, name) is not None
     code = "import sys, stager.plan.ranks, stager.plan.nodes; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
 
@@ -75,7 +75,7 @@ def test_staged_copy_is_read_alone_source_deleted(
     dest = tmp_path / "scratch"
     staged = stage(dataset_copy, dest)
     shutil.rmtree(dataset_copy)  # any read of the source would now fail
-    with caplog.at_level(logging.WARNING, logger="loaders"):
+    with caplog.at_level(logging.WARNING, logger="stager_loaders"):
         loader = ShardedLoader(
             dataset_copy,
             batch_size=16,
@@ -99,7 +99,7 @@ def test_missing_staged_shard_falls_back_with_one_warning(
     dest = tmp_path / "scratch"
     staged = stage(dataset_copy, dest)
     (staged / "train-000003.tar").unlink()
-    with caplog.at_level(logging.WARNING, logger="loaders"):
+    with caplog.at_level(logging.WARNING, logger="stager_loaders"):
         loader = ShardedLoader(
             dataset_copy,
             batch_size=32,
@@ -147,7 +147,7 @@ def test_raw_members_are_tensors_and_match_the_tar(small_dataset: Path, tmp_path
 
 @pytest.mark.parametrize("ragged", [False, True])
 def test_packed_batch_columns_put_each_member_under_its_sample(ragged: bool) -> None:
-    from loaders.dataset import PackedBatch
+    from stager_loaders.dataset import PackedBatch
 
     # three samples; in the ragged case the middle one lacks "cls" and has its members reversed
     members = [
@@ -197,9 +197,9 @@ def test_packed_batch_columns_put_each_member_under_its_sample(ragged: bool) -> 
 def test_raw_batches_from_workers_are_the_same_through_shared_memory_or_the_pipe(
     small_dataset: Path, tmp_path: Path, monkeypatch, shm_min_bytes: int
 ) -> None:
-    import loaders.dataset
+    import stager_loaders.dataset
 
-    monkeypatch.setattr(loaders.dataset, "SHARED_MEMORY_MIN_BYTES", shm_min_bytes)
+    monkeypatch.setattr(stager_loaders.dataset, "SHARED_MEMORY_MIN_BYTES", shm_min_bytes)
     opts = LoaderOptions(dest=str(tmp_path))
     direct = [
         (b["__key__"], [bytes(t.numpy()) for t in b["npy"]])
@@ -221,10 +221,10 @@ def test_workers_result_pipe_holds_a_pipe_sent_batch(
 ) -> None:
     import fcntl
 
-    import loaders.loader
+    import stager_loaders.loader
 
     sizes: list[int] = []
-    widen = loaders.loader._widen_result_pipe
+    widen = stager_loaders.loader._widen_result_pipe
 
     def spy(iterator) -> None:
         widen(iterator)
@@ -232,16 +232,16 @@ def test_workers_result_pipe_holds_a_pipe_sent_batch(
             fcntl.fcntl(iterator._worker_result_queue._reader.fileno(), fcntl.F_GETPIPE_SZ)
         )
 
-    monkeypatch.setattr(loaders.loader, "_widen_result_pipe", spy)
+    monkeypatch.setattr(stager_loaders.loader, "_widen_result_pipe", spy)
     opts = LoaderOptions(dest=str(tmp_path), force_streaming=streaming)
     batches = list(ShardedLoader(small_dataset, batch_size=5, num_workers=2, options=opts))
-    assert batches and sizes == [loaders.loader.RESULT_PIPE_BYTES]
+    assert batches and sizes == [stager_loaders.loader.RESULT_PIPE_BYTES]
 
 
 def test_a_pipe_that_cannot_be_widened_changes_nothing(
     small_dataset: Path, tmp_path: Path, monkeypatch
 ) -> None:
-    import loaders.loader
+    import stager_loaders.loader
 
     def refuse(*args) -> None:
         raise PermissionError(1, "Operation not permitted")
@@ -251,7 +251,7 @@ def test_a_pipe_that_cannot_be_widened_changes_nothing(
         b["__key__"]
         for b in ShardedLoader(small_dataset, batch_size=5, num_workers=2, options=opts)
     ]
-    monkeypatch.setattr(loaders.loader.fcntl, "fcntl", refuse)
+    monkeypatch.setattr(stager_loaders.loader.fcntl, "fcntl", refuse)
     narrow = [
         b["__key__"]
         for b in ShardedLoader(small_dataset, batch_size=5, num_workers=2, options=opts)

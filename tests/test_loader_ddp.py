@@ -29,7 +29,7 @@ MODES = ("staged", "stream")
 
 
 def _make(job: dict[str, Any], mode: str, even: str) -> Any:
-    from loaders import LoaderOptions, ShardedLoader
+    from stager_loaders import LoaderOptions, ShardedLoader
 
     options = LoaderOptions(dest=job["dest"], force_streaming=mode == "stream", buffer_samples=40)
     return ShardedLoader(

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from loaders import LoaderOptions, ShardedLoader
-from loaders.metrics import LoaderMetrics, batch_length
+from stager_loaders import LoaderOptions, ShardedLoader
+from stager_loaders.metrics import LoaderMetrics, batch_length
 
 
 class FakeClock:
@@ -87,10 +87,10 @@ def test_wait_dominates_when_the_data_path_is_slow(
 
 def test_metrics_log_every_n_steps(caplog: pytest.LogCaptureFixture) -> None:
     metrics = LoaderMetrics(log_every=2)
-    with caplog.at_level(logging.INFO, logger="loaders"):
+    with caplog.at_level(logging.INFO, logger="stager_loaders"):
         for _ in range(4):
             metrics.record(0.001, 8)
-    lines = [r.getMessage() for r in caplog.records if r.name == "loaders"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "stager_loaders"]
     assert len(lines) == 2 and "data wait" in lines[0] and "samples/s" in lines[0]
 
 

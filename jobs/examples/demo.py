@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run([str(BIN / "stage-in"), str(source)], check=True, env=env)
 
         print("3/3 loading from node-local scratch with ShardedLoader", flush=True)
-        from loaders import ShardedLoader
+        from stager_loaders import ShardedLoader
 
         loader = ShardedLoader(
             str(source),

@@ -4,7 +4,7 @@ It shows the parts a real script needs on Slurm, with a model small enough for C
 
 * ranks from torchrun (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``) or from ``srun`` alone
   (``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID``); NCCL when CUDA is there, else gloo;
-* data from node-local scratch through :class:`loaders.ShardedLoader`;
+* data from node-local scratch through :class:`stager_loaders.ShardedLoader`;
 * checkpoints (model, optimizer, loader position, RNG, step) written atomically to scratch
   every ``--ckpt-every`` steps, as ``<ckpt-dir>/step-XXXXXXXX/`` (published by one rename, so
   ``stage-out`` never sees half of one);
@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from loaders import ShardedLoader
-from loaders.rng import capture_rng_state, restore_rng_state
+from stager_loaders import ShardedLoader
+from stager_loaders.rng import capture_rng_state, restore_rng_state
 
 CKPT_NAME = re.compile(r"^step-(\d{8})$")
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)

@@ -184,7 +184,7 @@ def probe_loader(
 ) -> LoaderProbe:
     """samples/s of ShardedLoader for each worker count, nothing decoded."""
     try:
-        from loaders import ShardedLoader
+        from stager_loaders import ShardedLoader
     except ImportError as exc:
         return LoaderProbe({}, 0.0, error=f"loaders not importable ({exc})")
     rates: dict[int, float] = {}

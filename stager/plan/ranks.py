@@ -2,7 +2,7 @@
 
 Everything here is numpy only (no torch, no I/O), so stage-in can import it in a Slurm prologue
 to decide which shards a node needs, and the tests can check hundreds of simulated worlds in
-milliseconds. The I/O layers (:mod:`loaders.dataset`, :mod:`loaders.loader`) only execute the
+milliseconds. The I/O layers (:mod:`stager_loaders.dataset`, :mod:`stager_loaders.loader`) only execute the
 plan computed here; exact resume is then "skip the first k batches of the plan".
 
 Global sample index ``g`` numbers the samples of all shards in shard order: shard ``s`` owns

@@ -1,7 +1,7 @@
 """The streaming path's plan: contiguous sample ranges per rank and per worker over a seeded shard order.
 
 Random access is impossible on a gzip stream or too slow over a network, so the streaming
-reader (:mod:`loaders.streaming`) reads shards front to back; its plan is coarser than the
+reader (:mod:`stager_loaders.streaming`) reads shards front to back; its plan is coarser than the
 staged path's but still a pure function of (counts, layout, epoch, seed): shards are visited in
 a seeded order and their samples concatenated; the even-ed sequence is cut into one contiguous
 range per rank and one per worker.

@@ -25,7 +25,7 @@ from stager.shards.tarindex import TarIndex, index_tar
 
 __all__ = ["FlatIndex", "build_flat_index", "cached_index", "save_dataset_index"]
 
-log = logging.getLogger("loaders")
+log = logging.getLogger("stager_loaders")
 
 _CACHE_VERSION = 1
 
