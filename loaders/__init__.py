@@ -29,7 +29,7 @@ _HOME = {
     "LoaderOptions": "loader",
     "ShardedLoader": "loader",
     "LoaderState": "state",
-    "ResumeMismatch": "errors",
+    "ResumeMismatch": "stager.errors",
     "PlanOptions": "stager.plan.ranks",
     "WorldLayout": "stager.plan.ranks",
     "capture_rng_state": "rng",
@@ -37,12 +37,12 @@ _HOME = {
 }
 
 if TYPE_CHECKING:
-    from stager_loaders.errors import ResumeMismatch
+    from stager.errors import ResumeMismatch
+    from stager.plan.ranks import PlanOptions, WorldLayout
     from stager_loaders.loader import LoaderOptions, ShardedLoader
     from stager_loaders.metrics import LoaderMetrics
     from stager_loaders.rng import capture_rng_state, restore_rng_state
     from stager_loaders.state import LoaderState
-    from stager.plan.ranks import PlanOptions, WorldLayout
 
 
 def __getattr__(name: str) -> Any:

@@ -25,9 +25,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
+from stager.errors import IntegrityError
 from stager.shards.loader_index import FlatIndex
 from stager_loaders.samples import SamplePipeline, select_fields
-from stager.errors import IntegrityError
 
 __all__ = ["StagedTarDataset", "PackedBatch"]
 

@@ -24,17 +24,8 @@ from typing import Any
 import numpy as np
 from torch.utils.data import DataLoader
 
-from stager_loaders.dataset import PackedBatch, StagedTarDataset
-from stager_loaders.errors import ResumeMismatch
-from stager.shards.loader_index import build_flat_index
-from stager_loaders.metrics import LoaderMetrics, batch_length
-from stager_loaders.resolve import DatasetShards, resolve_dataset
-from stager_loaders.sampler import RankBatchSampler
-from stager_loaders.samples import DecodeSpec, SamplePipeline, collate_samples, make_decoder
-from stager_loaders.state import LoaderState
-from stager_loaders.streaming import StreamingShards, count_remote_samples, reorder_batches
-from stager_loaders.world import detect_layout
-from stager.errors import UsageError
+from stager.errors import ResumeMismatch, UsageError
+from stager.layout import StagedDataset
 from stager.plan.ranks import (
     PlanOptions,
     WorldLayout,
@@ -44,6 +35,15 @@ from stager.plan.ranks import (
     samples_per_rank,
 )
 from stager.plan.streaming import StreamingPlan
+from stager.shards.loader_index import build_flat_index
+from stager_loaders.dataset import PackedBatch, StagedTarDataset
+from stager_loaders.metrics import LoaderMetrics, batch_length
+from stager_loaders.resolve import DatasetShards, resolve_dataset
+from stager_loaders.sampler import RankBatchSampler
+from stager_loaders.samples import DecodeSpec, SamplePipeline, collate_samples, make_decoder
+from stager_loaders.state import LoaderState
+from stager_loaders.streaming import StreamingShards, count_remote_samples, reorder_batches
+from stager_loaders.world import detect_layout
 
 __all__ = ["ShardedLoader", "LoaderOptions"]
 
@@ -171,7 +171,7 @@ class ShardedLoader(DataLoader):
                 locations,
                 relpaths=relpaths,
                 expected_samples=[s.samples for s in self.shards.shards],
-                cache_dir=staged / ".stager" / "index" if staged is not None else None,
+                cache_dir=StagedDataset.of(staged).index_dir if staged is not None else None,
                 on_error=options.on_error,
             )
             counts = index.shard_samples

@@ -12,16 +12,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-import posixpath
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from braceexpand import braceexpand
-
 from stager.errors import SourceError, StagerError
+from stager.layout import StagedDataset, dataset_name
 from stager.shards.manifest import Manifest, find_manifest
 from stager.shards.tarindex import is_compressed
-from stager.stagein.run import staged_manifest_path
 from stager.storage.dest import resolve_dest_root
 from stager.storage.sources import SourceSet, resolve_source
 
@@ -59,29 +57,9 @@ class DatasetShards:
         return sum(s.from_source for s in self.shards)
 
 
-def _dataset_name(spec: str) -> str:
-    """The name stage-in gives ``spec`` (basename of its root), computed without any I/O."""
-    path = spec.split("://", 1)[-1]
-    if "{" in path and "}" in path:
-        dirs = [posixpath.dirname(p) for p in braceexpand(path)]
-        root = (
-            posixpath.commonpath(dirs)
-            if all(d.startswith("/") for d in dirs)
-            else posixpath.dirname(dirs[0])
-        )
-    elif any(c in path for c in "*?["):
-        fixed = path[: min(path.index(c) for c in "*?[" if c in path)]
-        root = fixed if fixed.endswith("/") else posixpath.dirname(fixed)
-    elif path.endswith((".tar", ".tgz", ".tar.gz")):
-        root = posixpath.dirname(path)
-    else:
-        root = path.rstrip("/")
-    return posixpath.basename(root.rstrip("/")) or "dataset"
-
-
 def _failed_urls(dataset_dir: Path) -> set[str]:
     """URLs stage-in reported as failed in its last result for this dataset on this node."""
-    result = dataset_dir.parent / f".stager-{dataset_dir.name}.result.json"
+    result = StagedDataset.of(dataset_dir).result_path
     try:
         payload = json.loads(result.read_text())
         return {f["url"] for f in payload["report"].get("failures", [])}
@@ -112,8 +90,8 @@ def _source_samples(source: SourceSet) -> dict[str, int | None]:
         return {}
 
 
-def _from_staged(dataset_dir: Path, spec: str | None) -> DatasetShards:
-    manifest = Manifest.read(staged_manifest_path(dataset_dir))
+def _from_staged(dataset_dir: Path, spec: str | list[str] | None) -> DatasetShards:
+    manifest = Manifest.read(StagedDataset.of(dataset_dir).manifest_path)
     subset = manifest.meta.get("subset", "all")
     refs: list[ShardRef] = []
     missing: list[str] = []
@@ -141,7 +119,7 @@ def _merge_source(
     refs: list[ShardRef],
     missing: list[str],
     failed: bool,
-    spec: str | None,
+    spec: str | list[str] | None,
     subset: str,
     dataset_dir: Path,
 ) -> DatasetShards:
@@ -180,22 +158,36 @@ def _merge_source(
 
 
 def resolve_dataset(
-    source: str | os.PathLike[str], *, dest: str | None = None, name: str | None = None
+    source: str | os.PathLike[str] | Sequence[str],
+    *,
+    dest: str | None = None,
+    name: str | None = None,
 ) -> DatasetShards:
-    """Resolve what the loader was given into shards, preferring the node-local staged copy."""
-    spec = os.fspath(source)
-    direct = Path(spec)
-    if "://" not in spec and direct.is_dir() and staged_manifest_path(direct).is_file():
-        return _from_staged(direct, None)
-    dataset_dir = resolve_dest_root(dest) / (name or _dataset_name(spec))
-    if staged_manifest_path(dataset_dir).is_file():
-        return _from_staged(dataset_dir, spec)
+    """Resolve what the loader was given into shards, preferring the node-local staged copy.
+
+    ``source`` is what stage-in was given (directory, glob, brace pattern, URL, or a list of
+    shard URLs as in ``--from-list``), or a staged dataset directory itself. The staged copy is
+    looked up under :func:`stager.layout.dataset_name` of it, the name stage-in staged it under.
+    """
+    spec: str | list[str] = (
+        os.fspath(source)
+        if isinstance(source, (str, os.PathLike))
+        else [os.fspath(u) for u in source]
+    )
+    if isinstance(spec, str) and "://" not in spec:
+        direct = Path(spec)
+        if direct.is_dir() and StagedDataset.of(direct).manifest_path.is_file():
+            return _from_staged(direct, None)
+    staged = StagedDataset(resolve_dest_root(dest), name or dataset_name(spec))
+    if staged.manifest_path.is_file():
+        return _from_staged(staged.dir, spec)
     resolved = resolve_source(spec, name=name)
     refs = list(_source_refs(resolved, _source_samples(resolved)).values())
     log.warning(
-        "no staged copy of %s under %s: reading all %d shard(s) from the source; run stage-in first to read them locally",
-        spec,
-        dataset_dir,
+        "no staged copy of %s under %s: reading all %d shard(s) from the source; "
+        "run stage-in first to read them locally",
+        spec if isinstance(spec, str) else f"{len(spec)} listed shards",
+        staged.dir,
         len(refs),
     )
     return DatasetShards(tuple(refs), "all", None)

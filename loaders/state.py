@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any
 
-from stager_loaders.errors import ResumeMismatch
+from stager.errors import ResumeMismatch
 
 __all__ = ["LoaderState", "STATE_VERSION"]
 

@@ -26,11 +26,11 @@ from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from stager_loaders.samples import SamplePipeline
 from stager.errors import IntegrityError, SourceError
 from stager.plan.ranks import _rng
 from stager.plan.streaming import StreamingPlan
 from stager.shards.tarindex import count_samples, split_key
+from stager_loaders.samples import SamplePipeline
 
 __all__ = [
     "StreamingShards",

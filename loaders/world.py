@@ -51,7 +51,7 @@ def detect_layout(
         slurm = SlurmEnv.from_environ(env)
         if slurm.in_slurm and "SLURM_PROCID" in env:
             detected_rank, detected_world, detected_rpn = (
-                slurm.proc_id,
+                slurm.rank,
                 slurm.ntasks,
                 slurm.tasks_per_node,
             )

@@ -36,7 +36,8 @@ _HOME = {
     "restore_checkpoint": "stageout.restore",
     "stage_in": "stagein.run",
     "stage_out": "stageout.run",
-    "staged_manifest_path": "stagein.run",
+    "StagedDataset": "layout",
+    "dataset_name": "layout",
 }
 
 if TYPE_CHECKING:
@@ -53,10 +54,11 @@ if TYPE_CHECKING:
         UnsafePath,
         UsageError,
     )
+    from stager.layout import StagedDataset, dataset_name
     from stager.shards.manifest import Manifest, ManifestEntry
     from stager.slurm import SlurmEnv, parse_hostlist
     from stager.stagein.report import StageInReport
-    from stager.stagein.run import StageInOptions, stage_in, staged_manifest_path
+    from stager.stagein.run import StageInOptions, stage_in
     from stager.stageout.record import CommitRecord
     from stager.stageout.restore import restore_checkpoint
     from stager.stageout.run import StageOutOptions, stage_out
@@ -83,17 +85,18 @@ __all__ = [
     "SourceShard",
     "StageInOptions",
     "StageInReport",
+    "StagedDataset",
     "StageOutOptions",
     "StagerError",
     "UnsafePath",
     "UsageError",
+    "dataset_name",
     "parse_hostlist",
     "resolve_dest_root",
     "resolve_source",
     "restore_checkpoint",
     "stage_in",
     "stage_out",
-    "staged_manifest_path",
 ]
 
 

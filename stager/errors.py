@@ -1,32 +1,42 @@
-"""The exceptions stager raises, and the exit code each one maps to.
+"""Every exception stager and its loader raise on purpose, and the exit code of each.
 
-The tree::
+The tree (exit codes are fixed by the class, never set on an instance)::
 
-    StagerError                      base of everything raised on purpose
-    ├── UsageError(ValueError)       bad arguments or environment        exit 2
-    ├── SourceError(OSError)         a source is missing or unreadable   exit 3
-    │   └── ShardsFailed             some shards failed after retries    exit 3
-    ├── IntegrityError               bytes differ from what was promised exit 4
-    ├── DestinationError(OSError)    scratch/destination unusable        exit 5
-    │   ├── ScratchFull              not enough free space               exit 6
-    │   └── UnsafePath               path escapes the root / not ours    exit 5
-    ├── CheckpointError              stage-out / restore problems        exit 7
-    │   ├── DeadlineTooShort         not enough time left to commit one  exit 7
-    │   └── NoCheckpoint             nothing committed at DEST yet       exit 9
-    ├── LockTimeout(TimeoutError)    another copier never finished       exit 8
-    └── AdoptedFailure               another task's failure, re-raised   its code
+    StagerError                        base of everything raised on purpose       exit 1
+    ├── UsageError(ValueError)         bad arguments, environment or input file   exit 2
+    │   └── ResumeMismatch             a saved loader state does not fit          exit 2
+    ├── SourceError(OSError)           a source is missing or unreadable          exit 3
+    │   └── ShardsFailed               shards failed after retries; rest staged   exit 3
+    ├── IntegrityError                 bytes differ from what was promised        exit 4
+    │   ├── SizeMismatch               the copy's size differs from the listing   exit 4
+    │   ├── HashMismatch               the copy differs from the manifest         exit 4
+    │   └── ShardsCorrupt              shards failed an integrity check           exit 4
+    ├── DestinationError(OSError)      scratch or destination unusable            exit 5
+    │   ├── ScratchFull                not enough free space                      exit 6
+    │   └── UnsafePath                 a path escapes its root / is not ours      exit 5
+    ├── CheckpointError                stage-out or restore failed                exit 7
+    │   ├── DeadlineTooShort           too little time left to commit one         exit 7
+    │   └── NoCheckpoint               nothing committed at DEST yet              exit 9
+    ├── LockTimeout(TimeoutError)      another copier held the node lock too long exit 8
+    └── FanoutError                    a peer failed after the node group formed  exit 10
+        └── GroupUnavailable           the group never formed (plain copy follows)
 
-Low-level fsspec/OS errors are translated into these at one boundary (``stager.storage.copy`` for
-bytes, ``stager.storage.sources`` for listing) so callers can catch one family. Each message names the
-thing (URL, shard, path) and ends with what to do next.
+Interrupted by Ctrl-C or SIGINT: exit 130. Anything else unexpected: a traceback and exit 1.
+
+Low-level fsspec/OS errors are translated into these at one boundary each
+(:mod:`stager.storage.copy` for bytes, :mod:`stager.storage.sources` for listing), so callers
+catch one family. Each message names the thing (URL, shard, path) and ends with what to do.
+:data:`EXIT_CODES` is the one table that ``--help``, the README and docs/cli.md are written from.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 __all__ = [
     "EXIT_OK",
+    "EXIT_FAILURE",
     "EXIT_USAGE",
     "EXIT_SOURCE",
     "EXIT_INTEGRITY",
@@ -35,12 +45,22 @@ __all__ = [
     "EXIT_CHECKPOINT",
     "EXIT_LOCK",
     "EXIT_NO_CHECKPOINT",
+    "EXIT_FANOUT",
+    "EXIT_INTERRUPTED",
+    "EXIT_CODES",
     "StagerError",
     "UsageError",
+    "ResumeMismatch",
     "SourceError",
     "ShardsFailed",
     "ShardFailure",
+    "FAILURE_KINDS",
+    "one_line",
+    "rebuild_error",
     "IntegrityError",
+    "SizeMismatch",
+    "HashMismatch",
+    "ShardsCorrupt",
     "DestinationError",
     "ScratchFull",
     "UnsafePath",
@@ -48,11 +68,16 @@ __all__ = [
     "DeadlineTooShort",
     "NoCheckpoint",
     "LockTimeout",
-    "AdoptedFailure",
+    "FanoutError",
+    "GroupUnavailable",
     "exit_code_for",
+    "error_class",
+    "shard_failures",
+    "exit_codes_text",
 ]
 
 EXIT_OK = 0
+EXIT_FAILURE = 1
 EXIT_USAGE = 2
 EXIT_SOURCE = 3
 EXIT_INTEGRITY = 4
@@ -61,18 +86,54 @@ EXIT_FULL = 6
 EXIT_CHECKPOINT = 7
 EXIT_LOCK = 8
 EXIT_NO_CHECKPOINT = 9
+EXIT_FANOUT = 10
+EXIT_INTERRUPTED = 130
+
+#: Exit code -> what it means; the README, ``--help`` and docs/cli.md are generated from this.
+EXIT_CODES: dict[int, str] = {
+    EXIT_OK: "success",
+    EXIT_FAILURE: "unexpected error (a bug: the traceback says where)",
+    EXIT_USAGE: "usage error: bad arguments, environment, manifest or loader state",
+    EXIT_SOURCE: "source error: missing or unreadable source, shards failed after retries",
+    EXIT_INTEGRITY: "integrity error: a copy differs from its manifest, or a shard is corrupt",
+    EXIT_DEST: "destination error: scratch or destination unusable, read-only or unsafe",
+    EXIT_FULL: "scratch full: not enough free space (nothing partial is left)",
+    EXIT_CHECKPOINT: "checkpoint error: stage-out or restore failed",
+    EXIT_LOCK: "lock timeout: another copier held the node's lock too long",
+    EXIT_NO_CHECKPOINT: "no checkpoint committed at the destination yet (a first start)",
+    EXIT_FANOUT: "--fanout: a peer node failed after the group formed (rerun to resume)",
+    EXIT_INTERRUPTED: "interrupted (SIGINT); rerun to resume",
+}
+
+
+def exit_codes_text(codes: Iterable[int] | None = None) -> str:
+    """``"0 success; 2 usage error: ...; ..."``: the table as one paragraph for ``--help``."""
+    chosen = sorted(EXIT_CODES) if codes is None else list(codes)
+    return "; ".join(f"{code} {EXIT_CODES[code]}" for code in chosen)
 
 
 class StagerError(Exception):
     """Base class: anything stager raises on purpose derives from this."""
 
-    exit_code = 1
+    exit_code = EXIT_FAILURE
 
 
 class UsageError(StagerError, ValueError):
-    """The command line, an argument or an environment variable is wrong."""
+    """The command line, an argument, an environment variable or an input file is wrong."""
 
     exit_code = EXIT_USAGE
+
+
+class ResumeMismatch(UsageError):
+    """``load_state_dict`` got a state saved for another dataset, world or batch size."""
+
+    def __init__(self, differences: Sequence[str] | str):
+        self.differences = [differences] if isinstance(differences, str) else list(differences)
+        super().__init__(
+            "cannot resume the loader: "
+            + "; ".join(self.differences)
+            + ". Resume with the same dataset, world size and batch size, or start the epoch afresh"
+        )
 
 
 class SourceError(StagerError, OSError):
@@ -81,36 +142,85 @@ class SourceError(StagerError, OSError):
     exit_code = EXIT_SOURCE
 
 
+#: Why a shard failed: its source (missing, unreadable, flaky), its bytes (corrupt, changed),
+#: or the destination (full). The kinds decide the run's exit code (see :func:`shard_failures`).
+FAILURE_KINDS = ("source", "corrupt", "full")
+
+
 @dataclass(frozen=True)
 class ShardFailure:
     """One shard that could not be staged, with the reason shown to the user."""
 
     url: str
     reason: str
+    kind: str = "source"  # one of FAILURE_KINDS
 
     def __str__(self) -> str:
-        return f"FAILED {self.url}: {self.reason}"
+        return f"FAILED {one_line(self.url)}: {self.reason}"
 
 
-class ShardsFailed(SourceError):
-    """Some shards failed after all retries; the others were staged and stay valid."""
+def one_line(value: object) -> str:
+    """``str(value)`` on one line: whitespace runs (newlines in file names too) become one space.
 
-    def __init__(self, failures: list[ShardFailure]):
-        self.failures = list(failures)
-        super().__init__(
-            f"{len(self.failures)} shard(s) failed after retries; "
-            "the rest are staged, rerun stage-in to retry only the failed ones"
-        )
+    Every message stager prints is one line per event, so a log can be grepped and a name
+    containing a newline cannot forge a second line.
+    """
+    text = str(value)
+    if not text and isinstance(value, BaseException):
+        text = type(value).__name__
+    return " ".join(text.split())
+
+
+class _Failures:
+    """Mixed into the errors that carry one line per failed shard."""
+
+    failures: list[ShardFailure]
 
     def detail_lines(self) -> list[str]:
         """One line per failed shard (URL and reason), printed before the summary error."""
         return [str(f) for f in self.failures]
 
 
+class ShardsFailed(_Failures, SourceError):
+    """Some shards failed after all retries; the others were staged and stay valid."""
+
+    def __init__(self, failures: Iterable[ShardFailure] = (), message: str | None = None):
+        self.failures = list(failures)
+        super().__init__(
+            message
+            or f"{len(self.failures)} shard(s) failed after retries; "
+            "the rest are staged, rerun stage-in to retry only the failed ones"
+        )
+
+
 class IntegrityError(StagerError):
-    """Bytes on disk differ from the size or hash recorded for them."""
+    """Bytes on disk differ from the size or hash recorded for them, or a shard is corrupt."""
 
     exit_code = EXIT_INTEGRITY
+    #: Whether a retry may help (a file still being written) or not (the bytes are wrong).
+    transient = False
+
+
+class SizeMismatch(IntegrityError):
+    """The copy's size differs from the listing's: the file may be changing; worth a retry."""
+
+    transient = True
+
+
+class HashMismatch(IntegrityError):
+    """The copy differs from the manifest (its hash, or its size): the source changed or is corrupt."""
+
+
+class ShardsCorrupt(_Failures, IntegrityError):
+    """Some shards failed an integrity check (hash, size or tar structure); the others are staged."""
+
+    def __init__(self, failures: Iterable[ShardFailure] = (), message: str | None = None):
+        self.failures = list(failures)
+        super().__init__(
+            message
+            or f"{len(self.failures)} shard(s) differ from their manifest or are corrupt; the rest are "
+            "staged. Fix the source (or re-run stager index if the change is intended) and rerun"
+        )
 
 
 class DestinationError(StagerError, OSError):
@@ -144,7 +254,7 @@ class CheckpointError(StagerError):
 
 
 class DeadlineTooShort(CheckpointError):
-    """The time left before the job ends is too short to commit a checkpoint; nothing partial was left."""
+    """Too little time is left before the job ends to commit a checkpoint; nothing partial was left."""
 
 
 class NoCheckpoint(CheckpointError):
@@ -159,16 +269,58 @@ class LockTimeout(StagerError, TimeoutError):
     exit_code = EXIT_LOCK
 
 
-class AdoptedFailure(StagerError):
-    """The copier on this node failed; a waiting task exits with the same code and message."""
+class FanoutError(StagerError):
+    """The fan-out failed after the node group formed (a peer died, hung, or disagreed)."""
 
-    def __init__(self, message: str, exit_code: int):
-        self.exit_code = exit_code
-        super().__init__(message)
+    exit_code = EXIT_FANOUT
+
+
+class GroupUnavailable(FanoutError):
+    """The node group could not form in time; nothing was exchanged, plain copying is safe."""
+
+
+def shard_failures(
+    failures: Iterable[ShardFailure], *, message: str | None = None
+) -> ShardsFailed | ShardsCorrupt:
+    """The error for a run that lost shards: integrity (exit 4) if any was corrupt, else source (3).
+
+    A full destination is not decided here: the caller raises :class:`ScratchFull` first.
+    """
+    failures = list(failures)
+    if any(f.kind == "corrupt" for f in failures):
+        return ShardsCorrupt(failures, message)
+    return ShardsFailed(failures, message)
 
 
 def exit_code_for(exc: BaseException) -> int:
     """The documented process exit code for an exception (1 for anything unexpected)."""
     if isinstance(exc, StagerError):
         return exc.exit_code
-    return 1
+    if isinstance(exc, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    return EXIT_FAILURE
+
+
+def error_class(name: str) -> type[StagerError]:
+    """The class of this module called ``name`` (StagerError for an unknown name).
+
+    A task that waited on another task's stage-in re-raises that task's failure as the same
+    class, so its exit code and ``except`` clauses match what the copier saw.
+    """
+    found = globals().get(name)
+    if isinstance(found, type) and issubclass(found, StagerError):
+        return found
+    return StagerError
+
+
+def rebuild_error(class_name: str, message: str) -> StagerError:
+    """An instance of ``class_name`` carrying ``message`` (see :func:`error_class`)."""
+    cls = error_class(class_name)
+    if issubclass(cls, (ShardsFailed, ShardsCorrupt)):
+        return cls((), message)
+    if issubclass(cls, ResumeMismatch):
+        return cls(message)
+    try:
+        return cls(message)
+    except TypeError:
+        return StagerError(message)

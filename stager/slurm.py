@@ -47,7 +47,9 @@ def _expand_ranges(body: str, spec: str) -> list[str]:
 
 def _split_top_level(spec: str) -> list[str]:
     """Split on commas that are not inside brackets."""
-    items, depth, current = [], 0, []
+    items: list[str] = []
+    current: list[str] = []
+    depth = 0
     for ch in spec:
         if ch == "[":
             depth += 1
@@ -125,24 +127,24 @@ class SlurmEnv:
     Field          Source variable
     ------------   -------------------------------------------------
     job_id         SLURM_JOB_ID (``local`` outside Slurm)
-    node_id        SLURM_NODEID
+    node           SLURM_NODEID (index of this node in the job)
     num_nodes      SLURM_JOB_NUM_NODES / SLURM_NNODES
     nodelist       SLURM_JOB_NODELIST / SLURM_NODELIST (expanded)
     node_name      SLURMD_NODENAME, else the host name
-    proc_id        SLURM_PROCID (global rank of the task)
-    local_id       SLURM_LOCALID (rank of the task on its node)
+    rank           SLURM_PROCID (global rank of the task)
+    local_rank     SLURM_LOCALID (rank of the task on its node)
     ntasks         SLURM_NTASKS
     tasks_per_node SLURM_NTASKS_PER_NODE / SLURM_TASKS_PER_NODE
     restart_count  SLURM_RESTART_COUNT (requeues so far)
     """
 
     job_id: str
-    node_id: int
+    node: int
     num_nodes: int
     nodelist: tuple[str, ...]
     node_name: str
-    proc_id: int
-    local_id: int
+    rank: int
+    local_rank: int
     ntasks: int
     tasks_per_node: int
     restart_count: int
@@ -166,12 +168,12 @@ class SlurmEnv:
         if not job_id:
             return cls(
                 job_id=LOCAL_JOB_ID,
-                node_id=0,
+                node=0,
                 num_nodes=1,
                 nodelist=(node_name,),
                 node_name=node_name,
-                proc_id=0,
-                local_id=0,
+                rank=0,
+                local_rank=0,
                 ntasks=1,
                 tasks_per_node=1,
                 restart_count=0,
@@ -187,12 +189,12 @@ class SlurmEnv:
             tasks_per_node = _tasks_per_node(env.get("SLURM_TASKS_PER_NODE"), ntasks, num_nodes)
         return cls(
             job_id=job_id,
-            node_id=_int(env, "SLURM_NODEID", 0),
+            node=_int(env, "SLURM_NODEID", 0),
             num_nodes=num_nodes,
             nodelist=nodelist or (node_name,),
             node_name=node_name,
-            proc_id=_int(env, "SLURM_PROCID", 0),
-            local_id=_int(env, "SLURM_LOCALID", 0),
+            rank=_int(env, "SLURM_PROCID", 0),
+            local_rank=_int(env, "SLURM_LOCALID", 0),
             ntasks=ntasks,
             tasks_per_node=tasks_per_node,
             restart_count=_int(env, "SLURM_RESTART_COUNT", 0),

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -55,6 +57,26 @@ def run_cli(
         timeout=timeout,
         **kw,
     )
+
+
+@contextlib.contextmanager
+def mount_tmpfs(mount_point: Path, size: str) -> Iterator[Path]:
+    """A real tmpfs of ``size`` (``"1536k"``, ``"8m"``) mounted at ``mount_point`` for the
+    ``with`` block. Skips the test where mounting is not allowed (not root)."""
+    mount_point.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (mount -t tmpfs)")
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)],
+        capture_output=True,
+        text=True,
+    )
+    if result.returncode != 0:
+        pytest.skip(f"mount -t tmpfs is not permitted here: {result.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "--lazy", str(mount_point)], check=False)
 
 
 @pytest.fixture(scope="session")

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from stager.errors import ShardFailure
+from stager.errors import FanoutError, ShardFailure
 from stager.fanout.exchange import Exchange, ExchangeOutcome, ExchangeShard
-from stager.fanout.group import FanoutError, FanoutOptions
+from stager.fanout.group import FanoutOptions
 from stager.plan.fanout import plan_fanout
 from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 from stager.stagein.progress import Progress
@@ -41,12 +41,12 @@ class FakeGroup:
     def __init__(
         self,
         shared: ThreadWorld,
-        rank: int,
+        node: int,
         *,
         corrupt_call: int | None = None,
         fail_call: int | None = None,
     ):
-        self.torch, self.rank, self.world, self._shared = torch, rank, shared.world, shared
+        self.torch, self.node, self.num_nodes, self._shared = torch, node, shared.world, shared
         self._calls, self._corrupt_call, self._fail_call = 0, corrupt_call, fail_call
 
     def broadcast(self, tensor, src: int) -> None:
@@ -54,10 +54,10 @@ class FakeGroup:
         if self._calls == self._fail_call:
             self._shared.barrier.abort()  # the peers' next wait fails too, as gloo's would
             raise RuntimeError("Connection closed by peer [10.0.0.2]:40000")
-        if self.rank == src:
+        if self.node == src:
             self._shared.slot = tensor.clone()
         self._shared.barrier.wait()
-        if self.rank != src:
+        if self.node != src:
             tensor.copy_(self._shared.slot)
             if self._calls == self._corrupt_call:
                 tensor[0] ^= 0xFF

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import filecmp
 import json
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,9 +19,13 @@ from pathlib import Path
 
 import pytest
 
+from stager.errors import EXIT_FULL, EXIT_INTEGRITY
+from stager.layout import StagedDataset
+from stager.shards.build import build_manifest, write_manifest
 from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
+from stager.storage.sources import resolve_source
 
-from .conftest import BIN, clean_env
+from .conftest import BIN, clean_env, mount_tmpfs
 
 SITECUSTOMIZE = """
 import os
@@ -59,6 +64,27 @@ class CountingFileSystem(LocalFileSystem):
 
 
 fsspec.register_implementation("countfile", CountingFileSystem, clobber=True)
+
+if os.environ.get("FANOUT_TEST_FILL_BEFORE_MANIFEST"):
+    # Another writer takes the last byte of scratch just as the staged manifest is written.
+    import errno
+    from stager.shards import manifest as _manifest
+
+    _write = _manifest.Manifest.write
+
+    def _fill_then_write(self, path):
+        with open(os.path.join(os.path.dirname(os.path.dirname(str(path))), "..", "filler"), "ab") as f:
+            for size in (65536, 4096, 1):
+                try:
+                    while True:
+                        f.write(b"x" * size)
+                        f.flush()
+                except OSError as exc:
+                    if exc.errno != errno.ENOSPC:
+                        raise
+        return _write(self, path)
+
+    _manifest.Manifest.write = _fill_then_write
 """
 
 
@@ -107,7 +133,12 @@ class Nodes:
         return json.loads((self.tmp / f"report-{self.runs}-{rank}.json").read_text())
 
     def start(
-        self, src: Path, *extra: str, ranks: list[int] | None = None, timeout_s: float = 60
+        self,
+        src: Path,
+        *extra: str,
+        ranks: list[int] | None = None,
+        timeout_s: float = 60,
+        **env_extra: str,
     ) -> dict[int, subprocess.Popen]:
         self.runs += 1
         self.count_log.write_text("")
@@ -123,6 +154,7 @@ class Nodes:
                 STAGER_FANOUT_PORT=str(port),
                 PYTHONPATH=str(self.tmp / "site"),
                 FANOUT_TEST_COUNT_LOG=str(self.count_log),
+                **env_extra,
             )
             argv = [
                 str(BIN / "stage-in"),
@@ -242,3 +274,74 @@ def test_group_that_cannot_form_falls_back_with_one_warning(
     assert nodes.report(1)["fanout"] == "fallback"
     assert nodes.source_bytes_read() == _total(fanout_dataset)
     _assert_identical(fanout_dataset, nodes.dest(1) / "ds")
+
+
+# -- fan-out ends exactly as plain stage-in does (one shared ending) ----------------------------
+def _error_lines(err: str) -> list[str]:
+    assert "Traceback" not in err, err
+    return [line for line in err.splitlines() if "error:" in line]
+
+
+def test_a_shard_that_differs_from_the_manifest_exits_4_on_every_node(
+    fanout_dataset: Path, tmp_path: Path
+) -> None:
+    src = tmp_path / "src" / "ds"
+    shutil.copytree(fanout_dataset, src)
+    write_manifest(build_manifest(resolve_source(str(src))), str(src / "stager-manifest.json"))
+    victim = sorted(src.glob("*.tar"))[4]
+    data = bytearray(victim.read_bytes())
+    data[-2000] ^= 0xFF  # same size, other bytes: only the hash can tell
+    victim.write_bytes(bytes(data))
+    nodes = Nodes(tmp_path, 2)
+    results = _finish(nodes.start(src, "--fanout-op-timeout", "60"))
+    for rank, (code, err) in results.items():
+        assert code == EXIT_INTEGRITY, (rank, err)
+        assert len(_error_lines(err)) == 1, err
+        failed = [line for line in err.splitlines() if line.startswith("FAILED")]
+        assert len(failed) == 1 and victim.name in failed[0], err
+        staged = nodes.dest(rank) / "ds"
+        assert not (staged / victim.name).exists() and not list(staged.rglob("*.partial"))
+
+
+def test_scratch_filling_up_while_the_manifest_is_written_is_one_line_and_exit_6(
+    fanout_dataset: Path, tmp_path: Path
+) -> None:
+    with mount_tmpfs(tmp_path / "tmpfs", "8m") as scratch:
+        nodes = Nodes(tmp_path, 2)
+        nodes.dest = lambda rank: scratch / f"node{rank}" / "job"  # type: ignore[method-assign]
+        results = _finish(
+            nodes.start(
+                fanout_dataset, "--fanout-op-timeout", "60", FANOUT_TEST_FILL_BEFORE_MANIFEST="1"
+            )
+        )
+        for rank, (code, err) in results.items():
+            assert code == EXIT_FULL, (rank, err)
+            lines = _error_lines(err)
+            assert len(lines) == 1 and "no space left" in lines[0], err
+            assert not list(nodes.dest(rank).rglob("*.partial"))
+
+
+def test_fanout_writes_the_loader_index_so_the_first_loader_walks_no_tar_header(
+    fanout_dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from stager.shards import tarindex
+    from stager_loaders import LoaderOptions, ShardedLoader
+
+    nodes = Nodes(tmp_path, 2)
+    results = _finish(nodes.start(fanout_dataset, "--fanout-op-timeout", "60"))
+    assert all(code == 0 for code, _ in results.values()), results
+    for rank in range(2):
+        staged = nodes.dest(rank) / "ds"
+        assert any(StagedDataset.of(staged).index_dir.iterdir())
+
+        def no_walk(*args: object, **kwargs: object) -> None:
+            raise AssertionError("the loader walked a tar header: no index from stage-in")
+
+        monkeypatch.setattr(tarindex, "index_tar", no_walk)
+        monkeypatch.setattr(tarindex, "count_samples", no_walk)
+        loader = ShardedLoader(
+            str(staged), batch_size=8, to_tuple=("__key__",), options=LoaderOptions()
+        )
+        assert sum(len(b) for (b,) in loader) == sum(
+            SyntheticSpec(num_shards=9, samples_per_shard=24, uneven=True, seed=5).shard_sizes()
+        )

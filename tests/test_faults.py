@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import filecmp
 import json
-import os
 import random
 import re
 import shutil
@@ -23,14 +22,14 @@ import pytest
 
 from stager.cli.main import stage_in_main
 from stager.errors import EXIT_FULL, EXIT_INTEGRITY, EXIT_SOURCE
+from stager.layout import StagedDataset
 from stager.shards.build import IndexOptions, build_manifest, write_manifest
 from stager.shards.manifest import Manifest
 from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
-from stager.stagein.run import staged_manifest_path
 from stager.storage.hashing import hash_file
 from stager.storage.sources import resolve_source
 
-from .conftest import BIN, clean_env
+from .conftest import BIN, clean_env, mount_tmpfs
 from .faulty_fs import FaultyFileSystem
 from .inproc import clean_process_env, run_main
 
@@ -75,7 +74,7 @@ def assert_staged_verified(
     for name in names:
         assert filecmp.cmp(src / name, staged / name, shallow=False), name
     if with_manifest:
-        manifest = Manifest.read(staged_manifest_path(staged)).by_relpath()
+        manifest = Manifest.read(StagedDataset.of(staged).manifest_path).by_relpath()
         for name in names:
             assert manifest[name].hash == hash_file(src / name, manifest[name].hash.split(":")[0])
     assert not list(staged.rglob("*.partial"))
@@ -157,7 +156,10 @@ def test_a_shard_changed_since_indexing_is_reported_not_staged(
     assert "] retry " not in err
     good = [p.name for p in shards(src) if p != changed]
     assert_staged_verified(src, dest / "ds", good)
-    assert "train-000007.tar" not in Manifest.read(staged_manifest_path(dest / "ds")).by_relpath()
+    assert (
+        "train-000007.tar"
+        not in Manifest.read(StagedDataset.of(dest / "ds").manifest_path).by_relpath()
+    )
 
 
 def test_transient_faults_while_indexing_give_the_clean_manifest(
@@ -243,21 +245,8 @@ def test_kill_9_at_a_random_moment_then_rerun_many(
 @pytest.fixture()
 def small_tmpfs(tmp_path: Path):
     """A real 1.5 MiB tmpfs, unmounted afterwards; skipped where mounting is not allowed."""
-    mount_point = tmp_path / "tmpfs"
-    mount_point.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root (mount -t tmpfs)")
-    result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1536k", "tmpfs", str(mount_point)],
-        capture_output=True,
-        text=True,
-    )
-    if result.returncode != 0:
-        pytest.skip(f"mount -t tmpfs is not permitted here: {result.stderr.strip()}")
-    try:
+    with mount_tmpfs(tmp_path / "tmpfs", "1536k") as mount_point:
         yield mount_point
-    finally:
-        subprocess.run(["umount", str(mount_point)], check=False)
 
 
 def test_preflight_refuses_with_the_numbers(

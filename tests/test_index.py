@@ -14,11 +14,11 @@ import pytest
 import stager.shards.manifest
 from stager.cli.main import main
 from stager.errors import EXIT_INTEGRITY, EXIT_SOURCE, EXIT_USAGE, IntegrityError
+from stager.layout import StagedDataset
 from stager.shards.build import IndexOptions, build_manifest, index_source
 from stager.shards.manifest import Manifest
 from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 from stager.shards.tarindex import count_samples, count_samples_stream, index_tar
-from stager.stagein.run import staged_manifest_path
 from stager.storage.hashing import hash_file
 from stager.storage.sources import resolve_source
 
@@ -115,7 +115,7 @@ def test_stage_in_verifies_against_the_index_and_carries_its_sample_counts(
         "--quiet",
     )
     assert result.returncode == 0, result.stderr
-    staged = Manifest.read(staged_manifest_path(dest / "ds"))
+    staged = Manifest.read(StagedDataset.of(dest / "ds").manifest_path)
     indexed = Manifest.read(fresh / "stager-manifest.json")
     # --no-count: the sample counts can only have come from the manifest
     assert staged.entries == indexed.entries
@@ -241,7 +241,7 @@ def test_stage_in_stats_only_the_shards_the_manifest_does_not_describe(
     assert result.returncode == 0, result.stderr
     assert [p for p in stat_calls if p.endswith(".tar")] == [str(fresh / "train-extra.tar")]
     assert "1 shard(s) are not in the manifest" in result.stderr
-    staged = Manifest.read(staged_manifest_path(dest / "ds"))
+    staged = Manifest.read(StagedDataset.of(dest / "ds").manifest_path)
     assert {e.relpath: e.size for e in staged.entries} == {
         p.name: p.stat().st_size for p in fresh.glob("*.tar")
     }

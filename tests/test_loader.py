@@ -17,6 +17,12 @@ import torch
 from torch.utils.data import DataLoader
 
 import stager_loaders
+from stager.errors import IntegrityError
+from stager.layout import StagedDataset
+from stager.shards.synth import SyntheticSpec, sample_key, sample_label, write_synthetic_dataset
+from stager.slurm import SlurmEnv
+from stager.stagein.run import StageInOptions, stage_in
+from stager.storage.sources import resolve_source
 from stager_loaders import (
     LoaderOptions,
     ResumeMismatch,
@@ -24,11 +30,6 @@ from stager_loaders import (
     capture_rng_state,
     restore_rng_state,
 )
-from stager.errors import IntegrityError
-from stager.shards.synth import SyntheticSpec, sample_key, sample_label, write_synthetic_dataset
-from stager.slurm import SlurmEnv
-from stager.stagein.run import StageInOptions, stage_in, staged_manifest_path
-from stager.storage.sources import resolve_source
 
 from .conftest import REPO, clean_env, run_cli
 
@@ -426,7 +427,7 @@ def test_stage_in_subset_node_and_loader_agree(small_dataset: Path, tmp_path: Pa
             env=env,
         )
         assert done.returncode == 0, done.stderr
-        manifest = staged_manifest_path(dest / "ds").read_text()
+        manifest = StagedDataset.of(dest / "ds").manifest_path.read_text()
         assert '"subset": "node"' in manifest
         staged_sets.append({p.name for p in (dest / "ds").glob("*.tar")})
     assert not staged_sets[0] & staged_sets[1]

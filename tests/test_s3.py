@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from stager.errors import EXIT_INTEGRITY, EXIT_SOURCE
+from stager.layout import StagedDataset
 from stager.shards.build import build_manifest
 from stager.shards.manifest import Manifest
 from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
-from stager.stagein.run import staged_manifest_path
 from stager.storage.hashing import hash_file
 from stager.storage.sources import resolve_source
 
@@ -100,7 +100,7 @@ def test_stage_in_a_prefix_directory(
     assert result.returncode == 0, result.stderr
     names = [p.name for p in sorted(local_ds.glob("*.tar"))]
     _assert_staged(local_ds, tmp_path / "ds", names)
-    staged = Manifest.read(staged_manifest_path(tmp_path / "ds"))
+    staged = Manifest.read(StagedDataset.of(tmp_path / "ds").manifest_path)
     assert [e.hash for e in staged.entries] == [hash_file(local_ds / n) for n in names]
     assert json.loads(report.read_text())["bytes_read_source"] == sum(
         (local_ds / n).stat().st_size for n in names
@@ -140,7 +140,7 @@ def test_index_on_s3_then_stage_in_verifies_against_it(
         "stage-in", f"s3://{BUCKET}/{prefix}/", "--dest", str(dest), "--no-count", *FAST, env=env
     )
     assert result.returncode == 0, result.stderr
-    assert Manifest.read(staged_manifest_path(dest / "ds")).entries == indexed.entries
+    assert Manifest.read(StagedDataset.of(dest / "ds").manifest_path).entries == indexed.entries
 
     # Same bytes count, different content: only the manifest's hash can catch it.
     tampered = bytearray((local_ds / "train-000004.tar").read_bytes())

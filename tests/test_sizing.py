@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from stager.errors import EXIT_FULL, EXIT_SOURCE
+from stager.layout import StagedDataset
 from stager.shards.manifest import Manifest
 from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
-from stager.stagein.run import staged_manifest_path
 from stager.stagein.sizing import DROPPED, UNKNOWN, DeferredPreflight, PublishGate, SizeProbe
 
 from .inproc import clean_process_env, run_main
@@ -157,7 +157,7 @@ def test_held_compressed_shards_are_counted_once_renamed(
         capsys, "stage-in", str(src), "--dest", str(dest), "--jitter-max", "0", "--quiet"
     )
     assert result.returncode == 0, result.stderr
-    staged = Manifest.read(staged_manifest_path(dest / "gz"))
+    staged = Manifest.read(StagedDataset.of(dest / "gz").manifest_path)
     assert [(e.relpath, e.samples) for e in staged.entries] == [(p.name, 4) for p in shards]
     assert all(filecmp.cmp(p, dest / "gz" / p.name, shallow=False) for p in shards)
 
@@ -175,7 +175,7 @@ def test_refusal_after_held_copies_reports_nothing_copied(
     _slow_last_stat(monkeypatch, shards[-1].name)
     real_usage = shutil.disk_usage
     monkeypatch.setattr(
-        stager.stagein.run.shutil,
+        stager.stagein.plan.shutil,
         "disk_usage",
         lambda path: real_usage(path)._replace(free=total - 1),
     )

@@ -36,7 +36,7 @@ def test_parse_hostlist_rejects_malformed(spec: str) -> None:
 def test_outside_slurm_is_a_local_single_task_job() -> None:
     env = SlurmEnv.from_environ({"HOME": "/root"})
     assert env.job_id == LOCAL_JOB_ID and not env.in_slurm
-    assert (env.node_id, env.num_nodes, env.proc_id, env.local_id, env.ntasks) == (0, 1, 0, 0, 1)
+    assert (env.node, env.num_nodes, env.rank, env.local_rank, env.ntasks) == (0, 1, 0, 0, 1)
 
 
 def test_inside_slurm_reads_every_field() -> None:
@@ -56,7 +56,7 @@ def test_inside_slurm_reads_every_field() -> None:
     )
     assert env.in_slurm and env.job_id == "4242"
     assert env.nodelist == ("gpu01", "gpu02", "gpu03") and env.first_host == "gpu01"
-    assert (env.node_id, env.num_nodes, env.proc_id, env.local_id) == (1, 3, 5, 1)
+    assert (env.node, env.num_nodes, env.rank, env.local_rank) == (1, 3, 5, 1)
     assert (env.ntasks, env.tasks_per_node, env.restart_count) == (12, 4, 2)
 
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from stager.errors import EXIT_FULL, EXIT_SOURCE, EXIT_USAGE
+from stager.layout import StagedDataset
 from stager.shards.manifest import Manifest
 from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 from stager.shards.tarindex import count_samples
-from stager.stagein.run import staged_manifest_path
 from stager.storage.dest import resolve_dest_root
 
 from .conftest import BIN, clean_env, run_cli
@@ -55,7 +55,7 @@ def test_directory_source_is_copied_byte_identical(small_dataset: Path, tmp_path
     assert report["files_copied"] == 8 and report["files_failed"] == 0
     assert report["bytes_read_source"] == total and report["dataset_dir"] == str(staged)
     assert "[" in result.stderr and "8 copied" in result.stderr  # the one summary line
-    manifest = Manifest.read(staged_manifest_path(staged))
+    manifest = Manifest.read(StagedDataset.of(staged).manifest_path)
     for entry in manifest.entries:
         assert entry.samples == count_samples(small_dataset / entry.relpath)
         assert entry.hash and entry.hash.startswith("xxh3_64:")
@@ -135,7 +135,7 @@ def test_directory_named_like_a_shard_is_not_a_shard(tmp_path: Path, subset: str
         "stage-in", str(src), "--dest", str(tmp_path / "s"), "--subset", subset, "--jitter-max", "0"
     )
     assert result.returncode == 0, result.stderr
-    staged = Manifest.read(staged_manifest_path(tmp_path / "s" / "ds"))
+    staged = Manifest.read(StagedDataset.of(tmp_path / "s" / "ds").manifest_path)
     assert sorted(e.relpath for e in staged.entries) == ["train-000000.tar", "train-000001.tar"]
     assert "FAILED" not in result.stderr
 

@@ -1,47 +1,74 @@
 """Command-line entry points: ``stager <command>``, ``stage-in`` and ``stage-out``.
 
 This module only parses arguments and maps exceptions to exit codes; each command's flags and
-its call into the library live in ``stager/commands/<command>.py``. Errors print one line,
-``<prog>: error: <what and where; what to do>``, and exit with the documented code
-(see :mod:`stager.errors`).
+its call into the library live in a module of its own (``stager/cli/commands/<command>.py``, or
+another package's module registered under the ``stager.commands`` entry point, as the loader's
+``doctor`` is). Errors print one line, ``<prog>: error: <what and where; what to do>``, and
+exit with the code of their class (:data:`stager.errors.EXIT_CODES`).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
+from types import ModuleType
 
-from stager.errors import StagerError, exit_code_for
+from stager.errors import EXIT_INTERRUPTED, StagerError, exit_code_for, one_line
 
-__all__ = ["main", "stage_in_main", "stage_out_main", "build_parser", "COMMANDS"]
+__all__ = [
+    "main",
+    "stage_in_main",
+    "stage_out_main",
+    "build_parser",
+    "commands",
+    "BUILTIN_COMMANDS",
+]
 
-#: Subcommand name -> module under stager.cli.commands.
-COMMANDS = {
-    "stage-in": "stage_in",
-    "stage-out": "stage_out",
-    "index": "index",
-    "doctor": "doctor",
-    "make-dataset": "make_dataset",
+#: Subcommand name -> module that defines it.
+BUILTIN_COMMANDS = {
+    "stage-in": "stager.cli.commands.stage_in",
+    "stage-out": "stager.cli.commands.stage_out",
+    "index": "stager.cli.commands.index",
+    "make-dataset": "stager.cli.commands.make_dataset",
 }
+#: Entry-point group through which other packages add commands.
+COMMAND_GROUP = "stager.commands"
 
 
-def _command_module(name: str):
-    import importlib
+def commands() -> dict[str, str]:
+    """Every command: the built-in ones, then those other installed packages register."""
+    from importlib.metadata import entry_points
 
-    return importlib.import_module(f"stager.cli.commands.{COMMANDS[name]}")
+    found = dict(BUILTIN_COMMANDS)
+    for point in entry_points(group=COMMAND_GROUP):
+        found.setdefault(point.name, point.value)
+    return found
 
 
-def build_parser(prog: str = "stager") -> argparse.ArgumentParser:
-    """The umbrella parser with one subparser per command (used by the docs check too)."""
+def _command_module(module: str) -> ModuleType:
+    return importlib.import_module(module)
+
+
+def build_parser(prog: str = "stager", *, only: str | None = None) -> argparse.ArgumentParser:
+    """The umbrella parser with one subparser per command (used by the docs check too).
+
+    ``only``: fully define just that command and leave the others as bare names, so that
+    ``stager stage-in`` imports neither the other commands nor the packages they need (the
+    loader's ``doctor`` needs torch; a prologue on every node should not pay for it).
+    """
     parser = argparse.ArgumentParser(
         prog=prog,
         description="Stage datasets to node-local scratch and checkpoints back, on SLURM.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMANDS:
-        module = _command_module(name)
-        module.add_parser(sub, name)
+    known = dict(BUILTIN_COMMANDS) if only in BUILTIN_COMMANDS else commands()
+    for name, module in known.items():
+        if only is None or name == only:
+            _command_module(module).add_parser(sub, name)
+        else:
+            sub.add_parser(name)
     return parser
 
 
@@ -51,24 +78,25 @@ def _run(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
     try:
         return int(args.handler(args) or 0)
     except StagerError as exc:
-        for line in getattr(exc, "detail_lines", lambda: [])():
+        for line in getattr(exc, "detail_lines", list)():
             print(line, file=sys.stderr)
-        print(f"{prog}: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        print(f"{prog}: error: {one_line(exc)}", file=sys.stderr)
         return exit_code_for(exc)
     except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
+        print(f"{prog}: interrupted; rerun to resume", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``stager COMMAND ...``"""
-    return _run(build_parser(), argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    chosen = args[0] if args and not args[0].startswith("-") else None
+    return _run(build_parser(only=chosen), args)
 
 
 def _single(name: str, argv: Sequence[str] | None) -> int:
     parser = argparse.ArgumentParser(prog=name)
-    module = _command_module(name)
-    module.configure(parser)
+    _command_module(BUILTIN_COMMANDS[name]).configure(parser)
     parser.set_defaults(prog_name=name)
     return _run(parser, argv)
 

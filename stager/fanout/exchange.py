@@ -16,6 +16,7 @@ is drained, and :class:`FanoutError` names the shard and its owner.
 
 from __future__ import annotations
 
+import errno
 import os
 import queue
 import struct
@@ -23,17 +24,19 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, TextIO
 
 import numpy
 
-from stager.errors import ShardFailure
-from stager.fanout.group import FanoutError, FanoutOptions, NodeGroup
+from stager.errors import FanoutError, ShardFailure, one_line
+from stager.fanout.group import FanoutOptions, NodeGroup
 from stager.plan.fanout import FanoutPlan
+from stager.stagein.copier import failure_kind
+from stager.stagein.options import StageInOptions
 from stager.stagein.progress import Progress
 from stager.stagein.report import StageInReport
-from stager.stagein.run import StageInOptions
 from stager.storage.copy import CopyResult, copy_file, partial_path
 from stager.storage.hashing import hash_file, new_hasher, split_digest
 from stager.storage.paths import discard
@@ -45,7 +48,7 @@ __all__ = ["ExchangeShard", "ExchangeOutcome", "Exchange", "HEADER_BYTES"]
 
 HEADER_BYTES = 512
 _HEADER = struct.Struct("<qqH")
-_OK, _FAILED = 0, 1
+_OK, _FAILED, _CORRUPT = 0, 1, 2  # header status: sent / unreadable / failed its check
 _BUFFERS = 4  # chunks in flight between the receiving main thread and the writer
 
 
@@ -59,6 +62,7 @@ class ExchangeShard:
     want_hash: str | None  # from the source manifest, when there is one
     have: bool  # already staged and verified here
     have_hash: str | None = None
+    from_manifest: bool = False  # size and hash are the manifest's: a difference is corruption
 
 
 @dataclass
@@ -71,10 +75,6 @@ class ExchangeOutcome:
 
 class _Cancelled(Exception):
     """Raised inside a source read when the exchange has failed: stop reading."""
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join((str(exc) or type(exc).__name__).split())
 
 
 def _encode_header(status: int, size: int, text: str) -> bytes:
@@ -108,7 +108,7 @@ class Exchange:
         self.options, self.fanout, self.report, self.progress = options, fanout, report, progress
         self.node_label, self.log = node_label, log
         self.torch = group.torch
-        self.me = node_label(group.rank)
+        self.me = node_label(group.node)
         self.outcome = ExchangeOutcome()
         self.stop = threading.Event()
         self.lock = threading.Lock()
@@ -130,7 +130,7 @@ class Exchange:
     def _on_retry(self, attempt: int, exc: BaseException) -> None:
         with self.lock:
             self.report.retries += 1
-        print(f"[{self.me}] retry {attempt} after: {_one_line(exc)}", file=self.log, flush=True)
+        print(f"[{self.me}] retry {attempt} after: {one_line(exc)}", file=self.log, flush=True)
 
     def _read(self, item: ExchangeShard) -> CopyResult:
         return call_with_retries(
@@ -145,6 +145,7 @@ class Exchange:
                 throttle=self.throttle,
                 on_bytes=self._on_bytes,
                 fsync=self.options.fsync,
+                size_from_manifest=item.from_manifest,
             ),
             self.options.retry,
             on_retry=self._on_retry,
@@ -152,7 +153,7 @@ class Exchange:
 
     # ------------------------------------------------------------------------ main thread
     def run(self) -> ExchangeOutcome:
-        rank = self.group.rank
+        rank = self.group.node
         mine = self.plan.reads_of(rank)
         streams = max(1, min(self.fanout.read_streams, self.options.jobs, len(mine)))
         readers = ThreadPoolExecutor(max_workers=streams, thread_name_prefix="fanout-read")
@@ -182,7 +183,7 @@ class Exchange:
             url = self.items[index].shard.url if self.items else "-"
             raise FanoutError(
                 f"[{self.me}] fan-out failed while {what} {url} (owner {self.node_label(owner)}): "
-                f"a peer node died, hung or left ({_one_line(exc)[:300]}); verified shards stay staged, "
+                f"a peer node died, hung or left ({one_line(exc)[:300]}); verified shards stay staged, "
                 "rerun `stage-in --fanout` to resume"
             ) from exc
 
@@ -198,7 +199,7 @@ class Exchange:
         return _decode_header(view.tobytes())
 
     def _send(self, index: int, read: Future[CopyResult] | None) -> None:
-        item, rank = self.items[index], self.group.rank
+        item, rank = self.items[index], self.group.node
         handle = None
         try:
             if read is not None:
@@ -209,9 +210,10 @@ class Exchange:
                 digest = item.have_hash or hash_file(item.final)
             handle = open(item.final, "rb", buffering=0)  # noqa: SIM115 - closed below
         except Exception as exc:  # noqa: BLE001 - the shard fails everywhere; the fan-out goes on
-            reason = _one_line(exc)
-            self.outcome.failures.append(ShardFailure(item.shard.url, reason))
-            self._broadcast_header(index, rank, _encode_header(_FAILED, 0, reason))
+            reason, kind = one_line(exc), failure_kind(exc)
+            self.outcome.failures.append(ShardFailure(item.shard.url, reason, kind))
+            status = _CORRUPT if kind == "corrupt" else _FAILED
+            self._broadcast_header(index, rank, _encode_header(status, 0, reason))
             return
         if read is not None:
             self._staged(index, size, digest)
@@ -229,9 +231,7 @@ class Exchange:
                     # The file shrank or became unreadable after the header went out: send
                     # zeros, the receivers' hash check fails the shard and the exchange goes on.
                     view[got:] = bytes(len(view) - got)
-                self._collective(
-                    lambda c=chunk: self.group.broadcast(c, rank), "sending", index, rank
-                )
+                self._collective(partial(self.group.broadcast, chunk, rank), "sending", index, rank)
         finally:
             self.free.put(buf)
             handle.close()
@@ -245,6 +245,7 @@ class Exchange:
                     ShardFailure(
                         item.shard.url,
                         f"its owner {self.node_label(owner)} could not read it: {text}",
+                        "corrupt" if status == _CORRUPT else "source",
                     )
                 )
             return
@@ -259,7 +260,7 @@ class Exchange:
             chunk = buf[: min(self.fanout.chunk_bytes, size - offset)]
             try:
                 self._collective(
-                    lambda c=chunk: self.group.broadcast(c, owner), "receiving", index, owner
+                    partial(self.group.broadcast, chunk, owner), "receiving", index, owner
                 )
             except BaseException:
                 self.free.put(buf)
@@ -280,7 +281,11 @@ class Exchange:
             written, digest = writing.result()
         except OSError as exc:
             self.outcome.failures.append(
-                ShardFailure(item.shard.url, self._write_reason(exc, item))
+                ShardFailure(
+                    item.shard.url,
+                    self._write_reason(exc, item),
+                    "full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "source",
+                )
             )
             return
         problem = None
@@ -293,7 +298,7 @@ class Exchange:
         if problem is not None:
             discard(partial_path(item.final))
             self.outcome.failures.append(
-                ShardFailure(item.shard.url, f"{problem}; rerun stage-in --fanout")
+                ShardFailure(item.shard.url, f"{problem}; rerun stage-in --fanout", "corrupt")
             )
             return
         os.replace(partial_path(item.final), item.final)
@@ -308,9 +313,9 @@ class Exchange:
 
     @staticmethod
     def _write_reason(exc: OSError, item: ExchangeShard) -> str:
-        if exc.errno in (28, 122):  # ENOSPC, EDQUOT: stage-in maps this prefix to ScratchFull
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             return f"no space left on {item.final.parent} while writing {item.final.name}; free space or pass --dest elsewhere"
-        return f"cannot write {item.final}: {_one_line(exc)}"
+        return f"cannot write {item.final}: {one_line(exc)}"
 
     # ------------------------------------------------------------------------- writer thread
     def _write(self, partial: Path, algorithm: str, chunks: queue.Queue[Any]) -> tuple[int, str]:

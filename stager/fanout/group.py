@@ -28,13 +28,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from stager.errors import StagerError, UsageError
+from stager.errors import GroupUnavailable, UsageError
 from stager.slurm import SlurmEnv
 
 __all__ = [
-    "EXIT_FANOUT",
-    "FanoutError",
-    "GroupUnavailable",
     "FanoutOptions",
     "NodeGroup",
     "form_group",
@@ -44,21 +41,10 @@ __all__ = [
     "PORT_SPAN",
 ]
 
-EXIT_FANOUT = 10
 #: Ports derived from the job id fall in [PORT_BASE, PORT_BASE + PORT_SPAN): below Linux's
 #: ephemeral range (32768+) and clear of torch's customary 29500.
 PORT_BASE = 21000
 PORT_SPAN = 8000
-
-
-class FanoutError(StagerError):
-    """The fan-out failed after the node group formed (a peer died, hung, or disagreed)."""
-
-    exit_code = EXIT_FANOUT
-
-
-class GroupUnavailable(FanoutError):
-    """The node group could not form in time; nothing was exchanged, plain copying is safe."""
 
 
 @dataclass(frozen=True)
@@ -84,13 +70,11 @@ def resolve_endpoint(
     """``(host, port)`` of the rendezvous: flag, then environment, then derived from the job."""
     env = os.environ if env is None else env
     host = options.host or env.get("STAGER_FANOUT_HOST") or slurm.first_host
-    port: int | str | None = (
-        options.port or env.get("STAGER_FANOUT_PORT") or fanout_port(slurm.job_id)
-    )
+    raw: int | str = options.port or env.get("STAGER_FANOUT_PORT") or fanout_port(slurm.job_id)
     try:
-        port = int(port)
+        port = int(raw)
     except ValueError as exc:
-        raise UsageError(f"STAGER_FANOUT_PORT={port!r} is not a port number") from exc
+        raise UsageError(f"STAGER_FANOUT_PORT={raw!r} is not a port number") from exc
     if not 0 < port < 65536:
         raise UsageError(f"fan-out port {port} is out of range 1-65535; pass --fanout-port")
     return host, port
@@ -104,16 +88,16 @@ class NodeGroup:
     :class:`FanoutError` with the shard and node in the message.
     """
 
-    def __init__(self, dist: Any, torch: Any, rank: int, world: int, group: Any):
+    def __init__(self, dist: Any, torch: Any, node: int, num_nodes: int, group: Any):
         self._dist = dist
         self.torch = torch
-        self.rank = rank
-        self.world = world
+        self.node = node  # this node's index in the job, which is its rank in the group
+        self.num_nodes = num_nodes
         self._group = group
 
     def all_gather(self, tensor: Any, *, forming: bool = False) -> list[Any]:
-        """Every node's ``tensor``, by rank; ``forming`` runs it under the short form timeout."""
-        out = [self.torch.empty_like(tensor) for _ in range(self.world)]
+        """Every node's ``tensor``, by node; ``forming`` runs it under the short form timeout."""
+        out = [self.torch.empty_like(tensor) for _ in range(self.num_nodes)]
         self._dist.all_gather(out, tensor, group=None if forming else self._group)
         return out
 
@@ -138,7 +122,9 @@ class NodeGroup:
         self.close()
 
 
-def form_group(host: str, port: int, rank: int, world: int, options: FanoutOptions) -> NodeGroup:
+def form_group(
+    host: str, port: int, node: int, num_nodes: int, options: FanoutOptions
+) -> NodeGroup:
     """Join the node group or raise :class:`GroupUnavailable` (torch missing, peers absent)."""
     try:
         import torch
@@ -154,12 +140,12 @@ def form_group(host: str, port: int, rank: int, world: int, options: FanoutOptio
         dist.init_process_group(
             "gloo",
             init_method=url,
-            rank=rank,
-            world_size=world,
+            rank=node,
+            world_size=num_nodes,
             timeout=timedelta(seconds=options.form_timeout_s),
         )
         exchange = dist.new_group(
-            ranks=list(range(world)),
+            ranks=list(range(num_nodes)),
             timeout=timedelta(seconds=options.op_timeout_s),
             backend="gloo",
         )
@@ -173,4 +159,4 @@ def form_group(host: str, port: int, rank: int, world: int, options: FanoutOptio
         raise GroupUnavailable(
             f"no fan-out group at {url} within {options.form_timeout_s:g} s ({reason})"
         ) from exc
-    return NodeGroup(dist, torch, rank, world, exchange)
+    return NodeGroup(dist, torch, node, num_nodes, exchange)

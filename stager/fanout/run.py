@@ -11,7 +11,8 @@ Run as one task per node (``srun --ntasks-per-node=1 stage-in --fanout SRC``). P
 4. plan the exchange (:mod:`stager.plan.fanout`, pure): owners, balanced by bytes, holders first;
 5. exchange (:mod:`stager.fanout.exchange`): owners read their part from the source while the
    main thread broadcasts, receivers verify and rename;
-6. write the staged manifest and the result waiting tasks adopt, as plain stage-in does.
+6. end as plain stage-in ends (:mod:`stager.stagein.finish`): samples counted, the staged
+   manifest and the loader's index written, the same exit code for the same failure.
 
 If the group cannot form (peers absent, torch missing), the node falls back to plain per-node
 copying after a one-line warning: slower for the source, never wrong. Once the group has
@@ -24,61 +25,49 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Mapping, Sequence
 from typing import TextIO
 
 import numpy
 
-from stager.errors import ScratchFull, ShardFailure, ShardsFailed, UsageError
-from stager.fanout.exchange import Exchange, ExchangeShard
-from stager.fanout.group import (
+from stager.errors import (
     FanoutError,
-    FanoutOptions,
     GroupUnavailable,
-    NodeGroup,
-    form_group,
-    resolve_endpoint,
+    ScratchFull,
+    ShardFailure,
+    UsageError,
+    one_line,
 )
+from stager.fanout.exchange import Exchange, ExchangeShard
+from stager.fanout.group import FanoutOptions, NodeGroup, form_group, resolve_endpoint
+from stager.layout import StagedDataset
 from stager.plan.fanout import plan_fanout, shard_list_digest
-from stager.shards.manifest import Manifest, ManifestEntry
+from stager.shards.manifest import ManifestEntry
 from stager.slurm import SlurmEnv
+from stager.stagein.finish import Staging, finish
+from stager.stagein.node import attach_report, run_once_per_node
+from stager.stagein.options import StageInOptions
+from stager.stagein.plan import (
+    clean_partials,
+    load_source_manifest,
+    plan_local,
+    preflight,
+    read_previous,
+)
 from stager.stagein.progress import Progress
 from stager.stagein.report import StageInReport
-
-# Planning, preflight, lock adoption and the plain copy are stage-in's own; reusing them keeps
-# the two paths' skip/verify/adopt semantics identical.
-from stager.stagein.run import (
-    StageInOptions,
-    _clean_partials,
-    _count,
-    _load_manifest,
-    _one_line,
-    _plan,
-    _preflight,
-    _read_previous,
-    _run,
-    attach_report,
-    run_once_per_node,
-    stage_in,
-    staged_manifest_path,
-)
+from stager.stagein.run import copy_per_node, new_report, stage_in, staged_dataset
 from stager.storage.paths import safe_join
 from stager.storage.sources import SourceSet
 
-__all__ = [
-    "fanout_stage_in",
-    "FanoutOptions",
-    "FanoutError",
-    "GroupUnavailable",
-]
+__all__ = ["fanout_stage_in", "FanoutOptions"]
 
 
-def node_label(slurm: SlurmEnv, rank: int) -> str:
-    """A node's name for messages: its host name when the node list is known, else its rank."""
+def node_label(slurm: SlurmEnv, node: int) -> str:
+    """A node's name for messages: its host name when the node list is known, else its index."""
     if len(slurm.nodelist) == slurm.num_nodes:
-        return slurm.nodelist[rank]
-    return f"node-rank-{rank}"
+        return slurm.nodelist[node]
+    return f"node-{node}"
 
 
 def fanout_stage_in(
@@ -91,45 +80,47 @@ def fanout_stage_in(
 ) -> StageInReport:
     """Stage all of ``source`` on this node, reading only this node's part from the source.
 
-    Every node of the job must call it (one task per node). Raises like :func:`stage_in`, plus
-    :class:`FanoutError` (exit 10) when a peer fails after the group formed.
+    Every node of the job must call it (one task per node). Raises like
+    :func:`stager.stagein.run.stage_in`, plus :class:`FanoutError` (exit 10) when a peer fails
+    after the group formed.
     """
     fanout = fanout or FanoutOptions()
     slurm = slurm or SlurmEnv.from_environ()
     if slurm.num_nodes <= 1:
         return stage_in(source, options, slurm=slurm)  # nobody to share with
-    if not 0 <= slurm.node_id < slurm.num_nodes:
+    if not 0 <= slurm.node < slurm.num_nodes:
         raise UsageError(
-            f"SLURM_NODEID={slurm.node_id} is outside 0..{slurm.num_nodes - 1}; run under srun"
+            f"SLURM_NODEID={slurm.node} is outside 0..{slurm.num_nodes - 1}; run under srun"
         )
     log = options.log or sys.stderr
-    host, port = resolve_endpoint(slurm, fanout, env)
+    endpoint = resolve_endpoint(slurm, fanout, env)
+    staged = staged_dataset(source, options)
 
-    def work(dataset_dir: Path) -> StageInReport:
+    def work() -> StageInReport:
         # torch takes seconds to import: do it while this node plans and verifies its shards.
         threading.Thread(
             target=_import_torch_distributed, name="fanout-import", daemon=True
         ).start()
-        report = _new_report(slurm, dataset_dir, source, options, "on")
+        report = new_report(slurm, staged, source, options, "on")
         try:
             try:
-                _run_fanout(source, options, fanout, slurm, (host, port), dataset_dir, report, log)
+                _run_fanout(source, options, fanout, slurm, endpoint, staged, report, log)
             except GroupUnavailable as exc:
                 print(
-                    f"[{slurm.node_name}] warning: {_one_line(exc)}; falling back to plain per-node copying "
-                    "(this node reads the whole dataset from the source)",
+                    f"[{slurm.node_name}] warning: {one_line(exc)}; falling back to plain per-node "
+                    "copying (this node reads the whole dataset from the source)",
                     file=log,
                     flush=True,
                 )
-                report = _new_report(slurm, dataset_dir, source, options, "fallback")
-                _run(source, options, slurm, None, dataset_dir, report, log)
+                report = new_report(slurm, staged, source, options, "fallback")
+                copy_per_node(source, options, slurm, None, staged, report, log)
         except BaseException as exc:
             attach_report(exc, report)
             raise
         return report
 
     # The same lock and result file as plain stage-in: the two exclude each other on a node.
-    return run_once_per_node(source, options, work)
+    return run_once_per_node(staged, options, work)
 
 
 def _import_torch_distributed() -> None:
@@ -139,17 +130,24 @@ def _import_torch_distributed() -> None:
         pass
 
 
-def _new_report(
-    slurm: SlurmEnv, dataset_dir: Path, source: SourceSet, options: StageInOptions, mode: str
-) -> StageInReport:
-    return StageInReport(
-        node=slurm.node_name,
-        job_id=slurm.job_id,
-        dataset_dir=str(dataset_dir),
-        source=source.root_url,
-        subset=options.subset,
-        fanout=mode,
-    )
+def _exchange_items(
+    run: Staging, expected: dict[str, ManifestEntry], kept: dict[str, ManifestEntry]
+) -> list[ExchangeShard]:
+    items = []
+    for shard in run.shards:
+        want, have = expected.get(shard.relpath), kept.get(shard.relpath)
+        items.append(
+            ExchangeShard(
+                shard=shard,
+                final=safe_join(run.staged.dir, shard.relpath),
+                size=want.size if want is not None else shard.size,
+                want_hash=want.hash if want is not None else None,
+                have=have is not None,
+                have_hash=have.hash if have is not None else None,
+                from_manifest=want is not None,
+            )
+        )
+    return items
 
 
 def _run_fanout(
@@ -158,30 +156,18 @@ def _run_fanout(
     fanout: FanoutOptions,
     slurm: SlurmEnv,
     endpoint: tuple[str, int],
-    dataset_dir: Path,
+    staged: StagedDataset,
     report: StageInReport,
     log: TextIO,
 ) -> None:
-    started = time.monotonic()
-    shards = list(source.shards)
-    manifest = _load_manifest(source, options)
+    run = Staging(source, options, staged, report, log, list(source.shards))
+    manifest = load_source_manifest(source, options, staged)
     expected = manifest.by_relpath() if manifest is not None else {}
-    _clean_partials(dataset_dir)
-    local = _plan(shards, dataset_dir, expected, _read_previous(dataset_dir), options, log)
-    items = []
-    for shard in shards:
-        want, kept = expected.get(shard.relpath), local.kept.get(shard.relpath)
-        items.append(
-            ExchangeShard(
-                shard=shard,
-                final=safe_join(dataset_dir, shard.relpath),
-                size=want.size if want is not None else shard.size,
-                want_hash=want.hash if want is not None else None,
-                have=kept is not None,
-                have_hash=kept.hash if kept is not None else None,
-            )
-        )
-    report.files_total = len(shards) + len(source.missing)
+    clean_partials(staged.dir)
+    local = plan_local(run.shards, staged, expected, read_previous(staged), options, log)
+    run.entries.update(local.kept)
+    items = _exchange_items(run, expected, local.kept)
+    report.files_total = len(run.shards) + len(source.missing)
     report.files_skipped = len(local.kept)
     report.bytes_total = sum(it.size or 0 for it in items)
     for url in source.missing:
@@ -189,15 +175,15 @@ def _run_fanout(
     needed = sum(it.size or 0 for it in items if not it.have)
     refusal: ScratchFull | None = None
     try:
-        _preflight(dataset_dir, needed, options, slurm.node_name)
+        preflight(staged.dir, needed, options, slurm.node_name)
     except ScratchFull as exc:
         refusal = exc  # told to the peers in the handshake, so they stop too instead of hanging
 
-    def label(rank: int) -> str:
-        return node_label(slurm, rank)
+    def label(node: int) -> str:
+        return node_label(slurm, node)
 
     forming = time.monotonic()
-    with form_group(endpoint[0], endpoint[1], slurm.node_id, slurm.num_nodes, fanout) as group:
+    with form_group(endpoint[0], endpoint[1], slurm.node, slurm.num_nodes, fanout) as group:
         have = _handshake(group, items, refusal is None, label)
         report.fanout_form_s = time.monotonic() - forming
         if refusal is not None:
@@ -226,39 +212,22 @@ def _run_fanout(
             ).run()
         finally:
             progress.close()
-
-    entries: dict[str, ManifestEntry] = dict(local.kept)
     for index, (size, digest) in outcome.staged.items():
         relpath = items[index].shard.relpath
         want = expected.get(relpath)
-        samples = want.samples if want is not None else None
-        if samples is None and options.count_samples:
-            samples = _count(items[index].final, log)
-        entries[relpath] = ManifestEntry(relpath, size, digest, samples)
+        run.entries[relpath] = ManifestEntry(
+            relpath, size, digest, want.samples if want is not None else None
+        )
     for failure in outcome.failures:
         report.add_failure(failure)
-    staged = Manifest(
-        tuple(entries[s.relpath] for s in shards if s.relpath in entries),
-        {
-            "source": source.root_url,
-            "subset": options.subset,
-            "node": slurm.node_name,
-            "job_id": slurm.job_id,
-        },
-    )
-    staged_path = staged_manifest_path(dataset_dir)
-    staged_path.parent.mkdir(exist_ok=True)
-    staged.write(staged_path)
-    report.seconds = time.monotonic() - started
-    if report.failures:
-        full = [f for f in report.failures if f["reason"].startswith("no space left")]
-        if full:
-            raise ScratchFull(f"[{slurm.node_name}] {full[0]['reason']}", where=str(dataset_dir))
-        raise ShardsFailed([ShardFailure(f["url"], f["reason"]) for f in report.failures])
+    finish(run)
 
 
 def _handshake(
-    group: NodeGroup, items: Sequence[ExchangeShard], ready: bool, label
+    group: NodeGroup,
+    items: Sequence[ExchangeShard],
+    ready: bool,
+    label: Callable[[int], str],
 ) -> list[list[bool]]:
     """All-gather (shard-list digest, preflight verdict, have-bitmap); refuse any disagreement.
 
@@ -282,8 +251,8 @@ def _handshake(
     except FanoutError:
         raise
     except Exception as exc:  # noqa: BLE001 - torch errors while forming: no group
-        raise GroupUnavailable(f"handshake failed ({_one_line(exc)[:300]})") from exc
-    refusing = [label(r) for r, m in enumerate(metas) if not m[1] and r != group.rank]
+        raise GroupUnavailable(f"handshake failed ({one_line(exc)[:300]})") from exc
+    refusing = [label(r) for r, m in enumerate(metas) if not m[1] and r != group.node]
     if refusing and ready:
         raise FanoutError(
             f"node(s) {', '.join(refusing)} lack scratch space for the dataset, so nobody copied anything; "

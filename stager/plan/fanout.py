@@ -37,61 +37,63 @@ class FanoutPlan:
     order: tuple[int, ...]  # shard indices, the same sequence of broadcasts on every node
     reads: tuple[bool, ...]  # per shard: its owner reads it from the source (nobody had it)
 
-    def reads_of(self, rank: int) -> list[int]:
-        """Shards ``rank`` reads from the source, in the order it should read them."""
-        return [i for i in self.order if self.owners[i] == rank and self.reads[i]]
+    def reads_of(self, node: int) -> list[int]:
+        """Shards ``node`` reads from the source, in the order it should read them."""
+        return [i for i in self.order if self.owners[i] == node and self.reads[i]]
 
-    def source_bytes(self, sizes: Sequence[int | None], rank: int | None = None) -> int:
-        """Bytes read from the source by ``rank`` (or by all nodes together)."""
+    def source_bytes(self, sizes: Sequence[int | None], node: int | None = None) -> int:
+        """Bytes read from the source by ``node`` (or by all nodes together)."""
         return sum(
             sizes[i] or 0
             for i, owner in enumerate(self.owners)
-            if self.reads[i] and (rank is None or owner == rank)
+            if self.reads[i] and (node is None or owner == node)
         )
 
 
 def plan_fanout(sizes: Sequence[int | None], have: Sequence[Sequence[bool]]) -> FanoutPlan:
-    """Plan a fan-out over ``len(have)`` nodes; ``have[rank][i]``: node ``rank`` holds shard ``i``.
+    """Plan a fan-out over ``len(have)`` nodes; ``have[node][i]``: node ``node`` holds shard ``i``.
 
     ``sizes[i]`` may be ``None`` (unknown until read); such shards weigh as zero bytes but still
     spread by count, because ties break on the number of shards owned.
     """
-    world = len(have)
-    if world < 1:
+    num_nodes = len(have)
+    if num_nodes < 1:
         raise ValueError("a fan-out needs at least one node")
     count = len(sizes)
     if any(len(row) != count for row in have):
         raise ValueError("every node's have-list must cover every shard")
     owners = [SKIP] * count
     reads = [False] * count
-    load = [0] * world
-    owned = [0] * world
+    load = [0] * num_nodes
+    owned = [0] * num_nodes
 
-    def take(i: int, rank: int) -> None:
-        owners[i] = rank
-        load[rank] += sizes[i] or 0
-        owned[rank] += 1
+    def take(i: int, node: int) -> None:
+        owners[i] = node
+        load[node] += sizes[i] or 0
+        owned[node] += 1
 
     by_size = sorted(range(count), key=lambda i: (-(sizes[i] or 0), i))
     # Held shards first: their owner is forced into a subset, so place them before the free ones.
     for i in by_size:
-        holders = [r for r in range(world) if have[r][i]]
-        if holders and len(holders) < world:
+        holders = [r for r in range(num_nodes) if have[r][i]]
+        if holders and len(holders) < num_nodes:
             take(i, min(holders, key=lambda r: (load[r], owned[r], r)))
-    heap = [(load[r], owned[r], r) for r in range(world)]
+    heap = [(load[r], owned[r], r) for r in range(num_nodes)]
     heapq.heapify(heap)
     for i in by_size:
-        if any(have[r][i] for r in range(world)):
+        if any(have[r][i] for r in range(num_nodes)):
             continue
-        _, _, rank = heapq.heappop(heap)
-        take(i, rank)
+        _, _, node = heapq.heappop(heap)
+        take(i, node)
         reads[i] = True
-        heapq.heappush(heap, (load[rank], owned[rank], rank))
-    return FanoutPlan(tuple(owners), _broadcast_order(sizes, owners, reads, world), tuple(reads))
+        heapq.heappush(heap, (load[node], owned[node], node))
+    return FanoutPlan(
+        tuple(owners), _broadcast_order(sizes, owners, reads, num_nodes), tuple(reads)
+    )
 
 
 def _broadcast_order(
-    sizes: Sequence[int | None], owners: list[int], reads: list[bool], world: int
+    sizes: Sequence[int | None], owners: list[int], reads: list[bool], num_nodes: int
 ) -> tuple[int, ...]:
     """Broadcast shards in the order their owners will have them, so reads and sends overlap.
 
@@ -100,7 +102,7 @@ def _broadcast_order(
     they are sent while the owners' first source reads are still running.
     """
     ready: list[tuple[int, int, int]] = []
-    read_so_far = [0] * world
+    read_so_far = [0] * num_nodes
     for i, owner in enumerate(owners):
         if owner == SKIP:
             continue

@@ -7,7 +7,8 @@ GET per shard and local shards are read at disk speed, never twice. The result i
 sample counts from.
 
 Failures follow stage-in's rules: transient read errors are retried with backoff; a shard that
-still fails, or whose tar is corrupt, becomes one line of :class:`IndexFailed`, and no manifest
+still fails, or whose tar is corrupt, becomes one line of the error (:class:`~stager.errors.ShardsCorrupt`, exit 4, if any
+shard is corrupt, else :class:`~stager.errors.ShardsFailed`, exit 3), and no manifest
 is written (a manifest that silently leaves a shard out would later turn into missing data).
 """
 
@@ -27,24 +28,24 @@ import fsspec
 from fsspec.core import url_to_fs
 
 from stager.errors import (
-    EXIT_INTEGRITY,
     IntegrityError,
     ShardFailure,
-    ShardsFailed,
+    SizeMismatch,
     SourceError,
     StagerError,
     UsageError,
+    one_line,
+    shard_failures,
 )
 from stager.shards.manifest import Manifest, ManifestEntry, default_manifest_name
 from stager.shards.tarindex import count_samples_stream, is_compressed
-from stager.storage.copy import DEFAULT_BLOCK_BYTES, SizeMismatch
+from stager.storage.copy import DEFAULT_BLOCK_BYTES
 from stager.storage.hashing import ALGORITHMS, DEFAULT_ALGORITHM, new_hasher
 from stager.storage.retry import RetryPolicy, call_with_retries
 from stager.storage.sources import SourceSet, SourceShard, is_shard_name, protocol_of
 
 __all__ = [
     "IndexOptions",
-    "IndexFailed",
     "scan_shard",
     "build_manifest",
     "source_root_url",
@@ -63,23 +64,6 @@ class IndexOptions:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     block_bytes: int = DEFAULT_BLOCK_BYTES
     count_samples: bool = True
-
-
-class IndexFailed(ShardsFailed):
-    """Some shards could not be indexed; no manifest was written.
-
-    Exit code 4 (integrity) when any shard is corrupt, else 3 (source), as for stage-in.
-    """
-
-    def __init__(self, failures: list[ShardFailure], *, corrupt: bool):
-        self.failures = list(failures)
-        if corrupt:
-            self.exit_code = EXIT_INTEGRITY
-        SourceError.__init__(
-            self,
-            f"{len(self.failures)} shard(s) could not be indexed; no manifest was written. "
-            "Fix or remove them and re-run stager index",
-        )
 
 
 class _HashingReader:
@@ -126,7 +110,9 @@ def scan_shard(
         samples = None
         if options.count_samples and is_shard_name(shard.relpath):
             samples = count_samples_stream(
-                reader, shard.url, compressed=is_compressed(shard.relpath)
+                reader,  # type: ignore[arg-type]  # read() is all the tar reader uses
+                shard.url,
+                compressed=is_compressed(shard.relpath),
             )
         reader.drain(options.block_bytes)
     if shard.size is not None and reader.nbytes != shard.size:
@@ -145,9 +131,9 @@ def build_manifest(
 ) -> Manifest:
     """Scan every shard of ``source`` with ``options.jobs`` parallel streams.
 
-    Entries keep the source's order. Raises :class:`IndexFailed` (one line per shard) when
-    any shard fails after retries or is corrupt, and :class:`IndexFailed` too for names that
-    were listed explicitly but do not exist.
+    Entries keep the source's order. Raises :class:`~stager.errors.ShardsFailed` (one line per
+    shard) when any shard fails after retries or was listed explicitly but does not exist, or
+    :class:`~stager.errors.ShardsCorrupt` when any is corrupt; no manifest is built then.
     """
     if options.algorithm not in ALGORITHMS:
         raise UsageError(
@@ -157,7 +143,6 @@ def build_manifest(
         raise UsageError("--jobs must be at least 1")
     results: dict[str, ManifestEntry] = {}
     failures = [ShardFailure(url, "not found on the source") for url in source.missing]
-    corrupt = threading.Event()
     lock = threading.Lock()
 
     def one(shard: SourceShard) -> None:
@@ -166,14 +151,10 @@ def build_manifest(
                 lambda: scan_shard(source.fs, shard, options), options.retry, on_retry=on_retry
             )
         except Exception as exc:  # noqa: BLE001 - every failure becomes one report line
-            if isinstance(exc, IntegrityError) and not getattr(exc, "transient", False):
-                corrupt.set()
-            reason = " ".join((str(exc) or type(exc).__name__).split())
-            reason = reason.removeprefix(
-                f"{shard.url}: "
-            )  # the FAILED line names the shard already
+            kind = "corrupt" if isinstance(exc, IntegrityError) and not exc.transient else "source"
+            reason = one_line(exc).removeprefix(f"{shard.url}: ")  # FAILED names the shard already
             with lock:
-                failures.append(ShardFailure(shard.url, reason))
+                failures.append(ShardFailure(shard.url, reason, kind))
             return
         with lock:
             results[shard.relpath] = entry
@@ -183,7 +164,11 @@ def build_manifest(
     ) as pool:
         list(pool.map(one, source.shards))
     if failures:
-        raise IndexFailed(failures, corrupt=corrupt.is_set())
+        raise shard_failures(
+            failures,
+            message=f"{len(failures)} shard(s) could not be indexed; no manifest was written. "
+            "Fix or remove them and re-run stager index",
+        )
     meta = {"source": source.root_url, "hash": options.algorithm, "created_by": "stager index"}
     return Manifest(tuple(results[s.relpath] for s in source.shards), meta)
 

@@ -11,16 +11,9 @@ import threading
 import time
 from typing import TextIO
 
-__all__ = ["Progress", "human_bytes"]
+from stager.units import human_bytes
 
-
-def human_bytes(nbytes: float) -> str:
-    """``1536`` -> ``"1.5 KB"`` (decimal units, as MB/s is)."""
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(nbytes) < 1000 or unit == "TB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1000
-    return f"{nbytes:.1f} TB"
+__all__ = ["Progress"]
 
 
 class Progress:

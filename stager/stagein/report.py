@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from stager.errors import ShardFailure
-from stager.stagein.progress import human_bytes
+from stager.units import human_bytes
 
 __all__ = ["StageInReport"]
 
@@ -46,7 +46,7 @@ class StageInReport:
         return self.bytes_copied / self.seconds / 1e6 if self.seconds > 0 else 0.0
 
     def add_failure(self, failure: ShardFailure) -> None:
-        self.failures.append({"url": failure.url, "reason": failure.reason})
+        self.failures.append({"url": failure.url, "reason": failure.reason, "kind": failure.kind})
         self.files_failed = len(self.failures)
 
     def summary_line(self) -> str:

@@ -27,8 +27,10 @@ from stager.errors import (
     NoCheckpoint,
     SourceError,
 )
+from stager.layout import RESTORE_LOCK, RESTORE_STAGING_PREFIX, RESTORED_DIR
 from stager.stageout.record import CommitRecord, newest_first
-from stager.stageout.store import CommitStore, open_store
+from stager.stageout.store import CommitStore
+from stager.stageout.stores import open_store
 from stager.storage.copy import copy_file
 from stager.storage.dest import ensure_private_dir
 from stager.storage.lock import NodeLock
@@ -36,8 +38,7 @@ from stager.storage.paths import PARTIAL_SUFFIX, safe_join
 
 __all__ = ["restore_checkpoint", "RESTORED_DIR"]
 
-RESTORED_DIR = ".stager-restored"
-_STAGING_PREFIX = ".stager-restore-"
+_STAGING_PREFIX = RESTORE_STAGING_PREFIX
 
 
 def _restored_marker(root: Path, name: str) -> Path:
@@ -106,7 +107,7 @@ def restore_checkpoint(
             f"no committed checkpoint at {dest_url} yet; start from scratch (exit code 9 means this)"
         )
     root = ensure_private_dir(local_root)
-    with NodeLock(root / ".stager-restore.lock"):
+    with NodeLock(root / RESTORE_LOCK):
         # Holding the lock, no one on this node is restoring: leftovers are from killed runs.
         for leftover in root.glob(f"{_STAGING_PREFIX}*"):
             shutil.rmtree(leftover, ignore_errors=True)

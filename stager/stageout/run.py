@@ -34,14 +34,15 @@ from typing import TextIO
 
 from stager.errors import CheckpointError, DeadlineTooShort, IntegrityError, UsageError
 from stager.slurm import SlurmEnv
-from stager.stagein.progress import human_bytes
 from stager.stageout.deadline import Deadline
 from stager.stageout.record import CommitRecord, plan_keep, plan_prune
 from stager.stageout.snapshot import Snapshot, newest_mtime_ns, snapshot, state_dir
-from stager.stageout.store import CommitStore, open_store
+from stager.stageout.store import CommitStore
+from stager.stageout.stores import open_store
 from stager.storage.hashing import hash_file
 from stager.storage.lock import NodeLock
 from stager.storage.throttle import Throttle
+from stager.units import human_bytes
 
 __all__ = [
     "StageOutOptions",

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stager.errors import CheckpointError
+from stager.layout import STAGEOUT_STATE_DIR
 from stager.shards.manifest import ManifestEntry
 from stager.stageout.record import KIND_DIR, KIND_FILE, check_checkpoint_name, content_id
 from stager.storage.hashing import hash_file
@@ -34,7 +35,7 @@ __all__ = [
 
 #: Entries of a checkpoint directory that are still being written by common trainers.
 SKIP_SUFFIXES = (PARTIAL_SUFFIX, ".tmp", ".lock")
-STATE_DIR_NAME = ".stager-stageout"
+STATE_DIR_NAME = STAGEOUT_STATE_DIR
 
 
 @dataclass(frozen=True)

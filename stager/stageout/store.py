@@ -40,24 +40,21 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 
 from stager.errors import CheckpointError, DestinationError, StagerError
+from stager.layout import META_DIR
 from stager.stageout.record import CommitRecord, check_checkpoint_name
 from stager.storage.throttle import Throttle
 
 __all__ = [
     "CommitStore",
     "Attempt",
-    "open_store",
     "META_DIR",
     "fsync_dir",
     "dest_errors",
     "signals_deferred",
     "host_name",
 ]
-
-META_DIR = ".stager"
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -323,20 +320,3 @@ class CommitStore:
     def _rm_tree(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(path, recursive=True)
-
-
-def open_store(url: str, *, stale_s: float = 6 * 3600) -> CommitStore:
-    """The store for ``url``: rename-based for local paths, marker-based for everything else."""
-    try:
-        fs, root = fsspec.core.url_to_fs(url)
-    except (ImportError, ValueError) as exc:
-        raise DestinationError(
-            f"cannot open destination {url}: {exc}; check the URL (and install s3fs for s3://)"
-        ) from exc
-    if isinstance(fs, LocalFileSystem):
-        from stager.stageout.store_posix import LocalCommitStore
-
-        return LocalCommitStore(url, fs, os.path.abspath(root), stale_s=stale_s)
-    from stager.stageout.store_object import ObjectCommitStore
-
-    return ObjectCommitStore(url, fs, root, stale_s=stale_s)

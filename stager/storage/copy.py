@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from stager.errors import IntegrityError, ScratchFull, SourceError
+from stager.errors import HashMismatch, ScratchFull, SizeMismatch, SourceError
 from stager.storage.hashing import DEFAULT_ALGORITHM, new_hasher, split_digest
 from stager.storage.paths import PARTIAL_SUFFIX, discard
 from stager.storage.sources import protocol_of
@@ -55,18 +55,6 @@ def _buffer(block_bytes: int) -> memoryview:
     if buf is None or len(buf) != block_bytes:
         buf = _buffers.buf = mmap.mmap(-1, block_bytes)
     return memoryview(buf)
-
-
-class SizeMismatch(IntegrityError):
-    """The copy's size differs from the listing's: the file may be changing; worth a retry."""
-
-    transient = True
-
-
-class HashMismatch(IntegrityError):
-    """The copy differs from the manifest (its hash, or its size): the source changed or is corrupt."""
-
-    transient = False
 
 
 @dataclass(frozen=True)

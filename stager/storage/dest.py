@@ -49,16 +49,19 @@ def resolve_dest_root(
 
 
 def ensure_private_dir(path: str | os.PathLike[str]) -> Path:
-    """Create ``path`` (and parents) if needed, with the leaf at mode 0700, and vet it.
+    """Create ``path`` (and parents) if needed, the leaf with mode 0700, and vet it.
 
     Refuses (:class:`UnsafePath`) a leaf that is a symlink or not owned by us; wraps other
-    failures in :class:`DestinationError` naming the path.
+    failures in :class:`DestinationError` naming the path. An existing directory keeps its
+    mode: ``--dest /tmp`` must not turn ``/tmp`` into a private directory.
     """
     path = Path(path)
+    created = False
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
             os.mkdir(path, 0o700)
+            created = True
         except FileExistsError:
             pass
         info = os.lstat(path)
@@ -82,6 +85,6 @@ def ensure_private_dir(path: str | os.PathLike[str]) -> Path:
         raise UnsafePath(
             f"{path} is owned by uid {info.st_uid}, not by you; refusing (another user may have pre-created it)"
         )
-    if stat.S_IMODE(info.st_mode) & 0o077:
-        os.chmod(path, 0o700)
+    if created and stat.S_IMODE(info.st_mode) & 0o077:
+        os.chmod(path, 0o700)  # a umask can't widen it, but a default ACL may have
     return path

@@ -56,9 +56,9 @@ class RetryPolicy:
 
     def delay_s(self, attempt: int, rng: random.Random | None = None) -> float:
         """Wait before retry number ``attempt`` (1-based), with +-25% jitter."""
-        rng = rng or random
+        draw = (rng or random).random()
         delay = min(self.max_delay_s, self.base_delay_s * (2 ** (attempt - 1)))
-        return delay * (0.75 + 0.5 * rng.random())
+        return delay * (0.75 + 0.5 * draw)
 
 
 def call_with_retries(

@@ -13,18 +13,16 @@ parent directory for a brace pattern or a list.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import os
 import posixpath
-import re
 import stat
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from braceexpand import braceexpand
-
 from stager.errors import SourceError, UsageError
+from stager.layout import SHARD_SUFFIXES, dataset_name, is_shard_name
+from stager.patterns import expand_pattern, is_pattern
 from stager.storage.paths import safe_relpath
 from stager.storage.workers import map_in_threads
 
@@ -40,15 +38,7 @@ __all__ = [
     "is_shard_name",
 ]
 
-SHARD_SUFFIXES = (".tar", ".tgz", ".tar.gz")
-#: A brace pattern expanding past this is a typo (``{0..99999999999}``), not a dataset.
-MAX_PATTERN_SHARDS = 1_000_000
 _GLOB_CHARS = set("*?[")
-
-
-def is_shard_name(name: str) -> bool:
-    """True for the file names stage-in treats as shards in a directory source."""
-    return name.endswith(SHARD_SUFFIXES)
 
 
 @dataclass(frozen=True)
@@ -107,37 +97,6 @@ def _translate(exc: Exception, url: str) -> SourceError:
             f"source not readable: {url} (permission denied); check its mode and owner"
         )
     return SourceError(f"cannot list source {url}: {exc}; check the URL and credentials")
-
-
-_INNER_BRACE = re.compile(r"\{([^{}]*)\}")
-_RANGE = re.compile(r"^(-?\d+|[A-Za-z])\.\.(-?\d+|[A-Za-z])(?:\.\.(-?\d+))?$")
-
-
-def pattern_size_bound(spec: str) -> int:
-    """An upper bound on how many names a brace pattern expands to, computed without expanding.
-
-    ``braceexpand`` materialises products eagerly, so ``{0..99999999}{0..9999}`` would exhaust
-    memory before any limit could be checked; this bound lets us refuse such a typo first.
-    """
-    bound, text = 1, spec
-    while True:
-        match = _INNER_BRACE.search(text)
-        if match is None:
-            return bound
-        body = match.group(1)
-        rng = _RANGE.match(body)
-        if rng:
-            lo, hi, step = rng.group(1), rng.group(2), rng.group(3)
-            if lo.lstrip("-").isdigit() and hi.lstrip("-").isdigit():
-                count = abs(int(hi) - int(lo)) // max(1, abs(int(step or 1))) + 1
-            else:
-                count = abs(ord(hi[0]) - ord(lo[0])) + 1
-        else:
-            count = body.count(",") + 1
-        bound *= max(1, count)
-        if bound > 10 * MAX_PATTERN_SHARDS:
-            return bound
-        text = text[: match.start()] + "x" + text[match.end() :]
 
 
 def _walk_local(root: str) -> list[str]:
@@ -203,7 +162,7 @@ def _from_paths(
     fs: fsspec.AbstractFileSystem | None,
     paths: list[str],
     root: str,
-    name: str | None,
+    name: str,
     jobs: int,
     root_url: str,
 ) -> SourceSet:
@@ -218,7 +177,7 @@ def _from_paths(
         shards.append(
             SourceShard(_display(fs, path), path, safe_relpath(rel), int(info.get("size") or 0))
         )
-    return SourceSet(root_url, name or _basename(root), tuple(shards), tuple(missing), fs)
+    return SourceSet(root_url, name, tuple(shards), tuple(missing), fs)
 
 
 def fill_sizes(
@@ -256,9 +215,9 @@ def _fsspec_view(fs: fsspec.AbstractFileSystem | None) -> fsspec.AbstractFileSys
     return LocalFileSystem()
 
 
-def _basename(root: str) -> str:
-    base = posixpath.basename(root.rstrip("/"))
-    return base or "dataset"
+def _common_url(fs: fsspec.AbstractFileSystem | None, root: str) -> str:
+    """The root of a list of shards, as a URL, for the report and the staged manifest."""
+    return _display(fs, root)
 
 
 def _local_path(path: str) -> str:
@@ -302,7 +261,7 @@ def _read_list(list_url: str) -> list[str]:
 
 
 def resolve_source(
-    spec: str | None = None,
+    spec: str | Sequence[str] | None = None,
     *,
     from_list: str | None = None,
     name: str | None = None,
@@ -316,41 +275,37 @@ def resolve_source(
     which saves a metadata round trip per shard that the manifest already describes.
 
     ``spec`` is a directory, a glob, a brace pattern (``train-{000000..000099}.tar``) or a single
-    file, each optionally an fsspec URL; ``from_list`` is a file listing URLs instead.
+    file, each optionally an fsspec URL, or a list of shard URLs; ``from_list`` is a file listing
+    URLs instead. The dataset's name is ``name``, else :func:`stager.layout.dataset_name` of the
+    spec (or of the listed URLs), the rule the loader looks the staged copy up by.
     Raises :class:`SourceError` when the source does not exist or lists no shards.
     """
     if (spec is None) == (from_list is None):
         raise UsageError("give exactly one of SOURCE or --from-list")
+    urls: list[str] | None = None
     if from_list is not None:
         urls = _read_list(from_list)
+    elif not isinstance(spec, str):
+        urls = list(spec or ())
+        if not urls:
+            raise UsageError("an empty list of shard URLs names no dataset")
+    name = name or dataset_name(urls if urls is not None else spec)  # type: ignore[arg-type]
+    if urls is not None:
         fs, _ = _split_fs(urls[0])
         paths = []
         for url in urls:
             other_fs, path = _split_fs(url)
             if type(other_fs) is not type(fs):
                 raise UsageError(
-                    f"list {from_list} mixes filesystems ({url}); use one list per filesystem"
+                    f"list {from_list or 'of shards'} mixes filesystems ({url}); use one list per filesystem"
                 )
             paths.append(path)
         root = _common_dir(paths)
-        return _from_paths(fs, paths, root, name, jobs, from_list)
+        return _from_paths(fs, paths, root, name, jobs, from_list or _common_url(fs, root))
 
-    assert spec is not None
-    if "{" in spec and "}" in spec:
-        if pattern_size_bound(spec) > MAX_PATTERN_SHARDS:
-            raise UsageError(
-                f"brace pattern {spec!r} expands to more than {MAX_PATTERN_SHARDS} shards; check the ranges"
-            )
-        try:
-            expanded = list(itertools.islice(braceexpand(spec), MAX_PATTERN_SHARDS + 1))
-        except ValueError as exc:  # braceexpand.UnbalancedBracesError
-            raise UsageError(
-                f"bad brace pattern {spec!r} ({exc}); e.g. train-{{000000..000099}}.tar"
-            ) from exc
-        if len(expanded) > MAX_PATTERN_SHARDS:
-            raise UsageError(
-                f"brace pattern {spec!r} expands to more than {MAX_PATTERN_SHARDS} shards; check the ranges"
-            )
+    assert isinstance(spec, str)
+    if is_pattern(spec):
+        expanded = expand_pattern(spec)
         fs, _ = _split_fs(expanded[0])
         paths = [_split_fs(u)[1] for u in expanded]
         root = _common_dir(paths)
@@ -383,7 +338,7 @@ def resolve_source(
             )
             for p, info in files
         )
-        return SourceSet(spec, name or _basename(root), shards, remote_fs=fs)
+        return SourceSet(spec, name, shards, remote_fs=fs)
 
     try:
         info = _local_info(path) if fs is None else fs.info(path)
@@ -397,7 +352,7 @@ def resolve_source(
             safe_relpath(posixpath.basename(path)),
             int(info.get("size") or 0),
         )
-        return SourceSet(spec, name or _basename(root), (shard,), remote_fs=fs)
+        return SourceSet(spec, name, (shard,), remote_fs=fs)
     root = path.rstrip("/")
     if fs is None:
         # NFS answers each stat with a round trip: list names (readdir) serially, stat in parallel.
@@ -408,7 +363,7 @@ def resolve_source(
         shards = tuple(
             SourceShard(p, p, safe_relpath(posixpath.relpath(p, root)), None) for p in names
         )
-        result = SourceSet(spec, name or _basename(root), shards)
+        result = SourceSet(spec, name, shards)
         if stat_listed:
             result = dataclasses.replace(result, shards=tuple(fill_sizes(result, shards, jobs)))
         if not result.shards:
@@ -429,4 +384,4 @@ def resolve_source(
     )
     if not shards:
         raise SourceError(f"no shards (*.tar, *.tgz, *.tar.gz) under {spec}; check the directory")
-    return SourceSet(spec, name or _basename(root), shards, remote_fs=fs)
+    return SourceSet(spec, name, shards, remote_fs=fs)

@@ -69,9 +69,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from stager.shards.build import IndexOptions, index_source
-    from stager.stagein.progress import human_bytes
     from stager.storage.retry import RetryPolicy
     from stager.storage.sources import resolve_source
+    from stager.units import human_bytes
 
     if args.jobs < 1:
         raise UsageError("--jobs must be at least 1")

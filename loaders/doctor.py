@@ -1,68 +1,38 @@
-"""``stager doctor``: measure where a job's data path is slow, and say what to change.
+"""``stager doctor``: is my job data-bound? Measure source, scratch and the loader; say what to change.
 
 Three probes, each short and bounded in bytes and seconds:
 
 * the source: aggregate read MB/s over a sample of shards with several streams, and the time to
   first byte of a file (the per-file latency that NFS metadata round trips add);
 * the scratch: write MB/s of a temporary file (fsync'd), and the free space;
-* the loader: samples/s of ``ShardedLoader`` over the staged copy for a few worker counts,
-  nothing decoded (decode cost is the model's business, not the filesystem's).
+* the loader: samples/s of ``ShardedLoader`` over the staged copy for a few worker counts.
 
 The verdict compares them: what limits samples/s, how many workers (and so
-``--cpus-per-task``) reach the plateau, and after how many epochs staging pays for itself.
+``--cpus-per-task``) reach the plateau, and whether staging pays for itself.
+
+The command is the loader's (it needs torch); ``stager doctor`` finds it through the
+``stager.commands`` entry point, so the torch-free ``stager`` package never imports this one.
 """
 
 from __future__ import annotations
 
-import os
-import statistics
+import argparse
+import json
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from stager.stagein.progress import human_bytes
+from stager.errors import UsageError
+from stager.layout import StagedDataset
+from stager.slurm import SlurmEnv
 from stager.stagein.streams import DEFAULT_JOBS
-from stager.storage.dest import ensure_private_dir
-from stager.storage.sources import SourceSet
+from stager.storage.dest import resolve_dest_root
+from stager.storage.probe import ScratchProbe, SourceProbe, probe_scratch, probe_source
+from stager.storage.sources import SourceSet, resolve_source
+from stager.units import human_bytes
 
-__all__ = [
-    "SourceProbe",
-    "ScratchProbe",
-    "LoaderProbe",
-    "Diagnosis",
-    "diagnose",
-    "probe_source",
-    "probe_scratch",
-]
-
-_BLOCK = 4 << 20
-
-
-@dataclass(frozen=True)
-class SourceProbe:
-    files: int
-    bytes_read: int
-    seconds: float
-    streams: int
-    first_byte_ms: float
-
-    @property
-    def mb_per_s(self) -> float:
-        return self.bytes_read / self.seconds / 1e6 if self.seconds > 0 else 0.0
-
-
-@dataclass(frozen=True)
-class ScratchProbe:
-    path: str
-    bytes_written: int
-    seconds: float
-    free_bytes: int
-
-    @property
-    def mb_per_s(self) -> float:
-        return self.bytes_written / self.seconds / 1e6 if self.seconds > 0 else 0.0
+__all__ = ["LoaderProbe", "Diagnosis", "diagnose", "probe_loader", "add_parser", "configure"]
 
 
 @dataclass(frozen=True)
@@ -115,68 +85,6 @@ class Diagnosis:
         lines.append("verdict:")
         lines.extend(f"  - {v}" for v in self.verdict)
         return "\n".join(lines)
-
-
-def _sample(shards: Sequence, max_files: int) -> list:
-    if len(shards) <= max_files:
-        return list(shards)
-    step = len(shards) / max_files
-    return [shards[int(i * step)] for i in range(max_files)]
-
-
-def probe_source(
-    source: SourceSet, *, max_files: int = 16, max_bytes: int = 256 << 20, streams: int = 8
-) -> SourceProbe:
-    """Read a spread-out sample of shards (bounded by count and bytes) and time it."""
-    picked, total = [], 0
-    for shard in _sample(source.shards, max_files):
-        if picked and total + (shard.size or 0) > max_bytes:
-            break
-        picked.append(shard)
-        total += shard.size or 0
-    first_bytes: list[float] = []
-
-    def read(shard) -> int:
-        started = time.perf_counter()
-        nbytes = 0
-        with source.fs.open(shard.path, "rb", block_size=_BLOCK) as handle:
-            while block := handle.read(_BLOCK):
-                if not nbytes:
-                    first_bytes.append(time.perf_counter() - started)
-                nbytes += len(block)
-        return nbytes
-
-    started = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=max(1, min(streams, len(picked)))) as pool:
-        nbytes = sum(pool.map(read, picked))
-    seconds = time.perf_counter() - started
-    return SourceProbe(
-        files=len(picked),
-        bytes_read=nbytes,
-        seconds=seconds,
-        streams=max(1, min(streams, len(picked))),
-        first_byte_ms=1000 * statistics.median(first_bytes) if first_bytes else 0.0,
-    )
-
-
-def probe_scratch(dest_root: Path, *, nbytes: int = 128 << 20) -> ScratchProbe:
-    """Write (and fsync) a temporary file of ``nbytes`` under ``dest_root``, then delete it."""
-    root = ensure_private_dir(dest_root)
-    free = os.statvfs(root).f_bavail * os.statvfs(root).f_frsize
-    nbytes = max(_BLOCK, min(nbytes, free // 4))
-    path = root / f".stager-doctor-{os.getpid()}.partial"
-    block = os.urandom(_BLOCK)
-    started = time.perf_counter()
-    try:
-        with open(path, "wb", buffering=0) as handle:
-            written = 0
-            while written < nbytes:
-                written += handle.write(block)
-            os.fsync(handle.fileno())
-        seconds = time.perf_counter() - started
-    finally:
-        path.unlink(missing_ok=True)
-    return ScratchProbe(path=str(root), bytes_written=written, seconds=seconds, free_bytes=free)
 
 
 def probe_loader(
@@ -302,3 +210,83 @@ def diagnose(
     )
     diag.verdict = _verdict(diag, epochs, ranks_per_node)
     return diag
+
+
+HELP = "measure source read, scratch write and loader speed, and say what limits the job"
+
+
+def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
+    configure(sub.add_parser(name, help=HELP, description=HELP))
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "source",
+        metavar="SOURCE",
+        help="the dataset as given to stage-in (directory, pattern, URL)",
+    )
+    parser.add_argument(
+        "--dest", metavar="DIR", help="scratch root to probe (default: as stage-in resolves it)"
+    )
+    parser.add_argument(
+        "--name", help="dataset name under the destination (default: source basename)"
+    )
+    parser.add_argument(
+        "--workers",
+        default="0,1,2",
+        metavar="LIST",
+        help="loader worker counts to try (default 0,1,2)",
+    )
+    parser.add_argument(
+        "--epochs", type=int, default=10, help="epochs you plan, for the staging pay-off estimate"
+    )
+    parser.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=1,
+        metavar="N",
+        help="ranks sharing the source per node",
+    )
+    parser.add_argument(
+        "--max-source-mb", type=int, default=256, metavar="MB", help="bytes to read from the source"
+    )
+    parser.add_argument(
+        "--scratch-mb", type=int, default=128, metavar="MB", help="bytes to write to scratch"
+    )
+    parser.add_argument(
+        "--loader-seconds", type=float, default=3.0, metavar="S", help="seconds per worker count"
+    )
+    parser.add_argument("--no-loader", action="store_true", help="skip the loader probe")
+    parser.add_argument("--json", metavar="PATH", help="also write the measurements as JSON")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        workers = [int(w) for w in args.workers.split(",") if w.strip()]
+    except ValueError as exc:
+        raise UsageError(
+            f"--workers must be a comma-separated list of integers, not {args.workers!r}"
+        ) from exc
+    slurm = SlurmEnv.from_environ()
+    source = resolve_source(args.source, name=args.name)
+    dest_root = resolve_dest_root(args.dest, slurm=slurm)
+    staged = StagedDataset(dest_root, args.name or source.name).dir
+    loader_dataset = None if args.no_loader else (str(staged) if staged.is_dir() else args.source)
+    diag = diagnose(
+        source,
+        dest_root,
+        node=slurm.node_name,
+        workers=workers,
+        loader_dataset=loader_dataset,
+        epochs=args.epochs,
+        ranks_per_node=args.ranks_per_node,
+        max_source_bytes=args.max_source_mb << 20,
+        scratch_bytes=args.scratch_mb << 20,
+        loader_seconds=args.loader_seconds,
+    )
+    print(diag.render())
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(diag.to_json(), handle, indent=1)
+    return 0

@@ -1,0 +1,191 @@
+"""The on-disk contract: a dataset's name, and where its copy and bookkeeping live.
+
+stage-in, fan-out, stage-out, restore, doctor and the loader must agree on these names to the
+byte: the loader finds a staged copy only under the name stage-in gave it, and a mismatch
+silently sends every rank back to NFS. So the rules live here once, and no other module spells
+a ``.stager`` name or derives a dataset name itself.
+
+Under a destination root (``/scratch/$SLURM_JOB_ID`` in a job)::
+
+    ROOT/NAME/                        the staged copy: the source's shards at their relpaths
+    ROOT/NAME/.stager/manifest.json   what was staged (sizes, hashes, samples, source identity)
+    ROOT/NAME/.stager/index/          the loader's sample index (stager.shards.loader_index)
+    ROOT/.stager-NAME.lock            one copier per node (stager.storage.lock)
+    ROOT/.stager-NAME.result.json     the copier's outcome, adopted by tasks that waited
+    ROOT/.stager-source-manifest/     a remote source's manifest, fetched once
+    ROOT/.stager-restored/            restore's record of the checkpoint it restored
+
+At a checkpoint destination (persistent storage): ``DEST/.stager/commits/NAME.json`` (the commit
+record, written last) and ``DEST/.stager/staging/`` (attempts in flight); beside a checkpoint on
+scratch, ``.stager-stageout/`` caches its file hashes.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from stager.errors import UsageError
+from stager.patterns import expand_pattern
+
+__all__ = [
+    "META_DIR",
+    "PARTIAL_SUFFIX",
+    "SHARD_SUFFIXES",
+    "StagedDataset",
+    "dataset_name",
+    "source_root",
+    "is_shard_name",
+    "RESTORED_DIR",
+    "RESTORE_LOCK",
+    "RESTORE_STAGING_PREFIX",
+    "STAGEOUT_STATE_DIR",
+    "DOCTOR_PROBE_PREFIX",
+]
+
+#: Bookkeeping inside a staged dataset, and inside a checkpoint destination.
+META_DIR = ".stager"
+#: Suffix of a file still being written; never a staged shard, never a final name.
+PARTIAL_SUFFIX = ".partial"
+#: File names that a directory source contributes as shards.
+SHARD_SUFFIXES = (".tar", ".tgz", ".tar.gz")
+#: Under the restore root: what restore restored (content ids), its lock, its temporary copies.
+RESTORED_DIR = ".stager-restored"
+RESTORE_LOCK = ".stager-restore.lock"
+RESTORE_STAGING_PREFIX = ".stager-restore-"
+#: Beside a checkpoint on scratch: stage-out's hash cache.
+STAGEOUT_STATE_DIR = ".stager-stageout"
+#: doctor's temporary write probe under the destination root.
+DOCTOR_PROBE_PREFIX = ".stager-doctor-"
+_RESERVED_PREFIX = ".stager"
+_GLOB_CHARS = "*?["
+
+
+def is_shard_name(name: str) -> bool:
+    """True for the file names stage-in treats as shards in a directory source."""
+    return name.endswith(SHARD_SUFFIXES)
+
+
+def _path_of(url: str) -> str:
+    """The path part of a source URL; a local one made absolute (against the working directory,
+    without touching the disk) and with ``..`` folded."""
+    if url.startswith("file://"):
+        url = url[len("file://") :]
+    if "://" in url:
+        return url.split("://", 1)[1]
+    path = os.path.expanduser(url)
+    return posixpath.normpath(path if path.startswith("/") else posixpath.join(os.getcwd(), path))
+
+
+def _common_dir(dirs: Sequence[str]) -> str:
+    """The deepest directory containing all of ``dirs`` (component-wise, never mid-name)."""
+    split = [d.rstrip("/").split("/") for d in dirs]
+    out: list[str] = []
+    for parts in zip(*split, strict=False):
+        if len(set(parts)) != 1:
+            break
+        out.append(parts[0])
+    return "/".join(out) or ("/" if all(d.startswith("/") for d in dirs) else "")
+
+
+def source_root(spec: str | Sequence[str]) -> str:
+    """The directory a source's shards are placed relative to, from the spec alone (no I/O).
+
+    A directory is its own root; a shard file's root is its directory; a glob's is the
+    directory before its first wildcard; a brace pattern's, and a list of shard URLs', is the
+    deepest directory holding all of them. Local relative paths are resolved against the
+    working directory and ``..`` is folded, so ``d/x/../a/`` and ``/abs/d/a`` agree.
+    """
+    if not isinstance(spec, str):
+        urls = list(spec)
+        if not urls:
+            raise UsageError("an empty list of shards names no dataset")
+        return _common_dir([posixpath.dirname(_path_of(u)) for u in urls])
+    if "{" in spec and "}" in spec:
+        return _common_dir([posixpath.dirname(_path_of(u)) for u in expand_pattern(spec)])
+    path = _path_of(spec)
+    if any(c in path for c in _GLOB_CHARS):
+        fixed = path[: min(path.index(c) for c in _GLOB_CHARS if c in path)]
+        return posixpath.normpath(fixed if fixed.endswith("/") else posixpath.dirname(fixed))
+    if is_shard_name(path):
+        return posixpath.dirname(path)
+    return path
+
+
+def dataset_name(spec: str | Sequence[str]) -> str:
+    """The name stage-in stages ``spec`` under, and the loader looks it up by: its root's basename.
+
+    ``spec`` is what the user typed (directory, glob, brace pattern, shard file, any of them as
+    an fsspec URL) or a list of shard URLs (``--from-list``). Pure: the same text gives the same
+    name on a login node, in the prologue and in every rank.
+    """
+    name = posixpath.basename(source_root(spec).rstrip("/"))
+    return name or "dataset"
+
+
+@dataclass(frozen=True)
+class StagedDataset:
+    """Where one dataset staged under ``root`` lives, and the files that go with it."""
+
+    root: Path
+    name: str
+
+    def __post_init__(self) -> None:
+        check_name(self.name)
+
+    @property
+    def dir(self) -> Path:
+        """The staged copy: shards at their relative paths."""
+        return self.root / self.name
+
+    @property
+    def meta_dir(self) -> Path:
+        return self.dir / META_DIR
+
+    @property
+    def manifest_path(self) -> Path:
+        """The staged manifest: what the copy holds, and from which source."""
+        return self.meta_dir / "manifest.json"
+
+    @property
+    def index_dir(self) -> Path:
+        """The loader's sample index of the staged copy."""
+        return self.meta_dir / "index"
+
+    @property
+    def lock_path(self) -> Path:
+        """Held by the node's one copier; outside the dataset so ``rm -r NAME`` cannot race it."""
+        return self.root / f"{_RESERVED_PREFIX}-{self.name}.lock"
+
+    @property
+    def result_path(self) -> Path:
+        """The copier's outcome, which tasks that waited on the lock adopt."""
+        return self.root / f"{_RESERVED_PREFIX}-{self.name}.result.json"
+
+    @property
+    def source_manifest_dir(self) -> Path:
+        """Where a remote source's manifest is fetched to before it is read."""
+        return self.root / f"{_RESERVED_PREFIX}-source-manifest" / self.name
+
+    @classmethod
+    def of(cls, dataset_dir: str | os.PathLike[str]) -> StagedDataset:
+        """The layout of an existing staged directory (``ROOT/NAME``)."""
+        path = Path(dataset_dir)
+        return cls(path.parent, path.name)
+
+
+def check_name(name: str) -> str:
+    """Refuse a dataset name that is not one plain path component, or that is reserved."""
+    if not name or "/" in name or "\\" in name or "\x00" in name or name in (".", ".."):
+        raise UsageError(
+            f"dataset name {name!r} must be one plain path component (no '/'); pass --name"
+        )
+    if name.startswith(_RESERVED_PREFIX) or name.endswith(PARTIAL_SUFFIX):
+        raise UsageError(
+            f"dataset name {name!r} is reserved for stager's own files (starts with "
+            f"{_RESERVED_PREFIX!r} or ends with {PARTIAL_SUFFIX!r}); pass --name"
+        )
+    return name

@@ -1,0 +1,268 @@
+"""Copy a node's planned shards: adaptive streams, a bandwidth cap, retries, verified publication.
+
+One thread per possible stream pulls the next shard; the :class:`StreamController` decides how
+many copy at once. Each copy is verified and renamed into place by :func:`copy_file`, and the
+tar headers are parsed from the bytes in flight (:class:`TarSampleCounter`) so that samples
+are counted and the loader's index needs no second read. Every failure becomes one line of the
+report; the run's ending (:mod:`stager.stagein.finish`) decides the exit code.
+
+Shards found by walking a directory without a manifest are sized on probe threads while the
+copies run (:mod:`stager.stagein.sizing`); their copies stay ``.partial`` until the free-space
+check on those sizes has passed, and a refusal leaves nothing new staged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import TextIO
+
+from stager.errors import IntegrityError, ScratchFull, ShardFailure, SourceError, one_line
+from stager.shards.manifest import ManifestEntry
+from stager.shards.tarparse import TarSampleCounter
+from stager.stagein.options import StageInOptions
+from stager.stagein.plan import CopyItem, LocalPlan, count_samples_of, space_error
+from stager.stagein.progress import Progress
+from stager.stagein.report import StageInReport
+from stager.stagein.sizing import DROPPED, UNKNOWN, DeferredPreflight
+from stager.stagein.streams import StreamController
+from stager.storage.copy import CopyResult, copy_file
+from stager.storage.retry import call_with_retries
+from stager.storage.sources import SourceSet
+from stager.storage.throttle import Throttle
+from stager.storage.workers import run_in_threads
+
+__all__ = ["Copier", "CopyOutcome", "failure_kind"]
+
+
+@dataclass
+class CopyOutcome:
+    """What the copies produced: entries for the staged manifest, and indexes parsed in flight."""
+
+    entries: dict[str, ManifestEntry] = field(default_factory=dict)
+    parsed: dict[str, TarSampleCounter] = field(default_factory=dict)
+
+
+def failure_kind(exc: BaseException) -> str:
+    """The :data:`stager.errors.FAILURE_KINDS` entry of a failed copy."""
+    if isinstance(exc, ScratchFull):
+        return "full"
+    if isinstance(exc, IntegrityError) and not exc.transient:
+        return "corrupt"
+    return "source"
+
+
+class Copier:
+    """Copies ``plan.to_copy`` from ``source``; :meth:`run` returns what was staged."""
+
+    def __init__(
+        self,
+        source: SourceSet,
+        plan: LocalPlan,
+        options: StageInOptions,
+        report: StageInReport,
+        known_samples: dict[str, int | None],
+        log: TextIO,
+    ):
+        self.source, self.plan, self.options = source, plan, options
+        self.report, self.known_samples, self.log = report, known_samples, log
+        self.outcome = CopyOutcome()
+        self.progress = Progress(
+            plan.bytes_to_copy,
+            len(plan.to_copy),
+            label=f"[{report.node}] stage-in",
+            mode=options.progress,
+            interval_s=options.progress_interval_s,
+            stream=log,
+        )
+        self.throttle = Throttle(options.bw_limit_mbps * 1e6) if options.bw_limit_mbps else None
+        self.lock = threading.Lock()
+        self.full = threading.Event()  # scratch is full: the remaining copies cannot succeed
+        self.dropped: list[str] = []  # sized later and found gone or a directory: not shards
+        self.held: list[str] = []  # copied, but kept .partial until the free-space verdict
+        self.count_later: list[str] = []  # held copies to count once renamed
+        late = [item.shard for item in plan.to_copy if item.shard.relpath in plan.sized_later]
+        self.late = {shard.relpath: i for i, shard in enumerate(late)}
+        self.sizing: DeferredPreflight | None = None
+        if late:
+            self.sizing = DeferredPreflight(
+                [shard.path for shard in late],
+                # Half the copy ceiling: a stat is one round trip where a copy makes three, so
+                # half as many threads keep the sizes ahead of the copies, and the node has at
+                # most 1.5 x --jobs requests in flight on the source rather than 2 x.
+                max(1, options.jobs // 2),
+                known_bytes=self.progress.total_bytes,
+                free_bytes=plan.free_bytes,
+                min_free_bytes=options.min_free_bytes,
+                on_sized=lambda nbytes, gone: self.progress.add_totals(nbytes, -gone),
+            )
+        ceiling = max(1, min(options.jobs, len(plan.to_copy)))
+        self.streams = StreamController(ceiling, floor=options.min_jobs, adaptive=options.adaptive)
+
+    def run(self) -> CopyOutcome:
+        """Copy every planned shard; failures are in the report, the staged ones in the outcome."""
+        if self.sizing is not None:
+            self.sizing.start()
+        try:
+            run_in_threads(self._copy_one, self.plan.to_copy, self.streams.ceiling, name="stage-in")
+            if self.sizing is not None:
+                self.sizing.finish()  # not on an error or interrupt: the probe's threads are daemons
+        finally:
+            self.progress.close()
+            self.report.streams = self.streams.peak
+        if self.sizing is not None:
+            self._settle_sized_later(self.sizing)
+        return self.outcome
+
+    # -- one shard, on a copy thread -------------------------------------------------------
+    def _fail(self, item: CopyItem, reason: str, kind: str = "source") -> None:
+        with self.lock:
+            self.report.add_failure(ShardFailure(item.shard.url, reason, kind))
+
+    def _on_bytes(self, n: int) -> None:
+        with self.lock:
+            self.report.bytes_read_source += n
+        self.progress.advance(n)
+
+    def _on_retry(self, attempt: int, exc: BaseException) -> None:
+        with self.lock:
+            self.report.retries += 1
+        print(
+            f"[{self.report.node}] retry {attempt} after: {one_line(exc)}",
+            file=self.log,
+            flush=True,
+        )
+
+    def _late_size(self, item: CopyItem) -> CopyItem | None:
+        """``item`` with its size from the probe, or None when it is not a shard to copy."""
+        assert self.sizing is not None
+        index = self.late[item.shard.relpath]
+        size = self.sizing.size(index)
+        if size == DROPPED:
+            with self.lock:
+                self.dropped.append(item.shard.relpath)
+            return None
+        if size == UNKNOWN:
+            self._fail(item, self.sizing.probe.error(index))
+            return None
+        return dataclasses.replace(item, size=size)
+
+    def _copy_one(self, item: CopyItem) -> None:
+        if self.sizing is not None and item.shard.relpath in self.late:
+            sized = self._late_size(item)
+            if sized is None:
+                return
+            item = sized
+        if self.sizing is not None and self.sizing.refused:
+            return  # the refusal raised at the end says it for all of them
+        if self.full.is_set():
+            self._fail(item, "not attempted: scratch is full", "full")
+            return
+        published = [True]
+        count_in_flight = self.options.count_samples and item.final.name.endswith(".tar")
+        counters: list[TarSampleCounter] = []
+        sizing = self.sizing
+
+        def publish(partial: str, final_path: str) -> None:
+            assert sizing is not None
+            published[0] = sizing.gate.publish(partial, final_path)
+
+        def attempt() -> CopyResult:
+            counters[:] = [TarSampleCounter()] if count_in_flight else []  # fresh per attempt
+            return copy_file(
+                self.source.remote_fs,
+                item.shard.path,
+                item.final,
+                url=item.shard.url,
+                expected_size=item.size,
+                expected_hash=item.want_hash,
+                block_bytes=self.options.block_bytes,
+                throttle=self.throttle,
+                on_bytes=self._on_bytes,
+                inspect=counters[0].feed if counters else None,
+                fsync=self.options.fsync,
+                size_from_manifest=item.from_manifest,
+                publish=publish if sizing is not None else None,
+            )
+
+        self.streams.acquire()
+        result = None
+        try:
+            result = call_with_retries(attempt, self.options.retry, on_retry=self._on_retry)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes one report line
+            kind = failure_kind(exc)
+            if kind == "full":
+                self.full.set()
+            self._fail(item, one_line(exc), kind)
+            return
+        finally:
+            self.streams.release(
+                result.first_byte_s if result else None, result.last_byte_s if result else None
+            )
+        self._staged(item, result, counters[0] if counters else None, published[0])
+
+    def _staged(
+        self, item: CopyItem, result: CopyResult, counter: TarSampleCounter | None, published: bool
+    ) -> None:
+        relpath = item.shard.relpath
+        samples = self.known_samples.get(relpath)
+        if counter is not None and counter.samples is not None:
+            self.outcome.parsed[relpath] = counter  # arrays are built at the end, off this thread
+            if samples is None:
+                samples = counter.samples
+        late_count = samples is None and self.options.count_samples
+        if late_count and published:
+            samples = count_samples_of(item.final, self.log)  # compressed, or odd for the parser
+        with self.lock:
+            if not published:  # held as .partial until the verdict: counted after it, if need be
+                self.held.append(relpath)
+                if late_count:
+                    self.count_later.append(relpath)
+            self.outcome.entries[relpath] = ManifestEntry(
+                relpath, result.size, result.hash, samples
+            )
+            self.report.files_copied += 1
+            self.report.bytes_copied += result.size
+        self.progress.file_done()
+
+    # -- after the copies -------------------------------------------------------------------
+    def _unstage(self, relpath: str) -> None:
+        entry = self.outcome.entries.pop(relpath, None)
+        self.outcome.parsed.pop(relpath, None)
+        if entry is not None:
+            self.report.files_copied -= 1
+            self.report.bytes_copied -= entry.size
+
+    def _settle_sized_later(self, sizing: DeferredPreflight) -> None:
+        """Account for the shards sized during the copy, or raise the verdict against them.
+
+        On a refusal (or a probe that broke) the held copies were deleted: they leave the report
+        and the staged manifest before the error is raised, so neither claims a file not staged.
+        """
+        report = self.report
+        report.files_total -= len(self.dropped)
+        report.bytes_total += sizing.probed_bytes
+        if not sizing.gate.passed:
+            for relpath in self.held:
+                self._unstage(relpath)
+            if sizing.probe.failure is not None:
+                raise SourceError(
+                    f"[{report.node}] sizing the source's shards failed: "
+                    f"{one_line(sizing.probe.failure)}; nothing was copied"
+                ) from sizing.probe.failure
+            raise space_error(
+                report.dataset_dir, sizing.needed_bytes, sizing.free_bytes, report.node
+            )
+        item_of = {os.fspath(item.final): item for item in self.plan.to_copy}
+        for final_path, exc in sizing.failed_renames:
+            item = item_of[final_path]
+            self._unstage(item.shard.relpath)
+            self._fail(item, f"copied but not renamed into place: {exc.strerror or exc}")
+        final_of = {item.shard.relpath: item.final for item in self.plan.to_copy}
+        for relpath in self.count_later:
+            entry = self.outcome.entries.get(relpath)
+            if entry is not None:
+                samples = count_samples_of(final_of[relpath], self.log)
+                self.outcome.entries[relpath] = dataclasses.replace(entry, samples=samples)

@@ -1,0 +1,159 @@
+"""The end of every stage-in, plain or fan-out: manifest, loader index, report, exit code.
+
+Plain copying and ``--fanout`` differ only in how bytes arrive; what a run leaves behind must
+not differ, or the loader and a rerun see two kinds of staged dataset. So both end here:
+
+1. count the samples of staged shards that were not counted in flight (fan-out receives bytes
+   without parsing them), and index their members for the loader while at it;
+2. write the staged manifest (what was staged, from which source), atomically;
+3. write the loader's sample index, so the first loader on the node walks no tar header;
+4. raise the run's error, if shards failed: :class:`ScratchFull` (exit 6) when the destination
+   filled up, else :class:`ShardsCorrupt` (4) if any shard was corrupt, else
+   :class:`ShardsFailed` (3). What was staged stays staged, and a rerun copies only the rest.
+"""
+
+from __future__ import annotations
+
+import errno
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from stager.errors import (
+    DestinationError,
+    IntegrityError,
+    ScratchFull,
+    ShardFailure,
+    one_line,
+    shard_failures,
+)
+from stager.layout import StagedDataset
+from stager.shards import tarindex
+from stager.shards.manifest import Manifest, ManifestEntry
+from stager.shards.tarindex import TarIndex
+from stager.shards.tarparse import TarSampleCounter
+from stager.stagein.options import StageInOptions
+from stager.stagein.plan import count_samples_of
+from stager.stagein.report import StageInReport
+from stager.storage.sources import SourceSet, SourceShard
+
+__all__ = ["Staging", "finish"]
+
+
+@dataclass
+class Staging:
+    """One node's stage-in of one dataset, as both ways of moving bytes fill it in."""
+
+    source: SourceSet
+    options: StageInOptions
+    staged: StagedDataset
+    report: StageInReport
+    log: TextIO
+    shards: Sequence[SourceShard]  # the shards this node stages, in source order
+    started: float = field(default_factory=time.monotonic)
+    entries: dict[str, ManifestEntry] = field(default_factory=dict)  # staged ones, by relpath
+    parsed: dict[str, TarSampleCounter] = field(default_factory=dict)  # parsed in flight
+
+
+def finish(run: Staging) -> None:
+    """Write what ``run`` staged and raise its error, if it has one (see the module doc)."""
+    report = run.report
+    indexes = _count_and_index(run) if run.options.count_samples else {}
+    manifest = Manifest(
+        tuple(run.entries[s.relpath] for s in run.shards if s.relpath in run.entries),
+        {
+            "source": run.source.root_url,
+            "subset": run.options.subset,
+            "node": report.node,
+            "job_id": report.job_id,
+        },
+    )
+    try:
+        run.staged.meta_dir.mkdir(exist_ok=True)
+        manifest.write(run.staged.manifest_path)
+    except OSError as exc:
+        if not report.failures:
+            raise _manifest_write_error(exc, run.staged.manifest_path) from exc
+        # else the shard failures raised below say more; a rerun re-verifies and rewrites it
+    if not report.failures and run.options.count_samples:
+        _save_loader_index(run, manifest, indexes)
+    report.seconds = time.monotonic() - run.started
+    failures = [
+        ShardFailure(f["url"], f["reason"], f.get("kind", "source")) for f in report.failures
+    ]
+    full = [f for f in failures if f.kind == "full"]
+    if full:
+        raise ScratchFull(f"[{report.node}] {full[0].reason}", where=str(run.staged.dir))
+    if failures:
+        raise shard_failures(failures)
+
+
+def _count_and_index(run: Staging) -> dict[str, TarIndex]:
+    """Samples for entries that have none, and the member index of every uncompressed tar staged
+    in this run, from the parse in flight or, where there was none, from the staged file."""
+    indexes: dict[str, TarIndex] = {}
+    for relpath, counter in run.parsed.items():
+        index = counter.index()
+        if index is not None and relpath in run.entries:
+            indexes[relpath] = index
+    for relpath, entry in list(run.entries.items()):
+        if entry.samples is not None:
+            continue
+        final = run.staged.dir / relpath
+        if tarindex.is_compressed(final) or not final.name.endswith(".tar"):
+            samples = count_samples_of(final, run.log)
+        else:
+            try:
+                index = indexes.get(relpath) or tarindex.index_tar(final)
+            except IntegrityError as exc:
+                print(f"warning: {exc}", file=run.log, flush=True)
+                continue
+            indexes[relpath] = index
+            samples = index.num_samples
+        run.entries[relpath] = ManifestEntry(relpath, entry.size, entry.hash, samples)
+    return indexes
+
+
+def _save_loader_index(run: Staging, manifest: Manifest, indexes: dict[str, TarIndex]) -> None:
+    """The loader's one-file sample index of the staged copy, beside it (best effort).
+
+    From the indexes in hand when every shard has one; otherwise the loader's own builder,
+    which returns at once when the index on disk is current and walks only what changed.
+    """
+    from stager.shards import loader_index  # numpy: imported only once copies are done
+
+    entries = manifest.entries
+    if not entries or any(tarindex.is_compressed(e.relpath) for e in entries):
+        return  # compressed shards are streamed by the loader, never indexed
+    paths = [run.staged.dir / e.relpath for e in entries]
+    relpaths = [e.relpath for e in entries]
+    samples = [e.samples for e in entries]
+    try:
+        if all(e.relpath in indexes for e in entries):
+            loader_index.save_dataset_index(
+                paths, relpaths, samples, [indexes[r] for r in relpaths], run.staged.index_dir
+            )
+        else:
+            loader_index.build_flat_index(
+                paths, relpaths=relpaths, expected_samples=samples, cache_dir=run.staged.index_dir
+            )
+    except (IntegrityError, OSError) as exc:  # the loader indexes it itself; correct, only slower
+        print(
+            f"[{run.report.node}] warning: no loader index written ({one_line(exc)})",
+            file=run.log,
+            flush=True,
+        )
+
+
+def _manifest_write_error(exc: OSError, path: Path) -> DestinationError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return ScratchFull(
+            f"no space left on {path.parent} for the staged manifest; the shards are staged. "
+            "Free space and rerun stage-in (it copies nothing again)",
+            where=str(path.parent),
+        )
+    return DestinationError(
+        f"cannot write {path}: {exc.strerror or exc}; check the destination (read-only? full?)"
+    )

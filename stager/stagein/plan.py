@@ -1,0 +1,238 @@
+"""What this node must copy: the shards not already staged whole, and whether they fit.
+
+A staged file is kept only when it matches what the source promises: the manifest's size and
+hash when there is a manifest, else the listing's size. Leftover ``.partial`` files of a killed
+run are deleted first, and the bytes still to copy are checked against the free space before
+any copy starts (:func:`preflight`), so a full scratch is refused up front.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from stager.errors import IntegrityError, ScratchFull, StagerError
+from stager.layout import PARTIAL_SUFFIX, StagedDataset
+from stager.shards import tarindex
+from stager.shards.manifest import MANIFEST_NAMES, Manifest, ManifestEntry, find_manifest
+from stager.stagein.options import StageInOptions
+from stager.storage.hashing import hash_file
+from stager.storage.paths import SafeJoiner
+from stager.storage.sources import SourceSet, SourceShard
+from stager.units import human_bytes
+
+__all__ = [
+    "CopyItem",
+    "LocalPlan",
+    "load_source_manifest",
+    "read_previous",
+    "clean_partials",
+    "sized_while_copying",
+    "plan_local",
+    "preflight",
+    "space_error",
+    "count_samples_of",
+]
+
+
+@dataclass(frozen=True)
+class CopyItem:
+    """One shard to copy: where it lands, and what its bytes must be."""
+
+    shard: SourceShard
+    final: Path
+    size: int | None  # the manifest's size, else the listing's; None: sized while copying
+    want_hash: str | None  # the manifest's hash, if any
+    from_manifest: bool  # size and hash come from the manifest: a difference is corruption
+
+
+@dataclass
+class LocalPlan:
+    """The shards to copy and the staged ones kept, with the free space seen before copying."""
+
+    to_copy: list[CopyItem]
+    kept: dict[str, ManifestEntry]
+    sized_later: set[str] = field(default_factory=set)  # relpaths sized while they copy
+    free_bytes: int = 0
+
+    @property
+    def bytes_to_copy(self) -> int:
+        return sum(item.size or 0 for item in self.to_copy)
+
+
+def _fetch(source: SourceSet, remote: str, staged: StagedDataset) -> Path:
+    local = staged.source_manifest_dir / os.path.basename(remote)
+    local.parent.mkdir(parents=True, exist_ok=True)
+    source.fs.get_file(remote, str(local))
+    return local
+
+
+def load_source_manifest(
+    source: SourceSet, options: StageInOptions, staged: StagedDataset
+) -> Manifest | None:
+    """The manifest to verify against: ``--manifest``, else ``stager-manifest.*`` beside the source."""
+    if options.manifest:
+        if "://" not in options.manifest:
+            return Manifest.read(options.manifest)
+        import fsspec
+
+        local = staged.source_manifest_dir / os.path.basename(options.manifest)
+        local.parent.mkdir(parents=True, exist_ok=True)
+        with fsspec.open(options.manifest, "rb") as handle:
+            local.write_bytes(handle.read())
+        return Manifest.read(local)
+    if not source.shards:
+        return None
+    first = source.shards[0]
+    root = first.path[: len(first.path) - len(first.relpath)]
+    if source.is_local:
+        found = find_manifest(root)
+        return Manifest.read(found) if found else None
+    for candidate in MANIFEST_NAMES:  # a remote dataset: fetch the first manifest found beside it
+        remote = root.rstrip("/") + "/" + candidate
+        try:
+            if not source.fs.isfile(remote):
+                continue
+            local = _fetch(source, remote, staged)
+        except (OSError, ValueError):
+            continue  # no manifest is not an error: sizes are still verified
+        return Manifest.read(local)
+    return None
+
+
+def read_previous(staged: StagedDataset) -> dict[str, ManifestEntry]:
+    """What the last run staged here (hashes it computed), by relpath; empty if unreadable."""
+    if not staged.manifest_path.is_file():
+        return {}
+    try:
+        return Manifest.read(staged.manifest_path).by_relpath()
+    except StagerError:
+        return {}  # a damaged staged manifest only costs re-verification
+
+
+def clean_partials(dataset_dir: Path) -> int:
+    """Delete the ``.partial`` files a killed run left; returns how many."""
+    removed = 0
+    for leftover in dataset_dir.rglob(f"*{PARTIAL_SUFFIX}"):
+        try:
+            if leftover.is_file() or leftover.is_symlink():
+                leftover.unlink()
+                removed += 1
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def count_samples_of(final: Path, log: TextIO) -> int | None:
+    """Samples in a staged shard, or None (with a warning) when its tar cannot be read."""
+    if not final.name.endswith((".tar", ".tgz", ".tar.gz")):
+        return None
+    try:
+        return tarindex.count_samples(final)
+    except IntegrityError as exc:
+        print(f"warning: {exc}", file=log, flush=True)
+        return None
+
+
+def sized_while_copying(
+    source: SourceSet,
+    shards: Sequence[SourceShard],
+    expected: dict[str, ManifestEntry],
+    dataset_dir: Path,
+) -> set[str]:
+    """Walked shards to size during the copy (:mod:`stager.stagein.sizing`) rather than before.
+
+    Those of a local source that the manifest does not describe and that are not staged yet: a
+    staged file is compared with the source by size in the plan, so it needs its size first.
+    """
+    if source.remote_fs is not None:
+        return set()
+    base = str(dataset_dir)
+    return {
+        s.relpath
+        for s in shards
+        if s.size is None
+        and s.relpath not in expected
+        and not os.path.lexists(os.path.join(base, s.relpath))
+    }
+
+
+def _kept_entry(
+    relpath: str,
+    final: Path,
+    want: ManifestEntry | None,
+    before: ManifestEntry | None,
+    size: int | None,
+    options: StageInOptions,
+    log: TextIO,
+) -> ManifestEntry | None:
+    """The entry for a staged file that already holds the promised bytes, else None."""
+    try:
+        have_size = final.stat().st_size if final.is_file() else None
+    except OSError:
+        return None
+    if have_size is None or (size is not None and have_size != size):
+        return None
+    want_hash = want.hash if want is not None else None
+    have_hash = before.hash if before is not None and before.size == have_size else None
+    if want_hash is not None and have_hash != want_hash:
+        have_hash = hash_file(final, want_hash.split(":", 1)[0])
+    if want_hash is not None and have_hash != want_hash:
+        return None
+    samples = want.samples if want is not None else None
+    if samples is None and before is not None:
+        samples = before.samples
+    if samples is None and options.count_samples:
+        samples = count_samples_of(final, log)
+    return ManifestEntry(relpath, have_size, have_hash, samples)
+
+
+def plan_local(
+    shards: Sequence[SourceShard],
+    staged: StagedDataset,
+    expected: dict[str, ManifestEntry],
+    previous: dict[str, ManifestEntry],
+    options: StageInOptions,
+    log: TextIO,
+) -> LocalPlan:
+    """Split ``shards`` into those to copy and those already staged with the promised bytes."""
+    to_copy: list[CopyItem] = []
+    kept: dict[str, ManifestEntry] = {}
+    join = SafeJoiner(staged.dir)
+    for shard in shards:
+        final = join(shard.relpath)
+        want = expected.get(shard.relpath)
+        size = want.size if want is not None else shard.size
+        entry = _kept_entry(
+            shard.relpath, final, want, previous.get(shard.relpath), size, options, log
+        )
+        if entry is not None:
+            kept[shard.relpath] = entry
+            continue
+        to_copy.append(
+            CopyItem(shard, final, size, want.hash if want is not None else None, want is not None)
+        )
+    return LocalPlan(to_copy, kept)
+
+
+def preflight(dataset_dir: Path, needed: int, options: StageInOptions, node: str) -> int:
+    """Refuse if ``needed`` bytes (plus ``--min-free``) do not fit; return the free bytes."""
+    free = shutil.disk_usage(dataset_dir).free
+    if needed + options.min_free_bytes > free:
+        raise space_error(dataset_dir, needed + options.min_free_bytes, free, node)
+    return free
+
+
+def space_error(dataset_dir: Path | str, needed: int, free: int, node: str) -> ScratchFull:
+    return ScratchFull(
+        f"[{node}] not enough space on {dataset_dir}: need {human_bytes(needed)} ({needed} bytes), "
+        f"free {human_bytes(free)} ({free} bytes); nothing was copied. Free space, stage a subset "
+        "(--subset node) or pass --dest to a larger filesystem",
+        needed_bytes=needed,
+        free_bytes=free,
+        where=str(dataset_dir),
+    )

@@ -1,0 +1,50 @@
+"""Sizes and rates as people write them: ``human_bytes`` for messages, ``parse_size`` for flags.
+
+Decimal units throughout (1 MB = 10^6 bytes), as MB/s is; ``Ki``/``Mi``/``Gi``/``Ti`` are the
+binary ones for whoever needs exact powers of two.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from stager.errors import UsageError
+
+__all__ = ["human_bytes", "parse_size"]
+
+_UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15}
+_BINARY = {"KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40, "PI": 2**50}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def human_bytes(nbytes: float) -> str:
+    """``1536`` -> ``"1.5 KB"`` (decimal units, as MB/s is)."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(nbytes) < 1000 or unit == "TB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1000
+    return f"{nbytes:.1f} TB"
+
+
+def parse_size(text: str, *, flag: str = "size") -> int:
+    """``"10G"`` -> 10_000_000_000, ``"500M"``, ``"2GiB"``, ``"1.5T"``, plain ``"4096"`` bytes.
+
+    A trailing ``B`` is optional (``10GB`` = ``10G``). Refuses negatives, NaN and infinities
+    with a :class:`UsageError` naming ``flag``.
+    """
+    match = _SIZE.match(str(text))
+    if not match:
+        raise UsageError(f"{flag} {text!r} is not a size; write e.g. 4096, 500M, 10G or 2GiB")
+    number, unit = float(match.group(1)), match.group(2).upper()
+    if unit.endswith("B") and unit != "B":
+        unit = unit[:-1]
+    factor = _UNITS.get(unit) or _BINARY.get(unit)
+    if factor is None:
+        raise UsageError(
+            f"{flag} {text!r} has an unknown unit {match.group(2)!r}; use K, M, G, T or Ki, Mi, Gi, Ti"
+        )
+    value = number * factor
+    if not math.isfinite(value) or value < 0:
+        raise UsageError(f"{flag} {text!r} must be a finite, non-negative size")
+    return int(value)
