@@ -124,7 +124,8 @@ class Testbed:
                     *self.nsenter("n0"),
                     sys.executable,
                     "-c",
-                    f"import urllib.request; urllib.request.urlopen('http://{self.addr('srv')}:8000/', timeout=1)",
+                    "import urllib.request; "
+                    f"urllib.request.urlopen('http://{self.addr('srv')}:8000/', timeout=1)",
                 ],
                 capture_output=True,
             )
@@ -231,12 +232,14 @@ def main(argv: list[str] | None = None) -> int:
         total = sum(p.stat().st_size for p in src.glob("*.tar"))
         url = f"http://{{srv}}:8000/ds/train-{{{{000000..{args.shards - 1:06d}}}}}.tar"
         print(
-            f"dataset: {args.shards} shards, {total / 1e6:.1f} MB; shared link: tbf {args.rate_mbit} mbit "
+            f"dataset: {args.shards} shards, {total / 1e6:.1f} MB; shared link: tbf "
+            f"{args.rate_mbit} mbit "
             f"(~{args.rate_mbit / 8:.0f} MB/s); {os.cpu_count()} cores",
             flush=True,
         )
         print(
-            f"{'nodes':>5} {'mode':>7} {'wall s':>7} {'stage s':>8} {'data s':>7} {'source MB':>10} {'x dataset':>9} {'peer MB':>8}"
+            f"{'nodes':>5} {'mode':>7} {'wall s':>7} {'stage s':>8} {'data s':>7} "
+            f"{'source MB':>10} {'x dataset':>9} {'peer MB':>8}"
         )
         run_id = 0
         for num_nodes in args.nodes:
@@ -250,9 +253,12 @@ def main(argv: list[str] | None = None) -> int:
                         result = run_config(bed, num_nodes, shard_url, root, fanout, run_id)
                         results[fanout].append(result)
                         print(
-                            f"{num_nodes:>5} {'fanout' if fanout else 'plain':>7} {result['wall_s']:>7.1f} "
-                            f"{result['stage_s']:>8.1f} {result['data_s']:>7.1f} {result['source_bytes'] / 1e6:>10.1f} "
-                            f"{result['source_bytes'] / total:>9.2f} {result['peer_bytes'] / 1e6:>8.1f}"
+                            f"{num_nodes:>5} {'fanout' if fanout else 'plain':>7} "
+                            f"{result['wall_s']:>7.1f} "
+                            f"{result['stage_s']:>8.1f} {result['data_s']:>7.1f} "
+                            f"{result['source_bytes'] / 1e6:>10.1f} "
+                            f"{result['source_bytes'] / total:>9.2f} "
+                            f"{result['peer_bytes'] / 1e6:>8.1f}"
                             + (
                                 ""
                                 if result["modes"] in (["off"], ["on"])

@@ -1,6 +1,8 @@
-"""Benchmark: stage-in vs cp -r, rsync -a and rclone on a source with NFS-like per-operation latency.
+"""Benchmark: stage-in vs cp -r, rsync -a and rclone on a source with NFS-like per-operation
+latency.
 
-Run: ``.venv/bin/python -m benchmarks.bench_latency [--size small|large] [--repeats N] [--delays-ms 2,10]
+Run: ``.venv/bin/python -m benchmarks.bench_latency [--size small|large] [--repeats N]
+[--delays-ms 2,10]
 [--tools "cp -r,stage-in"] [--shim auto|c|python]``
 (root: it mounts a tmpfs and a FUSE filesystem, and unmounts both on exit, even on error).
 
@@ -63,7 +65,8 @@ REPORT_NAME = ".stage-in-report.json"
 
 @contextlib.contextmanager
 def tmpfs(path: Path, size_bytes: int) -> Iterator[Path]:
-    """A tmpfs at ``path`` for the ``with`` body (page-cache-warm by construction); unmounted after."""
+    """A tmpfs at ``path`` for the ``with`` body (page-cache-warm by construction), unmounted
+    after."""
     path.mkdir(parents=True, exist_ok=True)
     subprocess.run(
         ["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(path)], check=True
@@ -166,7 +169,8 @@ def bench(
                                     f"{name} copied {copied} of {files} files at {delay_ms} ms"
                                 )
                             print(
-                                f"  latency {label} {delay_ms} ms rep {rep + 1}: {name} {seconds:.2f} s",
+                                f"  latency {label} {delay_ms} ms rep {rep + 1}: {name} "
+                                f"{seconds:.2f} s",
                                 file=log,
                                 flush=True,
                             )
@@ -191,7 +195,8 @@ def bench(
 
 def _warm_up(mnt: Path, names: list[str]) -> None:
     """Read every file once with 32 threads, untimed: the first pass after mounting is slow
-    (libfuse starting its worker threads), and it must not be charged to whichever tool runs first."""
+    (libfuse starting its worker threads), and it must not be charged to whichever tool runs
+    first."""
     from concurrent.futures import ThreadPoolExecutor
 
     def read(name: str) -> None:
@@ -228,7 +233,8 @@ def _rows(
             "cpu_stolen_pct": (
                 round(100 * statistics.median(stolen[name]), 1) if stolen[name] else None
             ),
-            "condition": "warm (tmpfs source behind the FUSE shim, tmpfs destination; shim's caches cold)",
+            "condition": "warm (tmpfs source behind the FUSE shim, tmpfs destination; shim's "
+            "caches cold)",
         }
         if name in peaks:
             row["streams_peak"] = max(peaks[name])
@@ -243,14 +249,17 @@ def _rows(
 
 def to_markdown(rows: list[dict]) -> str:
     lines = [
-        "| dataset | delay | shim | tool | files/s | MB/s | ratio vs cp -r | CPU stolen | stage-in peak streams "
+        "| dataset | delay | shim | tool | files/s | MB/s | ratio vs cp -r | CPU stolen | "
+        "stage-in peak streams "
         "| stage-in copy phase s (ratio vs cp -r) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['dataset']} | {r['delay_ms']:g} ms | {r.get('shim', 'python')} | {r['tool']} | {r['files_per_s']} | {r['mb_per_s']} | "
-            f"{r['ratio_vs_cp']}x | {_pct(r.get('cpu_stolen_pct'))} | {r.get('streams_peak', '')} | "
+            f"| {r['dataset']} | {r['delay_ms']:g} ms | {r.get('shim', 'python')} | {r['tool']} | "
+            f"{r['files_per_s']} | {r['mb_per_s']} | "
+            f"{r['ratio_vs_cp']}x | {_pct(r.get('cpu_stolen_pct'))} | {r.get('streams_peak', '')} "
+            "| "
             + (
                 f"{r['copy_phase_s']} ({r['copy_phase_ratio_vs_cp']}x) |"
                 if "copy_phase_s" in r

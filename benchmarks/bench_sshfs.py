@@ -1,6 +1,7 @@
 """Benchmark: stage-in vs cp -r, rsync -a and rclone from an sshfs mount behind a capped link.
 
-Run (root): ``.venv/bin/python -m benchmarks.bench_sshfs [--size small|large] [--rate-mbit 80] [--repeats N]``.
+Run (root): ``.venv/bin/python -m benchmarks.bench_sshfs [--size small|large] [--rate-mbit 80]
+[--repeats N]``.
 
 The file server is an sftp-only ``sshd`` in its own network namespace, reached over a veth pair
 with private addresses (10.231.N.0/30) that this script creates; ``tc qdisc ... tbf`` on the
@@ -181,7 +182,8 @@ def file_server(
             f"root@{server.server_addr}:{export_dir}",
             str(mnt),
             "-o",
-            f"IdentityFile={keys / 'client_key'},StrictHostKeyChecking=no,UserKnownHostsFile=/dev/null,"
+            f"IdentityFile={keys / 'client_key'},StrictHostKeyChecking=no,"
+            "UserKnownHostsFile=/dev/null,"
             "BatchMode=yes,ro",
         )
         stack.callback(unmount, mnt)
@@ -296,12 +298,14 @@ def _stage_in_extras(
 
 def to_markdown(rows: list[dict]) -> str:
     lines = [
-        "| dataset | cap | tool | MB/s | fraction of cap | ratio vs best baseline | ratio vs cp -r | stage-in copy phase: fraction of cap, peak streams |",
+        "| dataset | cap | tool | MB/s | fraction of cap | ratio vs best baseline | ratio vs cp "
+        "-r | stage-in copy phase: fraction of cap, peak streams |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['dataset']} | {r['cap_mbit']:g} mbit | {r['tool']} | {r['mb_per_s']} | {r['fraction_of_cap']} | "
+            f"| {r['dataset']} | {r['cap_mbit']:g} mbit | {r['tool']} | {r['mb_per_s']} | "
+            f"{r['fraction_of_cap']} | "
             f"{r['ratio_vs_best_baseline']}x ({r['best_baseline']}) | {r['ratio_vs_cp']}x | "
             + (
                 f"{r['copy_phase_fraction_of_cap']}, {r['streams_peak']} |"

@@ -230,7 +230,8 @@ def mounted(
         while not os.path.ismount(mountpoint):
             if child.poll() is not None:
                 raise RuntimeError(
-                    f"latencyfs exited ({child.returncode}) before mounting {mountpoint}: {child.stderr.read()[-2000:]}"
+                    f"latencyfs exited ({child.returncode}) before mounting {mountpoint}: "
+                    f"{child.stderr.read()[-2000:]}"
                 )
             if time.monotonic() > deadline:
                 raise RuntimeError(f"latencyfs did not mount {mountpoint} within {timeout_s} s")

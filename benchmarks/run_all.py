@@ -1,13 +1,15 @@
 """Run every benchmark and write a Markdown table plus JSON, and ``docs/benchmarks.md``.
 
 Run (root, for the FUSE, tmpfs and network-namespace benchmarks):
-``.venv/bin/python -m benchmarks [--large] [--repeats N] [--only NAME ...] [--out DIR] [--no-docs]``.
+``.venv/bin/python -m benchmarks [--large] [--repeats N] [--only NAME ...] [--out DIR]
+[--no-docs]``.
 
 Default sizes finish in a few minutes on a 2-core machine; ``--large`` uses bigger datasets.
 Our own benchmarks (local stage-in, per-operation latency, sshfs over a capped link) run in
 this process and return rows; benchmarks other modules provide (``bench_loader``,
 ``bench_fanout``, ``bench_subset_bytes``) run as ``python -m benchmarks.NAME`` subprocesses when
-the module exists and has a ``main``, and their text output is included as is. A benchmark that fails or is missing
+the module exists and has a ``main``, and their text output is included as is. A benchmark that
+fails or is missing
 is reported with a note, and the others still run. Every figure is a ratio to a baseline
 measured in the same run (cp -r, or the best baseline for the capped link).
 """
@@ -157,32 +159,44 @@ def _help(argv: list[str]) -> str:
 SECTIONS = {
     "stage_in_local": (
         "Local source",
-        "Ratios to `cp -r`; local disk (ext4 on virtio) to local disk, page cache dropped before every "
+        "Ratios to `cp -r`; local disk (ext4 on virtio) to local disk, page cache dropped before "
+        "every "
         "run (cold). stage-in here runs with `--jobs 8 --no-count` (bench_stage_in's setting).",
     ),
     "latency": (
         "Shared filesystem with per-operation latency (FUSE shim)",
-        "Source on tmpfs behind `benchmarks/latencyfs.py`, which sleeps the given delay per lookup/getattr, "
-        "open and read (parallel lookups enabled); destination on tmpfs. stage-in with default flags "
+        "Source on tmpfs behind `benchmarks/latencyfs.py`, which sleeps the given delay per "
+        "lookup/getattr, "
+        "open and read (parallel lookups enabled); destination on tmpfs. stage-in with default "
+        "flags "
         '(adaptive streams, ceiling 64). "stage-in (brace list)" names the same files with a brace '
         "pattern, which stage-in stats in parallel instead of listing the directory serially; "
-        '"stage-in (manifest)" is given a manifest made beforehand by `stager index` and takes the sizes '
+        '"stage-in (manifest)" is given a manifest made beforehand by `stager index` and takes '
+        "the sizes "
         "from it instead of a stat per file. "
-        '"copy phase s" is stage-in\'s own report (`seconds`): after startup and the directory read, so '
-        "it includes the per-file stats that a manifest saves (without one they run on their own threads "
+        '"copy phase s" is stage-in\'s own report (`seconds`): after startup and the directory '
+        "read, so "
+        "it includes the per-file stats that a manifest saves (without one they run on their own "
+        "threads "
         "alongside the copies). "
-        "The shim column says which build served the run: `c` (latencyfs.c, compiled on first use; a few "
-        "microseconds of CPU per operation, as an NFS server's CPU is not the client's) or `python` (when no "
-        "compiler or libfuse3-dev is present; ~0.7 ms of CPU per small file taken from the copier on these "
+        "The shim column says which build served the run: `c` (latencyfs.c, compiled on first "
+        "use; a few "
+        "microseconds of CPU per operation, as an NFS server's CPU is not the client's) or "
+        "`python` (when no "
+        "compiler or libfuse3-dev is present; ~0.7 ms of CPU per small file taken from the copier "
+        "on these "
         "2 cores, topping out near 1,000-1,600 small files/s). "
         "Goal (issue 8): stage-in >= 25x `cp -r` on small files at 10 ms, by default.",
     ),
     "sshfs": (
         "Network filesystem behind a capped link (sshfs, tc tbf)",
-        "sftp-only sshd in its own network namespace, veth capped with `tc tbf` on the server side; "
-        "sshfs mounted on the host; export and destination on tmpfs. Ratios to the best of cp/rsync/rclone "
+        "sftp-only sshd in its own network namespace, veth capped with `tc tbf` on the server "
+        "side; "
+        "sshfs mounted on the host; export and destination on tmpfs. Ratios to the best of "
+        "cp/rsync/rclone "
         "in the same run. The last column is stage-in's copy phase alone (its report's `seconds`, "
-        "excluding its startup (~0.2 s) and the listing). Goal (issue 8): >= 0.9 of the cap and >= the "
+        "excluding its startup (~0.2 s) and the listing). Goal (issue 8): >= 0.9 of the cap and "
+        ">= the "
         "best baseline.",
     ),
 }
@@ -192,7 +206,8 @@ def _steal_sentence(stolen: float | None) -> str:
     if stolen is None:
         return ""
     return (
-        f" CPU time stolen by the hypervisor during the run: {100 * stolen:.0f}% (other guests' share of "
+        f" CPU time stolen by the hypervisor during the run: {100 * stolen:.0f}% (other guests' "
+        "share of "
         "these cores; CPU-bound figures slow down with it, latency-bound baselines do not)."
     )
 
@@ -207,14 +222,18 @@ def render(meta: dict, results: dict) -> str:
         "",
         f"Machine: {m['cores']} cores ({m['cpu'] or 'unknown CPU'}), {m['memory_gib']} GiB memory, "
         f"kernel {m['kernel']}, {m['os']}, Python {m['python']}. Load average at start "
-        f"{', '.join(f'{x:.1f}' for x in m['load_avg_start'])}; at end {', '.join(f'{x:.1f}' for x in meta['load_avg_end'])}."
+        f"{', '.join(f'{x:.1f}' for x in m['load_avg_start'])}; at end "
+        f"{', '.join(f'{x:.1f}' for x in meta['load_avg_end'])}."
         + _steal_sentence(meta.get("cpu_stolen")),
         "",
-        "Every figure is a ratio to a baseline measured in the same run; tools alternate within each "
-        f"repeat (A B A B) and the median of {meta['repeats']} repeats is reported. Absolute MB/s and "
+        "Every figure is a ratio to a baseline measured in the same run; tools alternate within "
+        "each "
+        f"repeat (A B A B) and the median of {meta['repeats']} repeats is reported. Absolute MB/s "
+        "and "
         "files/s are shown for context only: this machine shares 2 cores with other work (a load "
         "average above 2 means other processes competed for the CPU during the run), so they vary "
-        "from run to run; compare ratios. Times are wall-clock, process startup included, as a user "
+        "from run to run; compare ratios. Times are wall-clock, process startup included, as a "
+        "user "
         "sees them.",
         "",
     ]
@@ -264,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     compile_bytecode()
     if os.geteuid() != 0:
         print(
-            "note: not root; the latency and sshfs benchmarks need root (mounts, namespaces) and will fail",
+            "note: not root; the latency and sshfs benchmarks need root (mounts, namespaces) and "
+            "will fail",
             file=sys.stderr,
         )
 

@@ -1,4 +1,5 @@
-"""``stager doctor``: is my job data-bound? Measure source, scratch and the loader; say what to change.
+"""``stager doctor``: is my job data-bound? Measure source, scratch and the loader; say what to
+change.
 
 Three probes, each short and bounded in bytes and seconds:
 
@@ -69,9 +70,11 @@ class Diagnosis:
         s, d = self.source, self.scratch
         lines = [
             f"stager doctor on {self.node}: dataset {human_bytes(self.dataset_bytes)}",
-            f"  source   {s.mb_per_s:8.1f} MB/s with {s.streams} streams; first byte {s.first_byte_ms:.1f} ms/file "
+            f"  source   {s.mb_per_s:8.1f} MB/s with {s.streams} streams; first byte "
+            f"{s.first_byte_ms:.1f} ms/file "
             f"({s.files} files, {human_bytes(s.bytes_read)} read)",
-            f"  scratch  {d.mb_per_s:8.1f} MB/s write (fsync'd) at {d.path}; {human_bytes(d.free_bytes)} free",
+            f"  scratch  {d.mb_per_s:8.1f} MB/s write (fsync'd) at {d.path}; "
+            f"{human_bytes(d.free_bytes)} free",
         ]
         if self.loader is not None and self.loader.samples_per_s:
             rates = ", ".join(
@@ -139,8 +142,10 @@ def _verdict(diag: Diagnosis, epochs: int, ranks_per_node: int) -> list[str]:
     src, scratch, loader = diag.source.mb_per_s, diag.scratch.mb_per_s, diag.loader
     if diag.source.first_byte_ms > 5:
         out.append(
-            f"the source costs {diag.source.first_byte_ms:.0f} ms per file before any byte arrives: "
-            f"keep stage-in's adaptive streams (up to --jobs, default {DEFAULT_JOBS}) and prefer fewer, larger shards "
+            f"the source costs {diag.source.first_byte_ms:.0f} ms per file before any byte "
+            "arrives: "
+            f"keep stage-in's adaptive streams (up to --jobs, default {DEFAULT_JOBS}) and prefer "
+            "fewer, larger shards "
             "(100 MB-1 GB)"
         )
     if loader is not None and loader.samples_per_s:
@@ -149,17 +154,21 @@ def _verdict(diag: Diagnosis, epochs: int, ranks_per_node: int) -> list[str]:
         loader_mbps = best_rate * loader.bytes_per_sample / 1e6
         out.append(
             f"num_workers={best_w} reaches {best_rate:,.0f} samples/s from scratch; "
-            f"ask for --cpus-per-task={best_w + 1} per rank (workers + the training process), more if you decode images"
+            f"ask for --cpus-per-task={best_w + 1} per rank (workers + the training process), "
+            "more if you decode images"
         )
         shared_mbps = src / max(1, ranks_per_node)
         if loader_mbps > 0 and shared_mbps < loader_mbps:
             out.append(
-                f"bottleneck without staging: the source ({src:.0f} MB/s, ~{shared_mbps:.0f} MB/s per rank when "
-                f"{ranks_per_node} ranks share it) is slower than the loader ({loader_mbps:.0f} MB/s): stage-in pays off"
+                f"bottleneck without staging: the source ({src:.0f} MB/s, ~{shared_mbps:.0f} MB/s "
+                "per rank when "
+                f"{ranks_per_node} ranks share it) is slower than the loader ({loader_mbps:.0f} "
+                "MB/s): stage-in pays off"
             )
         else:
             out.append(
-                "the loader, not the storage, limits samples/s: compare it with your training step's samples/s"
+                "the loader, not the storage, limits samples/s: compare it with your training "
+                "step's samples/s"
             )
     if src > 0 and diag.dataset_bytes:
         stage_s = diag.dataset_bytes / (src * 1e6)
@@ -175,11 +184,13 @@ def _verdict(diag: Diagnosis, epochs: int, ranks_per_node: int) -> list[str]:
             )
         else:
             out.append(
-                f"staging takes ~{stage_s:.1f} s and saves no read time per epoch here: stage only to spare the shared filesystem"
+                f"staging takes ~{stage_s:.1f} s and saves no read time per epoch here: stage "
+                "only to spare the shared filesystem"
             )
     if diag.scratch.free_bytes < diag.dataset_bytes:
         out.append(
-            f"scratch has {human_bytes(diag.scratch.free_bytes)} free for a {human_bytes(diag.dataset_bytes)} dataset: "
+            f"scratch has {human_bytes(diag.scratch.free_bytes)} free for a "
+            f"{human_bytes(diag.dataset_bytes)} dataset: "
             "use stage-in --subset node, or a larger --dest"
         )
     return out

@@ -1,6 +1,7 @@
 """Find the shards to read: the staged copy when there is one, the source only for what is missing.
 
-The staged copy is found the way stage-in places it (``stager.storage.dest.resolve_dest_root`` plus the
+The staged copy is found the way stage-in places it (``stager.storage.dest.resolve_dest_root`` plus
+the
 dataset name), and its manifest (``<dataset>/.stager/manifest.json``) is authoritative: when it
 is complete, the source is never listed nor read, so a loader on 1,000 nodes puts no load on
 NFS. A shard whose local copy is missing (or that stage-in reported as failed) is read from the
@@ -125,7 +126,8 @@ def _merge_source(
 ) -> DatasetShards:
     if not spec:
         raise SourceError(
-            f"{dataset_dir}: {len(missing)} staged shard(s) are missing and no source is known; re-run stage-in"
+            f"{dataset_dir}: {len(missing)} staged shard(s) are missing and no source is known; "
+            "re-run stage-in"
         )
     source = resolve_source(spec)
     by_rel = _source_refs(source, {r.relpath: r.samples for r in refs})
@@ -134,7 +136,8 @@ def _merge_source(
         if ref.relpath in missing:
             if ref.relpath not in by_rel:
                 raise SourceError(
-                    f"shard {ref.relpath} is neither staged in {dataset_dir} nor in {spec}; re-run stage-in"
+                    f"shard {ref.relpath} is neither staged in {dataset_dir} nor in {spec}; "
+                    "re-run stage-in"
                 )
             merged.append(by_rel[ref.relpath])
         else:
@@ -147,7 +150,8 @@ def _merge_source(
     count = sum(r.from_source for r in merged)
     if count:
         log.warning(
-            "%d of %d shard(s) are read from the source %s because their staged copy in %s is missing; "
+            "%d of %d shard(s) are read from the source %s because their staged copy in %s is "
+            "missing; "
             "re-run stage-in to read them locally",
             count,
             len(merged),

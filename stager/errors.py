@@ -208,17 +208,18 @@ class SizeMismatch(IntegrityError):
 
 
 class HashMismatch(IntegrityError):
-    """The copy differs from the manifest (its hash, or its size): the source changed or is corrupt."""
+    """The copy differs from the manifest (its hash or size): the source changed or is corrupt."""
 
 
 class ShardsCorrupt(_Failures, IntegrityError):
-    """Some shards failed an integrity check (hash, size or tar structure); the others are staged."""
+    """Some shards failed an integrity check (hash, size or tar); the others are staged."""
 
     def __init__(self, failures: Iterable[ShardFailure] = (), message: str | None = None):
         self.failures = list(failures)
         super().__init__(
             message
-            or f"{len(self.failures)} shard(s) differ from their manifest or are corrupt; the rest are "
+            or f"{len(self.failures)} shard(s) differ from their manifest or are corrupt; the "
+            "rest are "
             "staged. Fix the source (or re-run stager index if the change is intended) and rerun"
         )
 
@@ -254,7 +255,7 @@ class CheckpointError(StagerError):
 
 
 class DeadlineTooShort(CheckpointError):
-    """Too little time is left before the job ends to commit a checkpoint; nothing partial was left."""
+    """Too little time is left before the job ends to commit a checkpoint; nothing partial left."""
 
 
 class NoCheckpoint(CheckpointError):

@@ -42,7 +42,8 @@ def parse_size(text: str, *, flag: str = "size") -> int:
     factor = _UNITS.get(unit) or _BINARY.get(unit)
     if factor is None:
         raise UsageError(
-            f"{flag} {text!r} has an unknown unit {match.group(2)!r}; use K, M, G, T or Ki, Mi, Gi, Ti"
+            f"{flag} {text!r} has an unknown unit {match.group(2)!r}; use K, M, G, T or Ki, Mi, "
+            "Gi, Ti"
         )
     value = number * factor
     if not math.isfinite(value) or value < 0:

@@ -31,7 +31,8 @@ def run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> CliResult:
 
 
 def clean_process_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Drop an enclosing job's SLURM_*/STAGER_* variables, as conftest.clean_env does for children."""
+    """Drop an enclosing job's SLURM_*/STAGER_* variables, as conftest.clean_env does for
+    children."""
     for name in list(os.environ):
         if name.startswith(("SLURM_", "STAGER_")):
             monkeypatch.delenv(name)

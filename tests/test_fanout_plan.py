@@ -146,5 +146,8 @@ def test_header_round_trips_and_truncates_long_reasons() -> None:
 
 
 def test_importing_the_fanout_modules_does_not_import_torch() -> None:
-    code = "import sys, stager.fanout.run, stager.cli.commands.stage_in; sys.exit('torch' in sys.modules)"
+    code = (
+        "import sys, stager.fanout.run, stager.cli.commands.stage_in; "
+        "sys.exit('torch' in sys.modules)"
+    )
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

@@ -73,7 +73,8 @@ if os.environ.get("FANOUT_TEST_FILL_BEFORE_MANIFEST"):
     _write = _manifest.Manifest.write
 
     def _fill_then_write(self, path):
-        with open(os.path.join(os.path.dirname(os.path.dirname(str(path))), "..", "filler"), "ab") as f:
+        job = os.path.dirname(os.path.dirname(os.path.dirname(str(path))))
+        with open(os.path.join(job, "filler"), "ab") as f:
             for size in (65536, 4096, 1):
                 try:
                     while True:

@@ -31,7 +31,8 @@ def test_two_nodes_under_srun_read_the_source_once(slurm_cluster) -> None:
     count_log = shared / "source-reads.log"
     count_log.write_text("")
     script = (
-        'stage-in "countfile://$0" --fanout --quiet --fanout-timeout 60 --report "$1/report-$SLURM_NODEID.json" '
+        'stage-in "countfile://$0" --fanout --quiet --fanout-timeout 60 --report '
+        '"$1/report-$SLURM_NODEID.json" '
         '&& echo "$SLURM_JOB_ID"'
     )
     out = slurm_cluster.run(
@@ -55,7 +56,8 @@ def test_two_nodes_under_srun_read_the_source_once(slurm_cluster) -> None:
 
 
 def test_two_tasks_per_node_join_the_group_once_per_node(slurm_cluster) -> None:
-    """--ntasks-per-node=2: one task per node copies and joins the group, the other adopts its result."""
+    """--ntasks-per-node=2: one task per node copies and joins the group, the other adopts its
+    result."""
     shared = slurm_cluster.shared_dir / "fanout-2tasks"
     src = shared / "data" / "ds"
     write_synthetic_dataset(

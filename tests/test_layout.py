@@ -1,4 +1,5 @@
-"""The on-disk contract and the package layers: stage-in and the loader agree, stager stays torch-free.
+"""The on-disk contract and the package layers: stage-in and the loader agree, stager stays
+torch-free.
 
 Every spelling of a source that a user may type must give stage-in and the loader the same
 dataset name; otherwise the loader does not find the staged copy and every rank reads NFS.
@@ -169,7 +170,8 @@ def test_importing_every_stager_module_imports_no_loader_and_no_torch() -> None:
         "import importlib, sys\n"
         f"for name in {_stager_modules()!r}:\n"
         "    importlib.import_module(name)\n"
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('stager_loaders', 'loaders', 'torch'))\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('stager_loaders', 'loaders', "
+        "'torch'))\n"
         "print('\\n'.join(bad)); sys.exit(1 if bad else 0)\n"
     )
     result = subprocess.run(
@@ -184,7 +186,8 @@ def test_plain_stage_in_loads_neither_the_loader_nor_torch(tmp_path: Path) -> No
     code = (
         "import atexit, runpy, sys\n"
         f"atexit.register(lambda: open({str(seen)!r}, 'w').write('\\n'.join(sys.modules)))\n"
-        f"sys.argv = ['stager', 'stage-in', {str(tmp_path / 'ds')!r}, '--dest', {str(tmp_path / 's')!r}, '--quiet']\n"
+        f"sys.argv = ['stager', 'stage-in', {str(tmp_path / 'ds')!r}, '--dest', "
+        f"{str(tmp_path / 's')!r}, '--quiet']\n"
         "runpy.run_module('stager', run_name='__main__')\n"
     )
     result = subprocess.run(

@@ -204,7 +204,10 @@ def shell_uses(source: str, filename: str = "<source>") -> list[str]:
 
 
 def test_the_detector_finds_shell_uses() -> None:
-    sample = "import os, subprocess\nsubprocess.run(cmd, shell=True)\nos.system('x')\nsubprocess.run(['ls'])\n"
+    sample = (
+        "import os, subprocess\nsubprocess.run(cmd, shell=True)\nos.system('x')\n"
+        "subprocess.run(['ls'])\n"
+    )
     assert shell_uses(sample) == ["<source>:2: shell=...", "<source>:3: os.system"]
 
 

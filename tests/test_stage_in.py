@@ -411,7 +411,8 @@ def test_rerun_sizes_staged_shards_first_and_the_rest_while_copying(
 def test_staged_files_take_their_mode_from_the_umask_like_cp(
     small_dataset: Path, tmp_path: Path
 ) -> None:
-    # The directories stay private (0700); the files inside are created as open() would (0666 & ~umask).
+    # The directories stay private (0700); the files inside are created as open() would
+    # (0666 & ~umask).
     old = os.umask(0o002)
     try:
         result = run_cli("stage-in", str(small_dataset), "--dest", str(tmp_path / "s"))

@@ -1,1 +1,1 @@
-"""``stage-in --fanout``: one read of the source for all nodes, shared over a torch.distributed group."""
+"""``stage-in --fanout``: one read of the source for all nodes, shared over a gloo group."""

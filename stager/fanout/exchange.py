@@ -88,7 +88,7 @@ def _decode_header(raw: bytes) -> tuple[int, int, str]:
 
 
 class Exchange:
-    """This node's side of the exchange: ``Exchange(...).run()``; every node of ``group`` must run it alike."""
+    """This node's side of the exchange; every node of the group runs ``Exchange(...).run()``."""
 
     def __init__(
         self,
@@ -183,7 +183,8 @@ class Exchange:
             url = self.items[index].shard.url if self.items else "-"
             raise FanoutError(
                 f"[{self.me}] fan-out failed while {what} {url} (owner {self.node_label(owner)}): "
-                f"a peer node died, hung or left ({one_line(exc)[:300]}); verified shards stay staged, "
+                f"a peer node died, hung or left ({one_line(exc)[:300]}); verified shards stay "
+                "staged, "
                 "rerun `stage-in --fanout` to resume"
             ) from exc
 
@@ -290,9 +291,15 @@ class Exchange:
             return
         problem = None
         if item.size is not None and written != item.size:
-            problem = f"received {written} bytes from {self.node_label(owner)} but the source lists {item.size}"
+            problem = (
+                f"received {written} bytes from {self.node_label(owner)} but the source lists "
+                f"{item.size}"
+            )
         elif digest != text:
-            problem = f"hash {digest} of the bytes received from {self.node_label(owner)} differs from its {text}"
+            problem = (
+                f"hash {digest} of the bytes received from {self.node_label(owner)} differs "
+                f"from its {text}"
+            )
         elif item.want_hash is not None and digest != item.want_hash:
             problem = f"hash {digest} differs from the manifest's {item.want_hash}"
         if problem is not None:
@@ -314,7 +321,10 @@ class Exchange:
     @staticmethod
     def _write_reason(exc: OSError, item: ExchangeShard) -> str:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            return f"no space left on {item.final.parent} while writing {item.final.name}; free space or pass --dest elsewhere"
+            return (
+                f"no space left on {item.final.parent} while writing {item.final.name}; "
+                "free space or pass --dest elsewhere"
+            )
         return f"cannot write {item.final}: {one_line(exc)}"
 
     # ------------------------------------------------------------------------- writer thread

@@ -244,7 +244,8 @@ def _handshake(
         if any(m[0] != metas[0][0] or m[2] != metas[0][2] for m in metas):
             counts = ", ".join(f"{label(r)}: {m[2]}" for r, m in enumerate(metas))
             raise FanoutError(
-                f"nodes listed different shards ({counts} shards, or different sizes); the source changed "
+                f"nodes listed different shards ({counts} shards, or different sizes); the source "
+                "changed "
                 "while the job started? rerun once it is stable"
             )
         gathered = group.all_gather(torch.from_numpy(bits), forming=True)
@@ -255,7 +256,8 @@ def _handshake(
     refusing = [label(r) for r, m in enumerate(metas) if not m[1] and r != group.node]
     if refusing and ready:
         raise FanoutError(
-            f"node(s) {', '.join(refusing)} lack scratch space for the dataset, so nobody copied anything; "
+            f"node(s) {', '.join(refusing)} lack scratch space for the dataset, so nobody copied "
+            "anything; "
             "see their error line, free space there or pass --dest"
         )
     count = len(items)

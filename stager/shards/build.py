@@ -7,7 +7,8 @@ GET per shard and local shards are read at disk speed, never twice. The result i
 sample counts from.
 
 Failures follow stage-in's rules: transient read errors are retried with backoff; a shard that
-still fails, or whose tar is corrupt, becomes one line of the error (:class:`~stager.errors.ShardsCorrupt`, exit 4, if any
+still fails, or whose tar is corrupt, becomes one line of the error
+(:class:`~stager.errors.ShardsCorrupt`, exit 4, if any
 shard is corrupt, else :class:`~stager.errors.ShardsFailed`, exit 3), and no manifest
 is written (a manifest that silently leaves a shard out would later turn into missing data).
 """

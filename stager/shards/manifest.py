@@ -9,7 +9,8 @@ Two encodings of the same table, chosen by file suffix:
 
 ``meta`` holds a few string facts about how the data was produced (source URL, subset mode),
 stored as Parquet schema metadata or a JSON object. Entries are validated on read: a manifest
-is input like any other, so a hostile relative path is refused (:func:`stager.storage.paths.safe_relpath`).
+is input like any other, so a hostile relative path is refused
+(:func:`stager.storage.paths.safe_relpath`).
 """
 
 from __future__ import annotations

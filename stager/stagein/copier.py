@@ -108,7 +108,8 @@ class Copier:
         try:
             run_in_threads(self._copy_one, self.plan.to_copy, self.streams.ceiling, name="stage-in")
             if self.sizing is not None:
-                self.sizing.finish()  # not on an error or interrupt: the probe's threads are daemons
+                # Not on an error or interrupt: the probe's threads are daemons.
+                self.sizing.finish()
         finally:
             self.progress.close()
             self.report.streams = self.streams.peak

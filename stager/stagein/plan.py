@@ -74,7 +74,7 @@ def _fetch(source: SourceSet, remote: str, staged: StagedDataset) -> Path:
 def load_source_manifest(
     source: SourceSet, options: StageInOptions, staged: StagedDataset
 ) -> Manifest | None:
-    """The manifest to verify against: ``--manifest``, else ``stager-manifest.*`` beside the source."""
+    """The manifest to verify against: ``--manifest``, else ``stager-manifest.*`` beside it."""
     if options.manifest:
         if "://" not in options.manifest:
             return Manifest.read(options.manifest)

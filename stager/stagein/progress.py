@@ -87,8 +87,10 @@ class Progress:
         elapsed = max(now - self._start, 1e-9)
         pct = 100.0 * self.bytes_done / self.total_bytes if self.total_bytes else 100.0
         print(
-            f"{self.label}: {pct:5.1f}% {human_bytes(self.bytes_done)}/{human_bytes(self.total_bytes)} "
-            f"files {self.files_done}/{self.total_files} {self.bytes_done / elapsed / 1e6:.1f} MB/s",
+            f"{self.label}: {pct:5.1f}% "
+            f"{human_bytes(self.bytes_done)}/{human_bytes(self.total_bytes)} "
+            f"files {self.files_done}/{self.total_files} {self.bytes_done / elapsed / 1e6:.1f} "
+            "MB/s",
             file=self.stream,
             flush=True,
         )

@@ -90,7 +90,7 @@ def _publish(root: Path, staging: Path, record: CommitRecord) -> Path:
 def restore_checkpoint(
     dest_url: str, local_root: str | os.PathLike[str], *, log: TextIO | None = None
 ) -> Path:
-    """Copy the newest committed checkpoint at ``dest_url`` to ``local_root/<name>``; return that path.
+    """Copy the newest committed checkpoint at ``dest_url`` to ``local_root/<name>``; return it.
 
     Raises :class:`NoCheckpoint` when nothing is committed yet (a first start), and
     :class:`CheckpointError` when checkpoints are committed but none could be restored whole.
@@ -104,7 +104,8 @@ def restore_checkpoint(
     records = newest_first(store.records(on_bad=on_bad))
     if not records:
         raise NoCheckpoint(
-            f"no committed checkpoint at {dest_url} yet; start from scratch (exit code 9 means this)"
+            f"no committed checkpoint at {dest_url} yet; start from scratch (exit code 9 means "
+            "this)"
         )
     root = ensure_private_dir(local_root)
     with NodeLock(root / RESTORE_LOCK):
@@ -123,7 +124,8 @@ def restore_checkpoint(
             except (IntegrityError, SourceError, FileNotFoundError) as exc:
                 damaged.append(record.name)
                 print(
-                    f"stage-in: warning: committed checkpoint {record.name} at {dest_url} cannot be restored "
+                    f"stage-in: warning: committed checkpoint {record.name} at {dest_url} cannot "
+                    "be restored "
                     f"({' '.join(str(exc).split())}); trying the next newest",
                     file=log,
                     flush=True,

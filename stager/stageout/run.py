@@ -96,7 +96,8 @@ class Outcome:
         if self.status == COMMITTED:
             rate = self.nbytes / self.seconds / 1e6 if self.seconds > 0 else 0.0
             return (
-                f"stage-out: committed {self.name} ({human_bytes(self.nbytes)} in {self.seconds:.1f} s, "
+                f"stage-out: committed {self.name} ({human_bytes(self.nbytes)} in "
+                f"{self.seconds:.1f} s, "
                 f"{rate:.0f} MB/s) -> {self.url}"
             )
         if self.status == ALREADY:
@@ -229,8 +230,10 @@ def _stage_one(
                     snap.total_bytes,
                     url=url,
                     message=(
-                        f"not enough time to stage out {snap.name} ({human_bytes(snap.total_bytes)}, ~{needed_s:.0f} s "
-                        f"needed, {max(left_s, 0):.0f} s left by {options.deadline.source}); skipped, nothing partial left"
+                        f"not enough time to stage out {snap.name} "
+                        f"({human_bytes(snap.total_bytes)}, ~{needed_s:.0f} s "
+                        f"needed, {max(left_s, 0):.0f} s left by {options.deadline.source}); "
+                        "skipped, nothing partial left"
                     ),
                 )
         return _copy_and_commit(snap, store, options, slurm, rate, throttle, url)
@@ -250,7 +253,8 @@ def _copy_and_commit(
     def on_bytes(_n: int) -> None:
         if deadline is not None and deadline.left_s() <= 0:
             raise DeadlineTooShort(
-                f"deadline ({deadline.source}) reached while copying {snap.name}; abandoned, nothing partial left"
+                f"deadline ({deadline.source}) reached while copying {snap.name}; abandoned, "
+                "nothing partial left"
             )
 
     started = time.monotonic()

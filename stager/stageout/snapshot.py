@@ -102,7 +102,7 @@ def _skipped(name: str) -> bool:
 
 
 def list_checkpoints(ckpt_dir: Path) -> list[Path]:
-    """Every checkpoint (file or directory) directly in ``ckpt_dir``, hidden and temp names skipped."""
+    """Every checkpoint (file or directory) directly in ``ckpt_dir``; hidden and temp names not."""
     try:
         names = sorted(os.listdir(ckpt_dir))
     except FileNotFoundError as exc:
@@ -133,7 +133,7 @@ def _walk(path: Path, name: str, kind: str) -> list[tuple[Path, str, os.stat_res
 
 
 def newest_mtime_ns(ckpt_path: Path) -> int:
-    """:attr:`Snapshot.mtime_ns` from ``stat`` alone (orders checkpoints before hashing); 0 if gone."""
+    """:attr:`Snapshot.mtime_ns` from ``stat`` alone (to order before hashing); 0 if gone."""
     try:
         kind = KIND_DIR if ckpt_path.is_dir() else KIND_FILE
         walked = _walk(ckpt_path, ckpt_path.name, kind)

@@ -123,7 +123,8 @@ def dest_errors(url: str, doing: str) -> Iterator[None]:
             ) from exc
         reason = exc.strerror or str(exc) or type(exc).__name__
         raise DestinationError(
-            f"destination {url} is not usable ({doing}: {reason}); check the path or pass another DEST"
+            f"destination {url} is not usable ({doing}: {reason}); check the path or pass another "
+            "DEST"
         ) from exc
 
 

@@ -61,7 +61,8 @@ def watch(
             outcomes = stage_out(list_ckpts(), dest_url, options, stop=stop)
         except (DestinationError, SourceError, IntegrityError, CheckpointError) as exc:
             print(
-                f"stage-out: watch pass failed: {' '.join(str(exc).split())}; retrying in {interval_s:g} s",
+                f"stage-out: watch pass failed: {' '.join(str(exc).split())}; retrying in "
+                f"{interval_s:g} s",
                 file=log,
                 flush=True,
             )

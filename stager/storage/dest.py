@@ -83,7 +83,8 @@ def ensure_private_dir(path: str | os.PathLike[str]) -> Path:
         )
     if info.st_uid != os.geteuid():
         raise UnsafePath(
-            f"{path} is owned by uid {info.st_uid}, not by you; refusing (another user may have pre-created it)"
+            f"{path} is owned by uid {info.st_uid}, not by you; refusing (another user may have "
+            "pre-created it)"
         )
     if created and stat.S_IMODE(info.st_mode) & 0o077:
         os.chmod(path, 0o700)  # a umask can't widen it, but a default ACL may have

@@ -45,7 +45,8 @@ class NodeLock:
                     self.contended = True
                     if time.monotonic() > deadline:
                         raise LockTimeout(
-                            f"waited {self.timeout_s:.0f} s for {self.path} held by another stage-in; "
+                            f"waited {self.timeout_s:.0f} s for {self.path} held by another "
+                            "stage-in; "
                             "check for a hung process on this node (lsof the lock file)"
                         ) from None
                     time.sleep(self.poll_s)

@@ -297,7 +297,8 @@ def resolve_source(
             other_fs, path = _split_fs(url)
             if type(other_fs) is not type(fs):
                 raise UsageError(
-                    f"list {from_list or 'of shards'} mixes filesystems ({url}); use one list per filesystem"
+                    f"list {from_list or 'of shards'} mixes filesystems ({url}); use one list per "
+                    "filesystem"
                 )
             paths.append(path)
         root = _common_dir(paths)
@@ -312,7 +313,8 @@ def resolve_source(
         result = _from_paths(fs, paths, root, name, jobs, spec)
         if not result.shards:
             raise SourceError(
-                f"source not found: none of the {len(paths)} files of {spec} exist; check the pattern"
+                f"source not found: none of the {len(paths)} files of {spec} exist; check the "
+                "pattern"
             )
         return result
 

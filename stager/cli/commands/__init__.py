@@ -1,1 +1,2 @@
-"""One module per CLI command: ``add_parser``/``configure`` declare flags, ``run`` calls the library."""
+"""One module per CLI command: ``add_parser``/``configure`` declare flags, ``run`` calls the
+library."""

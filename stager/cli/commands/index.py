@@ -10,7 +10,8 @@ from stager.storage.hashing import ALGORITHMS, DEFAULT_ALGORITHM
 
 HELP = "scan a dataset once and write its manifest (size, hash and sample count per shard)"
 
-EPILOG = """The manifest goes beside the dataset by default (stager-manifest.json up to 10,000 shards,
+EPILOG = """The manifest goes beside the dataset by default (stager-manifest.json up to 10,000 \
+shards,
 stager-manifest.parquet beyond), where stage-in finds it and verifies every shard it copies.
 exit codes: 0 ok; 2 usage error; 3 source error (shards unreadable after retries);
 4 a shard is a corrupt or truncated tar. No manifest is written unless every shard was read."""
@@ -36,7 +37,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out",
         metavar="PATH",
-        help="where to write the manifest, .json or .parquet, local or a URL (default: beside the dataset)",
+        help="where to write the manifest, .json or .parquet, local or a URL (default: beside the "
+        "dataset)",
     )
     parser.add_argument(
         "--hash",

@@ -42,9 +42,9 @@ _RETRY = RetryPolicy()
 _FANOUT = FanoutOptions()
 
 EPILOG = f"""exit codes: {exit_codes_text()}.
-with --checkpoint: {EXIT_OK} restored (its local path is the only line on stdout); {EXIT_NO_CHECKPOINT} no \
-committed checkpoint at DEST yet (start from scratch); {EXIT_CHECKPOINT} checkpoints committed but none \
-restorable whole.
+with --checkpoint: {EXIT_OK} restored (its local path is the only line on stdout); \
+{EXIT_NO_CHECKPOINT} no committed checkpoint at DEST yet (start from scratch); \
+{EXIT_CHECKPOINT} checkpoints committed but none restorable whole.
 sizes take units: 4096, 500M, 10G, 2GiB.
 environment: STAGER_DEST (destination root), SLURM_JOB_ID/SLURM_NODEID/... (job layout)."""
 
@@ -236,7 +236,7 @@ def _tell(report: StageInReport, args: argparse.Namespace) -> None:
 
 
 def _restore(args: argparse.Namespace) -> int:
-    """``--checkpoint DEST``: stdout carries only the restored path, for ``CKPT=$(stage-in ...)``."""
+    """``--checkpoint DEST``: stdout carries only the restored path (``CKPT=$(stage-in ...)``)."""
     from stager.stageout.restore import restore_checkpoint
 
     if args.source or args.from_list:
@@ -255,7 +255,8 @@ def add_fanout_arguments(parser: argparse.ArgumentParser) -> None:
         "--fanout",
         action="store_true",
         help="replicated staging that reads the source once in total: the node tasks (srun "
-        "--ntasks-per-node=1) form a gloo group, each reads its part and broadcasts it to the others",
+        "--ntasks-per-node=1) form a gloo group, each reads its part and broadcasts it to the "
+        "others",
     )
     add(
         "--fanout-host",

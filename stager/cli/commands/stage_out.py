@@ -1,4 +1,5 @@
-"""``stage-out``: flags and the calls into :mod:`stager.stageout.run` and :mod:`stager.stageout.watch`."""
+"""``stage-out``: flags and the calls into :mod:`stager.stageout.run` and
+:mod:`stager.stageout.watch`."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from stager.stageout.watch import stop_on_signals, watch
 
 HELP = "commit checkpoints from node-local scratch to persistent storage, atomically"
 
-EPILOG = """exit codes: 0 all requested checkpoints committed (or already were; --watch: stopped cleanly);
+EPILOG = """exit codes: 0 all requested checkpoints committed (or already were; --watch: \
+stopped cleanly);
 2 usage error; 4 integrity error (bytes at DEST differ after copy); 5 destination error (not
 writable, full, unreachable); 7 checkpoint error: a checkpoint was not committed (not enough time
 before the deadline, or it changed while copied), earlier committed ones are intact;
@@ -75,7 +77,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--deadline-s",
         type=float,
         metavar="S",
-        help="seconds left to finish (default inside Slurm: the job's end time minus --deadline-margin-s)",
+        help="seconds left to finish (default inside Slurm: the job's end time minus "
+        "--deadline-margin-s)",
     )
     parser.add_argument(
         "--deadline-margin-s",
