@@ -9,6 +9,7 @@ Under a destination root (``/scratch/$SLURM_JOB_ID`` in a job)::
 
     ROOT/NAME/                        the staged copy: the source's shards at their relpaths
     ROOT/NAME/.stager/manifest.json   what was staged (sizes, hashes, samples, source identity)
+    ROOT/NAME/.stager/journal         shards published since (stager.stagein.journal)
     ROOT/NAME/.stager/index/          the loader's sample index (stager.shards.loader_index)
     ROOT/.stager-NAME.lock            one copier per node (stager.storage.lock)
     ROOT/.stager-NAME.result.json     the copier's outcome, adopted by tasks that waited
@@ -37,6 +38,7 @@ __all__ = [
     "SHARD_SUFFIXES",
     "StagedDataset",
     "dataset_name",
+    "canonical_spec",
     "source_root",
     "is_shard_name",
     "RESTORED_DIR",
@@ -115,6 +117,21 @@ def source_root(spec: str | Sequence[str]) -> str:
     return path
 
 
+def canonical_spec(spec: str, *, listed: bool = False) -> str:
+    """What a source spec asks for, spelled one way: the same text for every spelling of it.
+
+    Recorded in the staged manifest, so that a rerun that asks for something else under the
+    same name is refused instead of mixing two datasets. A local path becomes an absolute
+    ``file://`` URL with ``..`` folded and no trailing slash; a URL keeps its text (without a
+    trailing slash); ``listed``: ``spec`` is a list file, whose own location is the identity.
+    """
+    if "://" in spec and not spec.startswith("file://"):
+        text = spec.rstrip("/")
+    else:
+        text = "file://" + _path_of(spec)
+    return f"list:{text}" if listed else text
+
+
 def dataset_name(spec: str | Sequence[str]) -> str:
     """The name stage-in stages ``spec`` under, and the loader looks it up by: its root's basename.
 
@@ -149,6 +166,11 @@ class StagedDataset:
     def manifest_path(self) -> Path:
         """The staged manifest: what the copy holds, and from which source."""
         return self.meta_dir / "manifest.json"
+
+    @property
+    def journal_path(self) -> Path:
+        """A line per shard published by a run that has not written its manifest yet."""
+        return self.meta_dir / "journal"
 
     @property
     def index_dir(self) -> Path:

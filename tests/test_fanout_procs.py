@@ -23,6 +23,7 @@ from stager.errors import EXIT_FULL, EXIT_INTEGRITY
 from stager.layout import StagedDataset
 from stager.shards.build import build_manifest, write_manifest
 from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
+from stager.stagein.journal import Journal
 from stager.storage.sources import resolve_source
 
 from .conftest import BIN, clean_env, mount_tmpfs
@@ -250,12 +251,18 @@ def test_killed_node_fails_its_peers_and_a_rerun_resumes(
     lines = [line for line in err.splitlines() if "error:" in line]
     assert len(lines) == 1 and "fan-out failed" in lines[0] and "rerun" in lines[0], err
     read_first = nodes.source_bytes_read()
-    # The rerun keeps every verified shard of both nodes and reads only what nobody has.
+    # Each shard published before the kill was journaled with its source version right after
+    # its rename (a kill between the two costs that one shard a copy, never trust).
+    journaled = [
+        len(Journal(StagedDataset.of(nodes.dest(r) / "ds").journal_path).read()) for r in range(2)
+    ]
+    assert journaled[1] >= staged_before_kill - 1 and journaled[0] >= 1
+    # The rerun keeps every journaled shard of both nodes and reads only what nobody has.
     results = _finish(nodes.start(fanout_dataset))
     assert all(code == 0 for code, _ in results.values()), results
     total = _total(fanout_dataset)
-    held = sum(nodes.report(r)["files_skipped"] for r in range(2))
-    assert held >= staged_before_kill
+    kept = [nodes.report(r)["files_skipped"] for r in range(2)]
+    assert all(k >= j for k, j in zip(kept, journaled, strict=True)), (kept, journaled)
     assert nodes.source_bytes_read() < total
     assert nodes.source_bytes_read() + read_first >= total
     for rank in range(2):

@@ -33,7 +33,9 @@ import numpy
 from stager.errors import FanoutError, ShardFailure, one_line
 from stager.fanout.group import FanoutOptions, NodeGroup
 from stager.plan.fanout import FanoutPlan
+from stager.shards.manifest import ManifestEntry
 from stager.stagein.copier import failure_kind
+from stager.stagein.journal import Journal
 from stager.stagein.options import StageInOptions
 from stager.stagein.progress import Progress
 from stager.stagein.report import StageInReport
@@ -103,10 +105,12 @@ class Exchange:
         progress: Progress,
         node_label: Callable[[int], str],
         log: TextIO,
+        journal: Journal | None = None,
     ):
         self.group, self.plan, self.items, self.source = group, plan, items, source
         self.options, self.fanout, self.report, self.progress = options, fanout, report, progress
         self.node_label, self.log = node_label, log
+        self.journal = journal  # each shard staged here is recorded as it is published
         self.torch = group.torch
         self.me = node_label(group.node)
         self.outcome = ExchangeOutcome()
@@ -133,6 +137,12 @@ class Exchange:
         print(f"[{self.me}] retry {attempt} after: {one_line(exc)}", file=self.log, flush=True)
 
     def _read(self, item: ExchangeShard) -> CopyResult:
+        """Copy ``item`` from the source (ahead of its broadcast) and journal it at once."""
+        result = self._read_source(item)
+        self._journal(item, result.size, result.hash)
+        return result
+
+    def _read_source(self, item: ExchangeShard) -> CopyResult:
         return call_with_retries(
             lambda: copy_file(
                 self.source.fs,
@@ -309,7 +319,15 @@ class Exchange:
             )
             return
         os.replace(partial_path(item.final), item.final)
+        self._journal(item, written, digest)
         self._staged(index, written, digest)
+
+    def _journal(self, item: ExchangeShard, size: int, digest: str) -> None:
+        """Record a shard just published here (:mod:`stager.stagein.journal`)."""
+        if self.journal is not None:
+            self.journal.record(
+                ManifestEntry(item.shard.relpath, size, digest, None, item.shard.version)
+            )
 
     def _staged(self, index: int, size: int, digest: str) -> None:
         self.outcome.staged[index] = (size, digest)

@@ -34,7 +34,6 @@ from stager.errors import (
     FanoutError,
     GroupUnavailable,
     ScratchFull,
-    ShardFailure,
     UsageError,
     one_line,
 )
@@ -47,16 +46,10 @@ from stager.slurm import SlurmEnv
 from stager.stagein.finish import Staging, finish
 from stager.stagein.node import attach_report, run_once_per_node
 from stager.stagein.options import StageInOptions
-from stager.stagein.plan import (
-    clean_partials,
-    load_source_manifest,
-    plan_local,
-    preflight,
-    read_previous,
-)
+from stager.stagein.plan import preflight
 from stager.stagein.progress import Progress
 from stager.stagein.report import StageInReport
-from stager.stagein.run import copy_per_node, new_report, stage_in, staged_dataset
+from stager.stagein.run import copy_per_node, new_report, prepare, stage_in, staged_dataset
 from stager.storage.paths import safe_join
 from stager.storage.sources import SourceSet
 
@@ -120,7 +113,7 @@ def fanout_stage_in(
         return report
 
     # The same lock and result file as plain stage-in: the two exclude each other on a node.
-    return run_once_per_node(staged, options, work)
+    return run_once_per_node(staged, options, work, spec=source.spec)
 
 
 def _import_torch_distributed() -> None:
@@ -160,18 +153,11 @@ def _run_fanout(
     report: StageInReport,
     log: TextIO,
 ) -> None:
-    run = Staging(source, options, staged, report, log, list(source.shards))
-    manifest = load_source_manifest(source, options, staged)
-    expected = manifest.by_relpath() if manifest is not None else {}
-    clean_partials(staged.dir)
-    local = plan_local(run.shards, staged, expected, read_previous(staged), options, log)
-    run.entries.update(local.kept)
+    run, local, expected = prepare(
+        source, options, slurm, list(source.shards), staged, report, log, size_later=False
+    )
     items = _exchange_items(run, expected, local.kept)
-    report.files_total = len(run.shards) + len(source.missing)
-    report.files_skipped = len(local.kept)
     report.bytes_total = sum(it.size or 0 for it in items)
-    for url in source.missing:
-        report.add_failure(ShardFailure(url, "not found on the source"))
     needed = sum(it.size or 0 for it in items if not it.have)
     refusal: ScratchFull | None = None
     try:
@@ -209,6 +195,7 @@ def _run_fanout(
                 progress=progress,
                 node_label=label,
                 log=log,
+                journal=run.journal,
             ).run()
         finally:
             progress.close()
@@ -216,7 +203,11 @@ def _run_fanout(
         relpath = items[index].shard.relpath
         want = expected.get(relpath)
         run.entries[relpath] = ManifestEntry(
-            relpath, size, digest, want.samples if want is not None else None
+            relpath,
+            size,
+            digest,
+            want.samples if want is not None else None,
+            items[index].shard.version,
         )
     for failure in outcome.failures:
         report.add_failure(failure)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stager.errors import StagerError, UsageError
+from stager.storage.hashing import split_digest
 from stager.storage.paths import safe_relpath
 
 __all__ = [
@@ -46,6 +47,9 @@ class ManifestEntry:
     size: int
     hash: str | None = None  # "<algorithm>:<hex>"
     samples: int | None = None
+    #: In a staged manifest: the source's version of the bytes copied
+    #: (:mod:`stager.storage.identity`); a rerun copies again when the source's differs.
+    version: str | None = None
 
 
 @dataclass(frozen=True)
@@ -90,10 +94,7 @@ class Manifest:
                 "format": "stager-manifest",
                 "version": _FORMAT_VERSION,
                 "meta": dict(self.meta),
-                "shards": [
-                    {"path": e.relpath, "size": e.size, "hash": e.hash, "samples": e.samples}
-                    for e in self.entries
-                ],
+                "shards": [_json_entry(e) for e in self.entries],
             }
             tmp.write_text(json.dumps(payload, indent=1) + "\n")
 
@@ -129,8 +130,25 @@ def find_manifest(directory: str | os.PathLike[str]) -> Path | None:
     return None
 
 
+def _json_entry(entry: ManifestEntry) -> dict[str, object]:
+    out: dict[str, object] = {
+        "path": entry.relpath,
+        "size": entry.size,
+        "hash": entry.hash,
+        "samples": entry.samples,
+    }
+    if entry.version is not None:
+        out["version"] = entry.version
+    return out
+
+
 def _entry(
-    relpath: object, size: object, hash_: object, samples: object, where: Path
+    relpath: object,
+    size: object,
+    hash_: object,
+    samples: object,
+    where: Path,
+    version: object = None,
 ) -> ManifestEntry:
     if not isinstance(relpath, str):
         raise UsageError(f"manifest {where}: shard path {relpath!r} is not a string")
@@ -146,7 +164,14 @@ def _entry(
         raise UsageError(
             f"manifest {where}: samples {samples!r} of {relpath!r} is not a non-negative integer"
         )
-    return ManifestEntry(safe_relpath(relpath), size, hash_, samples)
+    if hash_ is not None:
+        try:
+            split_digest(hash_)
+        except UsageError as exc:
+            raise UsageError(f"manifest {where}: {exc} (shard {relpath!r})") from None
+    if version is not None and not isinstance(version, str):
+        raise UsageError(f"manifest {where}: version {version!r} of {relpath!r} is not a string")
+    return ManifestEntry(safe_relpath(relpath), size, hash_, samples, version)
 
 
 def _from_json(payload: object, where: Path) -> Manifest:
@@ -161,7 +186,14 @@ def _from_json(payload: object, where: Path) -> Manifest:
         if not isinstance(item, dict):
             raise UsageError(f"manifest {where}: shard entry {item!r} is not an object")
         entries.append(
-            _entry(item.get("path"), item.get("size"), item.get("hash"), item.get("samples"), where)
+            _entry(
+                item.get("path"),
+                item.get("size"),
+                item.get("hash"),
+                item.get("samples"),
+                where,
+                item.get("version"),
+            )
         )
     return Manifest(tuple(entries), {str(k): str(v) for k, v in meta.items()})
 
@@ -176,6 +208,7 @@ def _write_parquet(manifest: Manifest, path: Path) -> None:
             "size": pa.array([e.size for e in manifest.entries], pa.int64()),
             "hash": pa.array([e.hash for e in manifest.entries], pa.string()),
             "samples": pa.array([e.samples for e in manifest.entries], pa.int64()),
+            "version": pa.array([e.version for e in manifest.entries], pa.string()),
         }
     )
     meta = {b"stager.format": b"stager-manifest", b"stager.version": str(_FORMAT_VERSION).encode()}
@@ -191,10 +224,16 @@ def _read_parquet(path: Path) -> Manifest:
     if raw_meta.get(b"stager.format") != b"stager-manifest":
         raise UsageError(f"{path} is not a stager manifest (missing format tag)")
     columns = table.to_pydict()
+    versions = columns.get("version") or [None] * len(columns["path"])  # absent before v1.1
     entries = [
-        _entry(p, s, h, n, path)
-        for p, s, h, n in zip(
-            columns["path"], columns["size"], columns["hash"], columns["samples"], strict=True
+        _entry(p, s, h, n, path, v)
+        for p, s, h, n, v in zip(
+            columns["path"],
+            columns["size"],
+            columns["hash"],
+            columns["samples"],
+            versions,
+            strict=True,
         )
     ]
     prefix = b"stager.meta."

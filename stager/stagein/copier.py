@@ -22,6 +22,7 @@ from typing import TextIO
 from stager.errors import IntegrityError, ScratchFull, ShardFailure, SourceError, one_line
 from stager.shards.manifest import ManifestEntry
 from stager.shards.tarparse import TarSampleCounter
+from stager.stagein.journal import Journal
 from stager.stagein.options import StageInOptions
 from stager.stagein.plan import CopyItem, LocalPlan, count_samples_of, space_error
 from stager.stagein.progress import Progress
@@ -65,9 +66,11 @@ class Copier:
         report: StageInReport,
         known_samples: dict[str, int | None],
         log: TextIO,
+        journal: Journal | None = None,
     ):
         self.source, self.plan, self.options = source, plan, options
         self.report, self.known_samples, self.log = report, known_samples, log
+        self.journal = journal
         self.outcome = CopyOutcome()
         self.progress = Progress(
             plan.bytes_to_copy,
@@ -148,7 +151,8 @@ class Copier:
         if size == UNKNOWN:
             self._fail(item, self.sizing.probe.error(index))
             return None
-        return dataclasses.replace(item, size=size)
+        shard = dataclasses.replace(item.shard, version=self.sizing.probe.versions[index])
+        return dataclasses.replace(item, shard=shard, size=size)
 
     def _copy_one(self, item: CopyItem) -> None:
         if self.sizing is not None and item.shard.relpath in self.late:
@@ -221,11 +225,13 @@ class Copier:
                 self.held.append(relpath)
                 if late_count:
                     self.count_later.append(relpath)
-            self.outcome.entries[relpath] = ManifestEntry(
-                relpath, result.size, result.hash, samples
-            )
+            version = result.version or item.shard.version  # at open, else as listed
+            entry = ManifestEntry(relpath, result.size, result.hash, samples, version)
+            self.outcome.entries[relpath] = entry
             self.report.files_copied += 1
             self.report.bytes_copied += result.size
+        if published and self.journal is not None:
+            self.journal.record(entry)
         self.progress.file_done()
 
     # -- after the copies -------------------------------------------------------------------
@@ -245,6 +251,14 @@ class Copier:
         report = self.report
         report.files_total -= len(self.dropped)
         report.bytes_total += sizing.probed_bytes
+        late = [item for item in self.plan.to_copy if item.shard.relpath in self.late]
+        for index in sorted(sizing.probe.not_regular):
+            print(
+                f"[{report.node}] warning: skipped {one_line(late[index].shard.url)!r}: not a "
+                "regular file (a FIFO or device?)",
+                file=self.log,
+                flush=True,
+            )
         if not sizing.gate.passed:
             for relpath in self.held:
                 self._unstage(relpath)
@@ -267,3 +281,7 @@ class Copier:
             if entry is not None:
                 samples = count_samples_of(final_of[relpath], self.log)
                 self.outcome.entries[relpath] = dataclasses.replace(entry, samples=samples)
+        for relpath in self.held:  # renamed by the verdict just now
+            held = self.outcome.entries.get(relpath)
+            if held is not None and self.journal is not None:
+                self.journal.record(held)

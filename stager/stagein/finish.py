@@ -14,6 +14,7 @@ not differ, or the loader and a rerun see two kinds of staged dataset. So both e
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import time
 from collections.abc import Sequence
@@ -26,6 +27,7 @@ from stager.errors import (
     IntegrityError,
     ScratchFull,
     ShardFailure,
+    StagerError,
     one_line,
     shard_failures,
 )
@@ -34,6 +36,7 @@ from stager.shards import tarindex
 from stager.shards.manifest import Manifest, ManifestEntry
 from stager.shards.tarindex import TarIndex
 from stager.shards.tarparse import TarSampleCounter
+from stager.stagein.journal import Journal
 from stager.stagein.options import StageInOptions
 from stager.stagein.plan import count_samples_of
 from stager.stagein.report import StageInReport
@@ -55,6 +58,11 @@ class Staging:
     started: float = field(default_factory=time.monotonic)
     entries: dict[str, ManifestEntry] = field(default_factory=dict)  # staged ones, by relpath
     parsed: dict[str, TarSampleCounter] = field(default_factory=dict)  # parsed in flight
+    journal: Journal | None = None  # where each publication is recorded as it happens
+
+    def __post_init__(self) -> None:
+        if self.journal is None:
+            self.journal = Journal(self.staged.journal_path)
 
 
 def finish(run: Staging) -> None:
@@ -65,14 +73,18 @@ def finish(run: Staging) -> None:
         tuple(run.entries[s.relpath] for s in run.shards if s.relpath in run.entries),
         {
             "source": run.source.root_url,
+            "spec": run.source.spec,
             "subset": run.options.subset,
             "node": report.node,
             "job_id": report.job_id,
         },
     )
     try:
-        run.staged.meta_dir.mkdir(exist_ok=True)
-        manifest.write(run.staged.manifest_path)
+        if not _unchanged(run.staged.manifest_path, manifest):  # a read-only scratch may hold it
+            run.staged.meta_dir.mkdir(exist_ok=True)
+            manifest.write(run.staged.manifest_path)
+        assert run.journal is not None
+        run.journal.remove()  # every entry it held is in the manifest now
     except OSError as exc:
         if not report.failures:
             raise _manifest_write_error(exc, run.staged.manifest_path) from exc
@@ -88,6 +100,17 @@ def finish(run: Staging) -> None:
         raise ScratchFull(f"[{report.node}] {full[0].reason}", where=str(run.staged.dir))
     if failures:
         raise shard_failures(failures)
+
+
+def _unchanged(path: Path, manifest: Manifest) -> bool:
+    """True when ``path`` already holds ``manifest``'s shards and source (job and node aside)."""
+    try:
+        before = Manifest.read(path)
+    except (OSError, StagerError):
+        return False
+    keys = ("source", "spec", "subset")
+    same_meta = all(before.meta.get(k) == manifest.meta.get(k) for k in keys)
+    return same_meta and before.entries == manifest.entries
 
 
 def _count_and_index(run: Staging) -> dict[str, TarIndex]:
@@ -112,7 +135,7 @@ def _count_and_index(run: Staging) -> dict[str, TarIndex]:
                 continue
             indexes[relpath] = index
             samples = index.num_samples
-        run.entries[relpath] = ManifestEntry(relpath, entry.size, entry.hash, samples)
+        run.entries[relpath] = dataclasses.replace(entry, samples=samples)
     return indexes
 
 

@@ -30,18 +30,25 @@ def attach_report(exc: BaseException, report: StageInReport) -> None:
 
 
 def run_once_per_node(
-    staged: StagedDataset, options: StageInOptions, work: Callable[[], StageInReport]
+    staged: StagedDataset,
+    options: StageInOptions,
+    work: Callable[[], StageInReport],
+    *,
+    spec: str = "",
 ) -> StageInReport:
     """Run ``work()`` as this node's only copier of ``staged``; tasks that waited adopt its result.
 
-    ``work`` attaches its report to any exception it raises (:func:`attach_report`).
+    A result is adopted only if it staged the same ``spec`` (what was asked for); a task that
+    waited on another dataset's copier under the same name does the work itself, which then
+    refuses the name (see :func:`stager.stagein.plan.check_same_source`). ``work`` attaches its
+    report to any exception it raises (:func:`attach_report`).
     """
     ensure_private_dir(staged.root)
     ensure_private_dir(staged.dir)
     wait_started = time.time()
     with NodeLock(staged.lock_path, timeout_s=options.lock_timeout_s) as lock:
         if lock.contended:
-            adopted = _adopt(staged, wait_started)
+            adopted = _adopt(staged, wait_started, spec)
             if adopted is not None:
                 return adopted
         try:
@@ -56,8 +63,9 @@ def run_once_per_node(
         return report
 
 
-def _adopt(staged: StagedDataset, wait_started: float) -> StageInReport | None:
-    """The result of the copier we waited for, if it finished after we started waiting."""
+def _adopt(staged: StagedDataset, wait_started: float, spec: str) -> StageInReport | None:
+    """The result of the copier we waited for, if it finished after we started waiting and
+    staged the same spec."""
     try:
         payload = json.loads(staged.result_path.read_text())
     except (OSError, ValueError):
@@ -65,6 +73,8 @@ def _adopt(staged: StagedDataset, wait_started: float) -> StageInReport | None:
     if payload.get("finished_at", 0) < wait_started:
         return None  # stale, from an earlier run; the holder died: do the work ourselves
     report = StageInReport.from_json(payload["report"])
+    if report.spec != spec:
+        return None  # another source under this name: not ours to adopt
     report.role = "waiter"
     if report.exit_code != 0:
         message = payload.get("error") or "the copier on this node failed"

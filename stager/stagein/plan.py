@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from stager.errors import IntegrityError, ScratchFull, StagerError
+from stager.errors import IntegrityError, ScratchFull, StagerError, UsageError
 from stager.layout import PARTIAL_SUFFIX, StagedDataset
 from stager.shards import tarindex
 from stager.shards.manifest import MANIFEST_NAMES, Manifest, ManifestEntry, find_manifest
+from stager.stagein.journal import Journal
 from stager.stagein.options import StageInOptions
 from stager.storage.hashing import hash_file
 from stager.storage.paths import SafeJoiner
@@ -34,6 +35,8 @@ __all__ = [
     "sized_while_copying",
     "plan_local",
     "preflight",
+    "remove_unlisted",
+    "check_same_source",
     "space_error",
     "count_samples_of",
 ]
@@ -105,13 +108,16 @@ def load_source_manifest(
 
 
 def read_previous(staged: StagedDataset) -> dict[str, ManifestEntry]:
-    """What the last run staged here (hashes it computed), by relpath; empty if unreadable."""
-    if not staged.manifest_path.is_file():
-        return {}
-    try:
-        return Manifest.read(staged.manifest_path).by_relpath()
-    except StagerError:
-        return {}  # a damaged staged manifest only costs re-verification
+    """What earlier runs staged here, by relpath: the staged manifest, then the journal of a
+    run killed before writing one (:mod:`stager.stagein.journal`); empty if unreadable."""
+    previous: dict[str, ManifestEntry] = {}
+    if staged.manifest_path.is_file():
+        try:
+            previous = Manifest.read(staged.manifest_path).by_relpath()
+        except StagerError:
+            pass  # a damaged staged manifest only costs copies
+    previous.update(Journal(staged.journal_path).read())
+    return previous
 
 
 def clean_partials(dataset_dir: Path) -> int:
@@ -162,15 +168,21 @@ def sized_while_copying(
 
 
 def _kept_entry(
-    relpath: str,
+    shard: SourceShard,
     final: Path,
     want: ManifestEntry | None,
     before: ManifestEntry | None,
-    size: int | None,
     options: StageInOptions,
     log: TextIO,
 ) -> ManifestEntry | None:
-    """The entry for a staged file that already holds the promised bytes, else None."""
+    """The entry for a staged file that holds the source's current bytes, else None (copy it).
+
+    With a manifest hash, the bytes are compared by hash. Without one, the staged copy must
+    have been made from the source version the source reports now (inode, mtime and ctime;
+    an ETag for object stores): a rewrite at the same size is copied again. Only a source
+    that reports no version at all is trusted by size alone.
+    """
+    size = want.size if want is not None else shard.size
     try:
         have_size = final.stat().st_size if final.is_file() else None
     except OSError:
@@ -178,17 +190,26 @@ def _kept_entry(
     if have_size is None or (size is not None and have_size != size):
         return None
     want_hash = want.hash if want is not None else None
-    have_hash = before.hash if before is not None and before.size == have_size else None
-    if want_hash is not None and have_hash != want_hash:
-        have_hash = hash_file(final, want_hash.split(":", 1)[0])
-    if want_hash is not None and have_hash != want_hash:
-        return None
+    previous_hash = before.hash if before is not None and before.size == have_size else None
+    if want_hash is not None:
+        have_hash = previous_hash
+        if have_hash != want_hash:
+            have_hash = hash_file(final, want_hash.split(":", 1)[0])
+        if have_hash != want_hash:
+            return None
+    elif shard.version is not None:
+        if before is None or before.version != shard.version or before.size != have_size:
+            return None
+        have_hash = previous_hash
+    else:
+        have_hash = previous_hash
     samples = want.samples if want is not None else None
     if samples is None and before is not None:
         samples = before.samples
     if samples is None and options.count_samples:
         samples = count_samples_of(final, log)
-    return ManifestEntry(relpath, have_size, have_hash, samples)
+    version = shard.version or (before.version if before is not None else None)
+    return ManifestEntry(shard.relpath, have_size, have_hash, samples, version)
 
 
 def plan_local(
@@ -199,24 +220,65 @@ def plan_local(
     options: StageInOptions,
     log: TextIO,
 ) -> LocalPlan:
-    """Split ``shards`` into those to copy and those already staged with the promised bytes."""
+    """Split ``shards`` into those to copy and those already staged with the source's bytes."""
     to_copy: list[CopyItem] = []
     kept: dict[str, ManifestEntry] = {}
     join = SafeJoiner(staged.dir)
     for shard in shards:
         final = join(shard.relpath)
         want = expected.get(shard.relpath)
-        size = want.size if want is not None else shard.size
-        entry = _kept_entry(
-            shard.relpath, final, want, previous.get(shard.relpath), size, options, log
-        )
+        entry = _kept_entry(shard, final, want, previous.get(shard.relpath), options, log)
         if entry is not None:
             kept[shard.relpath] = entry
             continue
+        size = want.size if want is not None else shard.size
         to_copy.append(
             CopyItem(shard, final, size, want.hash if want is not None else None, want is not None)
         )
     return LocalPlan(to_copy, kept)
+
+
+def remove_unlisted(
+    staged: StagedDataset, previous: dict[str, ManifestEntry], shards: Sequence[SourceShard]
+) -> int:
+    """Delete staged files of the last run that this run's source no longer lists.
+
+    A shard removed from the source (or from this node's subset) must not stay behind under
+    its final name: a file there always holds a source shard's current bytes. Only files the
+    last run recorded are touched, never anything else in the directory.
+    """
+    current = {s.relpath for s in shards}
+    join = SafeJoiner(staged.dir)
+    removed = 0
+    for relpath in previous.keys() - current:
+        try:
+            path = join(relpath)
+            if path.is_file() and not path.is_symlink():
+                path.unlink()
+                removed += 1
+        except (OSError, StagerError):
+            continue  # unsafe or already gone: nothing of ours to remove
+    return removed
+
+
+def check_same_source(staged: StagedDataset, source: SourceSet) -> None:
+    """Refuse to stage ``source`` where a copy of another source (or spec) already lives.
+
+    Two datasets under one name would mix: the rerun would keep the other one's shards of the
+    same names and its manifest would claim them for this source.
+    """
+    if not staged.manifest_path.is_file():
+        return
+    try:
+        meta = Manifest.read(staged.manifest_path).meta
+    except StagerError:
+        return  # a damaged staged manifest: every shard is verified again anyway
+    before = meta.get("spec")
+    if before and source.spec and before != source.spec:
+        raise UsageError(
+            f"{staged.dir} holds a staged copy of {before!r}, not of {source.spec!r}; pass "
+            "--name to stage this one beside it, or remove the old copy (rm -r it)"
+        )
 
 
 def preflight(dataset_dir: Path, needed: int, options: StageInOptions, node: str) -> int:

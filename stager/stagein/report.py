@@ -21,6 +21,7 @@ class StageInReport:
     job_id: str
     dataset_dir: str
     source: str
+    spec: str = ""  # stager.layout.canonical_spec: what was staged (waiters adopt only the same)
     files_total: int = 0
     files_copied: int = 0
     files_skipped: int = 0

@@ -22,25 +22,37 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TextIO
 
-from stager.errors import ShardFailure
+from stager.errors import ShardFailure, one_line
 from stager.layout import StagedDataset
+from stager.shards.manifest import ManifestEntry
 from stager.slurm import SlurmEnv
 from stager.stagein.copier import Copier
 from stager.stagein.finish import Staging, finish
 from stager.stagein.node import attach_report, run_once_per_node
 from stager.stagein.options import StageInOptions
 from stager.stagein.plan import (
+    LocalPlan,
+    check_same_source,
     clean_partials,
     load_source_manifest,
     plan_local,
     preflight,
     read_previous,
+    remove_unlisted,
     sized_while_copying,
 )
 from stager.stagein.report import StageInReport
 from stager.storage.sources import SourceSet, SourceShard, fill_sizes
 
-__all__ = ["StageInOptions", "stage_in", "staged_dataset", "jitter_s", "new_report"]
+__all__ = [
+    "StageInOptions",
+    "stage_in",
+    "staged_dataset",
+    "jitter_s",
+    "new_report",
+    "prepare",
+    "copy_per_node",
+]
 
 
 def jitter_s(node: int, num_nodes: int, max_s: float) -> float:
@@ -71,6 +83,7 @@ def new_report(
         job_id=slurm.job_id,
         dataset_dir=str(staged.dir),
         source=source.root_url,
+        spec=source.spec,
         subset=options.subset,
         fanout=fanout,
     )
@@ -102,7 +115,73 @@ def stage_in(
             raise
         return report
 
-    return run_once_per_node(staged, options, work)
+    return run_once_per_node(staged, options, work, spec=source.spec)
+
+
+def warn(log: TextIO, node: str, message: str) -> None:
+    print(f"[{node}] warning: {message}", file=log, flush=True)
+
+
+def prepare(
+    source: SourceSet,
+    options: StageInOptions,
+    slurm: SlurmEnv,
+    shards: list[SourceShard],
+    staged: StagedDataset,
+    report: StageInReport,
+    log: TextIO,
+    *,
+    size_later: bool,
+) -> tuple[Staging, LocalPlan, dict[str, ManifestEntry]]:
+    """Steps 2-3 of the module doc, shared with ``--fanout``: what to copy, and what to delete.
+
+    Returns the run (kept shards already in it), the local plan, and the source manifest's
+    entries by relpath (empty without a manifest).
+    """
+    node = slurm.node_name
+    check_same_source(staged, source)
+    manifest = load_source_manifest(source, options, staged)
+    expected = manifest.by_relpath() if manifest is not None else {}
+    sized_later = sized_while_copying(source, shards, expected, staged.dir) if size_later else set()
+    # A listing made without stats (resolve_source(stat_listed=False)): a manifest hash stands
+    # for the shards it describes; the others cost a metadata round trip, made while the copies
+    # run for those not staged yet.
+    hashed = {relpath for relpath, entry in expected.items() if entry.hash}
+    skipped = list(source.skipped)
+    shards = fill_sizes(source, shards, options.jobs, known=hashed | sized_later, skipped=skipped)
+    for url in skipped:
+        warn(log, node, f"skipped {one_line(url)!r}: not a regular file (a FIFO or device?)")
+    if manifest is not None:
+        listed = {s.relpath for s in shards}
+        unlisted = [s.relpath for s in shards if s.relpath not in expected]
+        if unlisted:
+            warn(
+                log,
+                node,
+                f"{len(unlisted)} shard(s) are not in the manifest (first: {unlisted[0]!r}); "
+                "they are verified by size only. Re-run `stager index` if the dataset changed",
+            )
+        if source.walked and options.subset == "all":
+            for relpath in sorted(expected.keys() - listed):
+                report.add_failure(
+                    ShardFailure(
+                        f"{source.root_url.rstrip('/')}/{relpath}",
+                        "listed in the manifest but missing from the source",
+                    )
+                )
+    clean_partials(staged.dir)
+    previous = read_previous(staged)
+    remove_unlisted(staged, previous, shards)
+    plan = plan_local(shards, staged, expected, previous, options, log)
+    plan.sized_later = sized_later
+    report.files_total = len(shards) + len(source.missing)
+    report.files_skipped = len(plan.kept)
+    report.bytes_total = sum(e.size for e in plan.kept.values()) + plan.bytes_to_copy
+    for url in source.missing:
+        report.add_failure(ShardFailure(url, "not found on the source"))
+    run = Staging(source, options, staged, report, log, shards)
+    run.entries.update(plan.kept)
+    return run, plan, expected
 
 
 def copy_per_node(
@@ -115,42 +194,19 @@ def copy_per_node(
     log: TextIO,
 ) -> None:
     """Steps 2-6 of the module doc: this node reads all its shards from the source itself."""
-    started = time.monotonic()
     shards = list(select(source) if select is not None else source.shards)
-    manifest = load_source_manifest(source, options, staged)
-    expected = manifest.by_relpath() if manifest is not None else {}
-    # A listing made without stats (resolve_source(stat_listed=False)): the manifest's sizes
-    # stand for the shards it describes; the others cost a metadata round trip, made while the
-    # copies run for those not staged yet.
-    sized_later = sized_while_copying(source, shards, expected, staged.dir)
-    shards = fill_sizes(source, shards, options.jobs, known=expected.keys() | sized_later)
-    if manifest is not None:
-        unlisted = [s.relpath for s in shards if s.relpath not in expected]
-        if unlisted:
-            print(
-                f"[{slurm.node_name}] warning: {len(unlisted)} shard(s) are not in the manifest "
-                f"(first: {unlisted[0]!r}); they are verified by size only. "
-                "Re-run `stager index` if the dataset changed",
-                file=log,
-                flush=True,
-            )
-    clean_partials(staged.dir)
-    plan = plan_local(shards, staged, expected, read_previous(staged), options, log)
-    plan.sized_later = sized_later
-    report.files_total = len(shards) + len(source.missing)
-    report.files_skipped = len(plan.kept)
-    report.bytes_total = sum(e.size for e in plan.kept.values()) + plan.bytes_to_copy
-    run = Staging(source, options, staged, report, log, shards, started=started)
-    run.entries.update(plan.kept)
-    for url in source.missing:
-        report.add_failure(ShardFailure(url, "not found on the source"))
+    run, plan, expected = prepare(
+        source, options, slurm, shards, staged, report, log, size_later=True
+    )
     plan.free_bytes = preflight(staged.dir, plan.bytes_to_copy, options, slurm.node_name)
     if plan.to_copy:
         time.sleep(jitter_s(slurm.node, slurm.num_nodes, options.jitter_max_s))
         if options.count_samples:
             _import_in_background("stager.shards.loader_index")  # numpy: ~0.2 s, overlapped
         known_samples = {k: e.samples for k, e in expected.items()}
-        outcome = Copier(source, plan, options, report, known_samples, log).run()
+        outcome = Copier(
+            source, plan, options, report, known_samples, log, journal=run.journal
+        ).run()
         run.entries.update(outcome.entries)
         run.parsed.update(outcome.parsed)
     finish(run)

@@ -18,13 +18,15 @@ import stat
 import threading
 from collections.abc import Callable, Sequence
 
+from stager.storage.identity import local_version
 from stager.storage.paths import discard
 from stager.storage.workers import run_in_threads
 
 __all__ = ["DROPPED", "UNKNOWN", "SizeProbe", "PublishGate", "DeferredPreflight"]
 
-#: The shard vanished since the listing, or is a directory named like a shard: the walk
-#: would not have listed it, so it is dropped without a failure.
+#: The shard vanished since the listing, is a directory named like a shard, or is not a regular
+#: file (a FIFO, a device): the walk would not have listed it, so it is dropped without a
+#: failure (:attr:`SizeProbe.not_regular` lists the last kind, which deserve a warning).
 DROPPED = -1
 #: The stat failed otherwise (e.g. permission denied, EIO): :meth:`SizeProbe.error` says why.
 UNKNOWN = -2
@@ -59,6 +61,8 @@ class SizeProbe:
         self._cond = threading.Condition()
         self._waiting = 0
         self._errors: dict[int, str] = {}
+        self.versions: list[str | None] = [None] * len(self._paths)  # stager.storage.identity
+        self.not_regular: list[int] = []  # indexes of FIFOs, sockets, devices
         self.failure: BaseException | None = None  # the probe itself broke (not one stat)
         self._runner = threading.Thread(target=self._run, name="size-probe", daemon=True)
 
@@ -91,7 +95,15 @@ class SizeProbe:
     def _probe(self, index: int) -> None:
         try:
             st = _stat(self._paths[index])
-            result = DROPPED if stat.S_ISDIR(st.st_mode) else st.st_size
+            if stat.S_ISDIR(st.st_mode):
+                result = DROPPED
+            elif not stat.S_ISREG(st.st_mode):
+                result = DROPPED
+                with self._cond:
+                    self.not_regular.append(index)
+            else:
+                result = st.st_size
+                self.versions[index] = local_version(st)
         except FileNotFoundError:
             result = DROPPED
         except OSError as exc:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from stager.errors import HashMismatch, ScratchFull, SizeMismatch, SourceError
 from stager.storage.hashing import DEFAULT_ALGORITHM, new_hasher, split_digest
+from stager.storage.identity import is_regular, local_version
 from stager.storage.paths import PARTIAL_SUFFIX, discard
 from stager.storage.sources import protocol_of
 from stager.storage.throttle import Throttle
@@ -67,6 +68,9 @@ class CopyResult:
     #: Until the last read that returned bytes: ``last_byte_s - first_byte_s`` is the transfer,
     #: without the local work after it (writes, the end-of-file read, the rename).
     last_byte_s: float = 0.0
+    #: A local source's version (:mod:`stager.storage.identity`) when it was opened, which it
+    #: still had at the end of the copy; None for a remote source.
+    version: str | None = None
 
 
 def partial_path(final: Path) -> Path:
@@ -114,7 +118,10 @@ def _open_source(fs: fsspec.AbstractFileSystem | None, path: str, url: str, bloc
     """
     try:
         if fs is None or protocol_of(fs) == "file":
-            return _Fd(path, os.O_RDONLY, url)
+            # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever
+            # (while holding the node lock); the fstat below refuses anything not a regular
+            # file, and on a regular file the flag changes nothing.
+            return _Fd(path, os.O_RDONLY | os.O_NONBLOCK, url)
         return fs.open(path, "rb", block_size=block_bytes)
     except FileNotFoundError as exc:
         raise SourceError(f"source shard not found: {url}") from exc
@@ -174,6 +181,7 @@ def copy_file(
     first_byte_s = last_byte_s = 0.0
     try:
         with _open_source(fs, src_path, url, block_bytes) as src, _open_partial(partial) as dst:
+            opened = _opened_stat(src, url)
             view = _buffer(block_bytes)
             want = min(FIRST_READ_BYTES, block_bytes)
             while True:
@@ -198,6 +206,8 @@ def copy_file(
                     throttle.consume(n)
                 if on_bytes is not None:
                     on_bytes(n)
+            if opened is not None:
+                _check_unchanged(src, opened, copied, url)
             if fsync:
                 os.fsync(dst.fileno())
         if expected_size is not None and copied != expected_size:
@@ -236,7 +246,32 @@ def copy_file(
         first_byte_s=first_byte_s,
         seconds=time.perf_counter() - started,
         last_byte_s=last_byte_s or first_byte_s,
+        version=local_version(opened) if opened is not None else None,
     )
+
+
+def _opened_stat(src: object, url: str) -> os.stat_result | None:
+    """A local source's ``fstat`` right after opening it; refuses anything not a regular file."""
+    if not isinstance(src, _Fd):
+        return None
+    st = os.fstat(src.fd)
+    if not is_regular(st):
+        raise SourceError(f"source shard is not a regular file (a FIFO or device?): {url}")
+    return st
+
+
+def _check_unchanged(src: _Fd, opened: os.stat_result, copied: int, url: str) -> None:
+    """Raise a retryable error if the source changed while it was read (same size or not).
+
+    Without this a file rewritten during the copy could be published as a mix of old and new
+    bytes: its size may match and no manifest hash may exist to tell.
+    """
+    now = os.fstat(src.fd)
+    if local_version(now) != local_version(opened) or now.st_size != copied:
+        raise SizeMismatch(
+            f"{url}: the source changed while it was copied ({copied} bytes read, now "
+            f"{now.st_size}); retrying"
+        )
 
 
 def _read_into(src, view: memoryview) -> int:

@@ -8,15 +8,12 @@ name in a hostile manifest is refused instead of written.
 from __future__ import annotations
 
 import os
-import posixpath
 from pathlib import Path
 
 from stager.errors import UnsafePath
+from stager.layout import PARTIAL_SUFFIX
 
 __all__ = ["safe_relpath", "safe_join", "SafeJoiner", "PARTIAL_SUFFIX", "discard"]
-
-#: Suffix of a file still being written; never treated as a staged shard.
-PARTIAL_SUFFIX = ".partial"
 
 
 def discard(path: str | os.PathLike[str]) -> None:
@@ -28,24 +25,24 @@ def discard(path: str | os.PathLike[str]) -> None:
 
 
 def safe_relpath(relpath: str) -> str:
-    """Normalise a POSIX relative path, refusing anything that is absolute or climbs out."""
+    """Normalise a POSIX relative path, refusing anything that is absolute or climbs out.
+
+    Names are kept as they are otherwise: a backslash or a colon is an ordinary character in a
+    POSIX file name, and turning ``x\\y.tar`` into ``x/y.tar`` made two shards one.
+    """
     if not relpath or "\x00" in relpath:
         raise UnsafePath(f"empty or NUL-containing shard path {relpath!r}; fix the source listing")
-    if (
-        relpath.startswith("/")
-        or relpath.startswith("\\")
-        or (len(relpath) > 1 and relpath[1] == ":")
-    ):
+    if relpath.startswith("/"):
         raise UnsafePath(
             f"absolute shard path {relpath!r} refused; paths must be relative to the dataset"
         )
-    parts = relpath.replace("\\", "/").split("/")
+    parts = relpath.split("/")
     if any(p == ".." for p in parts):
         raise UnsafePath(
             f"shard path {relpath!r} contains '..' and could escape the dataset root; refused"
         )
-    norm = posixpath.normpath("/".join(p for p in parts if p not in ("", ".")))
-    if norm in (".", "") or norm.startswith(".."):
+    norm = "/".join(p for p in parts if p not in ("", "."))
+    if not norm:
         raise UnsafePath(f"shard path {relpath!r} does not name a file inside the dataset; refused")
     if norm.endswith(PARTIAL_SUFFIX):
         raise UnsafePath(f"shard path {relpath!r} ends with the reserved suffix {PARTIAL_SUFFIX!r}")

@@ -1,30 +1,42 @@
-"""Turn what the user typed into a list of shards: directory, glob, brace pattern or list file.
+"""Turn what the user typed into a list of shards: directory, glob, brace pattern or list.
 
-A URL (``s3://``, ``https://``, any fsspec protocol) goes through fsspec (``url_to_fs``); a
-plain path (``/nfs/ds``, ``file://``) is listed and stat'ed with ``os`` directly, and fsspec is
-imported only if something asks for :attr:`SourceSet.fs`: importing it (asyncio included) costs
-~0.1 s, which every node's prologue would pay for nothing. Listing errors are translated into
-:class:`SourceError` here, once.
 The shard's *relative path* (where it lands under ``DEST/<name>/``) is its path relative to the
 source root: the directory for a directory source, the fixed prefix for a glob, the common
-parent directory for a brace pattern or a list.
+parent directory for a brace pattern or a list. File names are kept as they are (a backslash is
+a character, not a separator). Two entries naming the same file collapse into one; two
+different files that would land on one relative path are refused before any byte moves,
+naming both. Entries that are not regular files (a FIFO named ``x.tar`` would block a reader
+forever) are skipped and listed in :attr:`SourceSet.skipped` for a warning.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
+import hashlib
 import posixpath
-import stat
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from stager.errors import SourceError, UsageError
-from stager.layout import SHARD_SUFFIXES, dataset_name, is_shard_name
+from stager.layout import SHARD_SUFFIXES, canonical_spec, dataset_name, is_shard_name
 from stager.patterns import expand_pattern, is_pattern
+from stager.storage.listing import (
+    DIRECTORY,
+    OTHER,
+    Info,
+    display,
+    fsspec_view,
+    info_of,
+    protocol_of,
+    read_list,
+    split_fs,
+    stat_many,
+    stat_one,
+    translate,
+    walk_local,
+)
 from stager.storage.paths import safe_relpath
-from stager.storage.workers import map_in_threads
 
 if TYPE_CHECKING:
     import fsspec
@@ -34,11 +46,12 @@ __all__ = [
     "SourceSet",
     "resolve_source",
     "fill_sizes",
+    "protocol_of",
     "SHARD_SUFFIXES",
     "is_shard_name",
 ]
 
-_GLOB_CHARS = set("*?[")
+_GLOB_CHARS = "*?["
 
 
 @dataclass(frozen=True)
@@ -49,17 +62,21 @@ class SourceShard:
     path: str  # the path as the filesystem object understands it
     relpath: str  # POSIX path under DEST/<name>/
     size: int | None  # None when the listing could not tell; the copy finds out
+    version: str | None = None  # stager.storage.identity: changes when the bytes may have
 
 
 @dataclass(frozen=True)
 class SourceSet:
     """The resolved source: its root, its shards and, for a URL, its fsspec filesystem."""
 
-    root_url: str
+    root_url: str  # the absolute root the relpaths hang from (a URL for remote sources)
     name: str
     shards: tuple[SourceShard, ...]
     missing: tuple[str, ...] = ()  # URLs named explicitly (brace/list) that do not exist
     remote_fs: fsspec.AbstractFileSystem | None = None  # None: a local path (NFS mounts too)
+    spec: str = ""  # stager.layout.canonical_spec of what was asked for: same spec, same set
+    skipped: tuple[str, ...] = ()  # entries that are not regular files (FIFOs, devices)
+    walked: bool = False  # a whole directory: every shard under the root belongs to the set
 
     @property
     def is_local(self) -> bool:
@@ -72,63 +89,17 @@ class SourceSet:
     @property
     def fs(self) -> fsspec.AbstractFileSystem:
         """fsspec's view of the source (for a local path, built on first use)."""
-        return _fsspec_view(self.remote_fs)
+        return fsspec_view(self.remote_fs)
 
     @property
     def total_bytes(self) -> int:
         return sum(s.size or 0 for s in self.shards)
 
 
-def protocol_of(fs: fsspec.AbstractFileSystem) -> str:
-    """The filesystem's main protocol name (``"file"`` for fsspec's local filesystem)."""
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    return "file" if protocol == "local" else protocol
-
-
-def _display(fs: fsspec.AbstractFileSystem | None, path: str) -> str:
-    return path if fs is None or protocol_of(fs) == "file" else fs.unstrip_protocol(path)
-
-
-def _translate(exc: Exception, url: str) -> SourceError:
-    if isinstance(exc, FileNotFoundError):
-        return SourceError(f"source not found: {url}; check the path (is the filesystem mounted?)")
-    if isinstance(exc, PermissionError):
-        return SourceError(
-            f"source not readable: {url} (permission denied); check its mode and owner"
-        )
-    return SourceError(f"cannot list source {url}: {exc}; check the URL and credentials")
-
-
-def _walk_local(root: str) -> list[str]:
-    """Shard file names under ``root``, sorted, from directory reads only (no stat per file)."""
-    found, pending = [], [root]
-    while pending:
-        directory = pending.pop()
-        with os.scandir(directory) as entries:
-            for entry in entries:
-                # Shard-like names are taken without asking is_dir(): where readdir gives no file
-                # type (FUSE, some NFS), each is_dir() is a serial stat round trip. The parallel
-                # stat that follows drops the rare directory named like a shard.
-                if is_shard_name(entry.name):
-                    found.append(entry.path)
-                elif entry.is_dir(follow_symlinks=False):
-                    pending.append(entry.path)
-    return sorted(found)
-
-
-def _has_glob(text: str) -> bool:
-    return any(c in _GLOB_CHARS for c in text)
-
-
 def _common_dir(paths: list[str]) -> str:
     dirs = [posixpath.dirname(p) for p in paths]
-    common = (
-        posixpath.commonpath(dirs) if all(d.startswith("/") for d in dirs) else _prefix_dir(dirs)
-    )
-    return common
-
-
-def _prefix_dir(dirs: list[str]) -> str:
+    if all(d.startswith("/") for d in dirs):
+        return posixpath.commonpath(dirs)
     split = [d.split("/") for d in dirs]
     out: list[str] = []
     for parts in zip(*split, strict=False):  # stops at the shortest path
@@ -138,24 +109,29 @@ def _prefix_dir(dirs: list[str]) -> str:
     return "/".join(out)
 
 
-def _local_info(path: str) -> dict:
-    """``fs.info``'s two fields that listing needs, from one ``os.stat``."""
-    st = os.stat(path)
-    return {"size": st.st_size, "type": "directory" if stat.S_ISDIR(st.st_mode) else "file"}
+def _relpath(path: str, root: str) -> str:
+    return safe_relpath(posixpath.relpath(path, root) if root else path)
 
 
-def _stat_many(
-    fs: fsspec.AbstractFileSystem | None, paths: list[str], jobs: int
-) -> list[dict | None]:
-    """``fs.info`` for each path, in parallel because each is a metadata round trip on NFS."""
+def _unique(shards: Sequence[SourceShard]) -> tuple[SourceShard, ...]:
+    """Collapse entries naming the same file; refuse two files that would land on one path."""
+    by_relpath: dict[str, SourceShard] = {}
+    out: list[SourceShard] = []
+    for shard in shards:
+        seen = by_relpath.get(shard.relpath)
+        if seen is None:
+            by_relpath[shard.relpath] = shard
+            out.append(shard)
+        elif posixpath.normpath(seen.path) != posixpath.normpath(shard.path):
+            raise UsageError(
+                f"two source files would be staged as {shard.relpath!r}: {seen.url!r} and "
+                f"{shard.url!r}; stage them as separate datasets or rename one"
+            )
+    return tuple(out)
 
-    def info(path: str) -> dict | None:
-        try:
-            return _local_info(path) if fs is None else fs.info(path)
-        except FileNotFoundError:
-            return None
 
-    return map_in_threads(info, paths, jobs, name="stat")
+def _shard(fs: fsspec.AbstractFileSystem | None, path: str, root: str, info: Info) -> SourceShard:
+    return SourceShard(display(fs, path), path, _relpath(path, root), info.size, info.version)
 
 
 def _from_paths(
@@ -164,100 +140,118 @@ def _from_paths(
     root: str,
     name: str,
     jobs: int,
-    root_url: str,
+    spec: str,
 ) -> SourceSet:
     """Stat ``paths`` (named by the user) in parallel; those that do not exist are ``missing``."""
-    infos = _stat_many(fs, paths, jobs)
-    shards, missing = [], []
-    for path, info in zip(paths, infos, strict=True):
-        if info is None or info.get("type") == "directory":
-            missing.append(_display(fs, path))
-            continue
-        rel = posixpath.relpath(path, root) if root else path
-        shards.append(
-            SourceShard(_display(fs, path), path, safe_relpath(rel), int(info.get("size") or 0))
-        )
-    return SourceSet(root_url, name, tuple(shards), tuple(missing), fs)
+    unique = list(dict.fromkeys(paths))  # a name listed twice is one shard
+    infos = stat_many(fs, unique, jobs)
+    shards, missing, skipped = [], [], []
+    for path, info in zip(unique, infos, strict=True):
+        if info is None or info.kind == DIRECTORY:
+            missing.append(display(fs, path))
+        elif info.kind == OTHER:
+            skipped.append(display(fs, path))
+        else:
+            shards.append(_shard(fs, path, root, info))
+    return SourceSet(
+        display(fs, root or "/"), name, _unique(shards), tuple(missing), fs, spec, tuple(skipped)
+    )
 
 
 def fill_sizes(
-    source: SourceSet, shards: Sequence[SourceShard], jobs: int, *, known: Container[str] = ()
+    source: SourceSet,
+    shards: Sequence[SourceShard],
+    jobs: int,
+    *,
+    known: Container[str] = (),
+    skipped: list[str] | None = None,
 ) -> list[SourceShard]:
     """``shards`` with every unknown size stat'ed (in parallel), except relpaths in ``known``.
 
     For shards from a directory walk (:func:`resolve_source` with ``stat_listed=False``): one
     that vanished since the listing, or turned out to be a directory, is dropped, as the walk
-    would have dropped it.
+    would have dropped it; one that is not a regular file is dropped and its URL appended to
+    ``skipped``, for the caller's warning.
     """
     todo = [i for i, s in enumerate(shards) if s.size is None and s.relpath not in known]
     if not todo:
         return list(shards)
-    infos = _stat_many(source.remote_fs, [shards[i].path for i in todo], jobs)
-    sized: dict[int, dict | None] = dict(zip(todo, infos, strict=True))
+    paths = [shards[i].path for i in todo]
+    infos = dict(zip(todo, stat_many(source.remote_fs, paths, jobs), strict=True))
     out = []
     for i, shard in enumerate(shards):
-        if i not in sized:
+        if i not in infos:
             out.append(shard)
             continue
-        info = sized[i]
-        if info is None or info.get("type") == "directory":
+        info = infos[i]
+        if info is None or info.kind == DIRECTORY:
             continue
-        out.append(dataclasses.replace(shard, size=int(info.get("size") or 0)))
+        if info.kind == OTHER:
+            if skipped is not None:
+                skipped.append(shard.url)
+            continue
+        out.append(dataclasses.replace(shard, size=info.size, version=info.version))
     return out
 
 
-def _fsspec_view(fs: fsspec.AbstractFileSystem | None) -> fsspec.AbstractFileSystem:
-    """``fs`` itself, or fsspec's local filesystem for a local path (None), imported only now."""
-    if fs is not None:
-        return fs
-    from fsspec.implementations.local import LocalFileSystem
-
-    return LocalFileSystem()
-
-
-def _common_url(fs: fsspec.AbstractFileSystem | None, root: str) -> str:
-    """The root of a list of shards, as a URL, for the report and the staged manifest."""
-    return _display(fs, root)
+def _list_urls(urls: list[str], name: str, jobs: int, spec: str, where: str) -> SourceSet:
+    fs, _ = split_fs(urls[0])
+    paths = []
+    for url in urls:
+        other_fs, path = split_fs(url)
+        if type(other_fs) is not type(fs):
+            raise UsageError(f"{where} mixes filesystems ({url}); use one list per filesystem")
+        paths.append(path)
+    return _from_paths(fs, paths, _common_dir(paths), name, jobs, spec)
 
 
-def _local_path(path: str) -> str:
-    """Absolute, as fsspec makes local paths, but not normalized: a ``..`` in a list entry must
-    survive so that the relative-path check refuses it rather than the listing hiding it."""
-    path = os.path.expanduser(path)
-    if not path.startswith("/"):
-        path = os.getcwd().rstrip("/") + "/" + (path[2:] if path.startswith("./") else path)
-    return path.rstrip("/") or "/"
-
-
-def _split_fs(url: str) -> tuple[fsspec.AbstractFileSystem | None, str]:
-    """``(filesystem, path)`` for a URL; ``(None, absolute path)`` for a local path."""
-    if url.startswith("file://"):
-        url = url[len("file://") :]
-    if "://" not in url and "::" not in url:
-        return None, _local_path(url)
-    from fsspec.core import url_to_fs
-
+def _glob(spec: str, fs: fsspec.AbstractFileSystem | None, path: str, name: str) -> SourceSet:
     try:
-        fs, path = url_to_fs(url)
-    except (ImportError, ValueError) as exc:
-        raise UsageError(
-            f"cannot open {url!r}: {exc}; install the fsspec backend (e.g. s3fs)"
-        ) from exc
-    return (None, path) if protocol_of(fs) == "file" else (fs, path)
-
-
-def _read_list(list_url: str) -> list[str]:
-    import fsspec
-
-    try:
-        with fsspec.open(list_url, "rt") as handle:
-            lines = handle.read().splitlines()
+        matches = sorted(fsspec_view(fs).glob(path, detail=True).items())  # fsspec's glob rules
     except Exception as exc:  # noqa: BLE001 - translated at this boundary
-        raise _translate(exc, list_url) from exc
-    urls = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
-    if not urls:
-        raise UsageError(f"list file {list_url} names no shards")
-    return urls
+        raise translate(exc, spec) from exc
+    infos = [(p, info_of(info)) for p, info in matches]
+    files = [(p, info) for p, info in infos if info.kind != DIRECTORY]
+    if not files:
+        raise SourceError(f"source not found: no file matches {spec}; check the pattern")
+    fixed = path[: min(path.index(c) for c in _GLOB_CHARS if c in path)]
+    root = fixed if fixed.endswith("/") else posixpath.dirname(fixed)
+    shards = [_shard(fs, p, root, info) for p, info in files if info.kind != OTHER]
+    skipped = tuple(display(fs, p) for p, info in files if info.kind == OTHER)
+    spec_id = canonical_spec(spec)
+    return SourceSet(display(fs, root), name, _unique(shards), (), fs, spec_id, skipped)
+
+
+def _walk(
+    spec: str, fs: fsspec.AbstractFileSystem | None, root: str, name: str, jobs: int, stat: bool
+) -> SourceSet:
+    spec_id = canonical_spec(spec)
+    if fs is None:
+        # NFS answers each stat with a round trip: list names (readdir) serially, stat in parallel.
+        try:
+            names = walk_local(root)
+        except OSError as exc:
+            raise translate(exc, spec) from exc
+        walked = tuple(SourceShard(p, p, _relpath(p, root), None) for p in names)
+        result = SourceSet(root, name, walked, spec=spec_id, walked=True)
+        if stat:
+            others: list[str] = []
+            kept = fill_sizes(result, walked, jobs, skipped=others)
+            result = dataclasses.replace(result, shards=tuple(kept), skipped=tuple(others))
+    else:
+        try:
+            found = fs.find(root, detail=True)
+        except Exception as exc:  # noqa: BLE001 - translated at this boundary
+            raise translate(exc, spec) from exc
+        infos = [(p, info_of(i)) for p, i in sorted(found.items()) if is_shard_name(p)]
+        shards = tuple(
+            _shard(fs, p, root, info) for p, info in infos if info.kind not in (DIRECTORY, OTHER)
+        )
+        skipped = tuple(display(fs, p) for p, info in infos if info.kind == OTHER)
+        result = SourceSet(display(fs, root), name, shards, (), fs, spec_id, skipped, walked=True)
+    if not result.shards:
+        raise SourceError(f"no shards (*.tar, *.tgz, *.tar.gz) under {spec}; check the directory")
+    return result
 
 
 def resolve_source(
@@ -268,122 +262,55 @@ def resolve_source(
     jobs: int = 16,
     stat_listed: bool = True,
 ) -> SourceSet:
-    """Resolve a stage-in source into shards with sizes.
-
-    ``stat_listed=False``: shards found by walking a local directory keep ``size=None`` and are
-    not stat'ed here; the caller sizes them with :func:`fill_sizes` after consulting a manifest,
-    which saves a metadata round trip per shard that the manifest already describes.
+    """Resolve a stage-in source into shards with sizes and versions.
 
     ``spec`` is a directory, a glob, a brace pattern (``train-{000000..000099}.tar``) or a single
     file, each optionally an fsspec URL, or a list of shard URLs; ``from_list`` is a file listing
     URLs instead. The dataset's name is ``name``, else :func:`stager.layout.dataset_name` of the
     spec (or of the listed URLs), the rule the loader looks the staged copy up by.
+
+    ``stat_listed=False``: shards found by walking a local directory keep ``size=None`` and are
+    not stat'ed here; the caller sizes them with :func:`fill_sizes` after consulting a manifest,
+    which saves a metadata round trip per shard that the manifest already describes.
     Raises :class:`SourceError` when the source does not exist or lists no shards.
     """
     if (spec is None) == (from_list is None):
         raise UsageError("give exactly one of SOURCE or --from-list")
-    urls: list[str] | None = None
     if from_list is not None:
-        urls = _read_list(from_list)
-    elif not isinstance(spec, str):
+        urls = read_list(from_list)
+        spec_id = canonical_spec(from_list, listed=True)
+        return _list_urls(urls, name or dataset_name(urls), jobs, spec_id, f"list {from_list}")
+    if not isinstance(spec, str):
         urls = list(spec or ())
         if not urls:
             raise UsageError("an empty list of shard URLs names no dataset")
-    name = name or dataset_name(urls if urls is not None else spec)  # type: ignore[arg-type]
-    if urls is not None:
-        fs, _ = _split_fs(urls[0])
-        paths = []
-        for url in urls:
-            other_fs, path = _split_fs(url)
-            if type(other_fs) is not type(fs):
-                raise UsageError(
-                    f"list {from_list or 'of shards'} mixes filesystems ({url}); use one list per "
-                    "filesystem"
-                )
-            paths.append(path)
-        root = _common_dir(paths)
-        return _from_paths(fs, paths, root, name, jobs, from_list or _common_url(fs, root))
-
-    assert isinstance(spec, str)
+        digest = hashlib.sha256("\n".join(canonical_spec(u) for u in urls).encode()).hexdigest()
+        return _list_urls(urls, name or dataset_name(urls), jobs, f"urls:{digest[:32]}", "the list")
+    name = name or dataset_name(spec)
     if is_pattern(spec):
         expanded = expand_pattern(spec)
-        fs, _ = _split_fs(expanded[0])
-        paths = [_split_fs(u)[1] for u in expanded]
-        root = _common_dir(paths)
-        result = _from_paths(fs, paths, root, name, jobs, spec)
-        if not result.shards:
+        fs, _ = split_fs(expanded[0])
+        paths = [split_fs(u)[1] for u in expanded]
+        result = _from_paths(fs, paths, _common_dir(paths), name, jobs, canonical_spec(spec))
+        if not result.shards and not result.skipped:
             raise SourceError(
                 f"source not found: none of the {len(paths)} files of {spec} exist; check the "
                 "pattern"
             )
         return result
-
-    fs, path = _split_fs(spec)
-    if _has_glob(path):
-        try:
-            matches = sorted(
-                _fsspec_view(fs).glob(path, detail=True).items()
-            )  # fsspec's glob rules
-        except Exception as exc:  # noqa: BLE001 - translated at this boundary
-            raise _translate(exc, spec) from exc
-        files = [(p, info) for p, info in matches if info.get("type") != "directory"]
-        if not files:
-            raise SourceError(f"source not found: no file matches {spec}; check the pattern")
-        fixed = path[: min(path.index(c) for c in _GLOB_CHARS if c in path)]
-        root = fixed if fixed.endswith("/") else posixpath.dirname(fixed)
-        shards = tuple(
-            SourceShard(
-                _display(fs, p),
-                p,
-                safe_relpath(posixpath.relpath(p, root)),
-                int(info.get("size") or 0),
-            )
-            for p, info in files
-        )
-        return SourceSet(spec, name, shards, remote_fs=fs)
-
+    fs, path = split_fs(spec)
+    if any(c in path for c in _GLOB_CHARS):
+        return _glob(spec, fs, path, name)
     try:
-        info = _local_info(path) if fs is None else fs.info(path)
+        info = stat_one(fs, path)
     except Exception as exc:  # noqa: BLE001 - translated at this boundary
-        raise _translate(exc, spec) from exc
-    if info.get("type") != "directory":
-        root = posixpath.dirname(path)
-        shard = SourceShard(
-            _display(fs, path),
-            path,
-            safe_relpath(posixpath.basename(path)),
-            int(info.get("size") or 0),
-        )
-        return SourceSet(spec, name, (shard,), remote_fs=fs)
-    root = path.rstrip("/")
-    if fs is None:
-        # NFS answers each stat with a round trip: list names (readdir) serially, stat in parallel.
-        try:
-            names = _walk_local(root)
-        except OSError as exc:
-            raise _translate(exc, spec) from exc
-        shards = tuple(
-            SourceShard(p, p, safe_relpath(posixpath.relpath(p, root)), None) for p in names
-        )
-        result = SourceSet(spec, name, shards)
-        if stat_listed:
-            result = dataclasses.replace(result, shards=tuple(fill_sizes(result, shards, jobs)))
-        if not result.shards:
-            raise SourceError(
-                f"no shards (*.tar, *.tgz, *.tar.gz) under {spec}; check the directory"
-            )
-        return result
-    try:
-        found = fs.find(path, detail=True)
-    except Exception as exc:  # noqa: BLE001 - translated at this boundary
-        raise _translate(exc, spec) from exc
-    shards = tuple(
-        SourceShard(
-            _display(fs, p), p, safe_relpath(posixpath.relpath(p, root)), int(info.get("size") or 0)
-        )
-        for p, info in sorted(found.items())
-        if is_shard_name(p) and info.get("type") != "directory"
-    )
-    if not shards:
-        raise SourceError(f"no shards (*.tar, *.tgz, *.tar.gz) under {spec}; check the directory")
-    return SourceSet(spec, name, shards, remote_fs=fs)
+        raise translate(exc, spec) from exc
+    if info is None:
+        raise translate(FileNotFoundError(path), spec)
+    if info.kind == DIRECTORY:
+        return _walk(spec, fs, path.rstrip("/") or "/", name, jobs, stat_listed)
+    root = posixpath.dirname(path)
+    if info.kind == OTHER:
+        raise SourceError(f"source {spec} is not a regular file (a FIFO or device?); refused")
+    shard = _shard(fs, path, root, info)
+    return SourceSet(display(fs, root), name, (shard,), (), fs, canonical_spec(spec))

@@ -222,8 +222,8 @@ def run(args: argparse.Namespace) -> int:
             report = stage_in(source, options, slurm=slurm, select=select)
     except Exception as exc:
         report = getattr(exc, "report", None)
-        if report is not None:
-            _tell(report, args)
+        if report is not None and (report.files_total or report.failures):
+            _tell(report, args)  # what was done before the error; nothing to say if refused early
         raise
     _tell(report, args)
     return 0

@@ -1,0 +1,74 @@
+"""A line per published shard, so a run killed before its manifest still leaves its identity.
+
+A staged file is trusted only with the source version it was copied from (see
+:mod:`stager.storage.identity`); the staged manifest records that at the end of a run. A run
+killed with ``kill -9`` (a preemption, a time limit) never gets there, so each copy appends its
+entry here right after its rename, and the next run reads the manifest and then this journal,
+the newer facts winning. A kill between the rename and the append loses one line: that shard is
+copied again, never trusted without its version. A line cut by a kill is ignored. The journal
+is removed once the manifest holding its entries is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+from stager.shards.manifest import ManifestEntry
+
+__all__ = ["Journal"]
+
+
+class Journal:
+    """Appends :class:`ManifestEntry` lines to ``path``; thread-safe, one ``write`` per line."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._lock = threading.Lock()
+        self._fd: int | None = None
+
+    def record(self, entry: ManifestEntry) -> None:
+        """Append ``entry`` (best effort: without it the shard is only copied again)."""
+        line = json.dumps(
+            [entry.relpath, entry.size, entry.hash, entry.samples, entry.version]
+        ).encode()
+        with self._lock:
+            try:
+                if self._fd is None:
+                    self.path.parent.mkdir(parents=True, exist_ok=True)
+                    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+                    self._fd = os.open(self.path, flags, 0o600)
+                os.write(self._fd, line + b"\n")  # O_APPEND: whole lines from every thread
+            except OSError:
+                pass
+
+    def read(self) -> dict[str, ManifestEntry]:
+        """The entries recorded, by relpath, the last one of each winning."""
+        out: dict[str, ManifestEntry] = {}
+        try:
+            text = self.path.read_bytes().decode("utf-8", "replace")
+        except OSError:
+            return out
+        for line in text.splitlines():
+            try:
+                relpath, size, digest, samples, version = json.loads(line)
+                out[relpath] = ManifestEntry(relpath, int(size), digest, samples, version)
+            except (ValueError, TypeError):
+                continue  # cut by a kill mid-write
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+    def remove(self) -> None:
+        """Forget the journal: its entries are in the staged manifest now."""
+        self.close()
+        try:
+            self.path.unlink()
+        except OSError:
+            pass

@@ -1,0 +1,166 @@
+"""Asking a source what it holds: walking, globbing and stat'ing, local or through fsspec.
+
+A plain path (``/nfs/ds``, ``file://``) is walked and stat'ed with ``os`` directly; fsspec is
+imported only for a URL or when something asks for fsspec's view of a local path: importing it
+(asyncio included) costs ~0.1 s, which every node's prologue would pay for nothing. Listing
+errors become :class:`~stager.errors.SourceError` here, once.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from stager.errors import SourceError, UsageError
+from stager.layout import is_shard_name
+from stager.storage.identity import local_version, remote_version
+from stager.storage.workers import map_in_threads
+
+if TYPE_CHECKING:
+    import fsspec
+
+__all__ = [
+    "Info",
+    "FILE",
+    "DIRECTORY",
+    "OTHER",
+    "protocol_of",
+    "display",
+    "translate",
+    "walk_local",
+    "stat_one",
+    "stat_many",
+    "info_of",
+    "split_fs",
+    "read_list",
+    "fsspec_view",
+]
+
+FILE, DIRECTORY, OTHER = "file", "directory", "other"  # OTHER: FIFO, socket, device
+
+
+@dataclass(frozen=True)
+class Info:
+    """What one stat of a source entry says: its kind, size and version token."""
+
+    kind: str  # FILE, DIRECTORY or OTHER
+    size: int
+    version: str | None
+
+
+def protocol_of(fs: fsspec.AbstractFileSystem) -> str:
+    """The filesystem's main protocol name (``"file"`` for fsspec's local filesystem)."""
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return "file" if protocol == "local" else protocol
+
+
+def display(fs: fsspec.AbstractFileSystem | None, path: str) -> str:
+    """The path as a user reads it: plain for local files, a full URL for remote ones."""
+    return path if fs is None or protocol_of(fs) == "file" else fs.unstrip_protocol(path)
+
+
+def translate(exc: BaseException, url: str) -> SourceError:
+    if isinstance(exc, FileNotFoundError):
+        return SourceError(f"source not found: {url}; check the path (is the filesystem mounted?)")
+    if isinstance(exc, PermissionError):
+        return SourceError(
+            f"source not readable: {url} (permission denied); check its mode and owner"
+        )
+    return SourceError(f"cannot list source {url}: {exc}; check the URL and credentials")
+
+
+def walk_local(root: str) -> list[str]:
+    """Shard file names under ``root``, sorted, from directory reads only (no stat per file)."""
+    found, pending = [], [root]
+    while pending:
+        directory = pending.pop()
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                # Shard-like names are taken without asking is_dir(): where readdir gives no file
+                # type (FUSE, some NFS), each is_dir() is a serial stat round trip. The parallel
+                # stat that follows drops the rare directory named like a shard.
+                if is_shard_name(entry.name):
+                    found.append(entry.path)
+                elif entry.is_dir(follow_symlinks=False):
+                    pending.append(entry.path)
+    return sorted(found)
+
+
+def info_of(info: dict[str, Any]) -> Info:
+    """:class:`Info` from an fsspec ``info`` dict."""
+    kind = info.get("type")
+    kind = DIRECTORY if kind == "directory" else FILE if kind in ("file", None) else OTHER
+    return Info(kind, int(info.get("size") or 0), remote_version(info))
+
+
+def stat_one(fs: fsspec.AbstractFileSystem | None, path: str) -> Info | None:
+    """One stat (None: not found). A local path is stat'ed with ``os``, following symlinks."""
+    try:
+        if fs is not None:
+            return info_of(fs.info(path))
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISDIR(st.st_mode):
+        return Info(DIRECTORY, 0, None)
+    kind = FILE if stat.S_ISREG(st.st_mode) else OTHER
+    return Info(kind, st.st_size, local_version(st))
+
+
+def stat_many(
+    fs: fsspec.AbstractFileSystem | None, paths: list[str], jobs: int
+) -> list[Info | None]:
+    """:func:`stat_one` of each path, in parallel because each is a round trip on NFS."""
+    return map_in_threads(lambda path: stat_one(fs, path), paths, jobs, name="stat")
+
+
+def _local_path(path: str) -> str:
+    """Absolute, as fsspec makes local paths, but not normalized: a ``..`` in a list entry must
+    survive so that the relative-path check refuses it rather than the listing hiding it."""
+    path = os.path.expanduser(path)
+    if not path.startswith("/"):
+        path = os.getcwd().rstrip("/") + "/" + (path[2:] if path.startswith("./") else path)
+    return path.rstrip("/") or "/"
+
+
+def split_fs(url: str) -> tuple[fsspec.AbstractFileSystem | None, str]:
+    """``(filesystem, path)`` for a URL; ``(None, absolute path)`` for a local path."""
+    if url.startswith("file://"):
+        url = url[len("file://") :]
+    if "://" not in url and "::" not in url:
+        return None, _local_path(url)
+    from fsspec.core import url_to_fs
+
+    try:
+        fs, path = url_to_fs(url)
+    except (ImportError, ValueError) as exc:
+        raise UsageError(
+            f"cannot open {url!r}: {exc}; install the fsspec backend (e.g. s3fs)"
+        ) from exc
+    return (None, path) if protocol_of(fs) == "file" else (fs, path)
+
+
+def read_list(list_url: str) -> list[str]:
+    """The shard URLs of a list file: one per line, blank lines and ``#`` comments skipped."""
+    import fsspec
+
+    try:
+        with fsspec.open(list_url, "rt") as handle:
+            lines = handle.read().splitlines()
+    except Exception as exc:  # noqa: BLE001 - translated at this boundary
+        raise translate(exc, list_url) from exc
+    urls = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+    if not urls:
+        raise UsageError(f"list file {list_url} names no shards")
+    return urls
+
+
+def fsspec_view(fs: fsspec.AbstractFileSystem | None) -> fsspec.AbstractFileSystem:
+    """``fs`` itself, or fsspec's local filesystem for a local path (None), imported only now."""
+    if fs is not None:
+        return fs
+    from fsspec.implementations.local import LocalFileSystem
+
+    return LocalFileSystem()
