@@ -17,6 +17,11 @@ import torch
 from torch.utils.data import DataLoader
 
 import stager_loaders
+from stager.errors import IntegrityError
+from stager.shards.synth import SyntheticSpec, sample_key, sample_label, write_synthetic_dataset
+from stager.slurm import SlurmEnv
+from stager.stagein.run import StageInOptions, stage_in, staged_manifest_path
+from stager.storage.sources import resolve_source
 from stager_loaders import (
     LoaderOptions,
     ResumeMismatch,
@@ -24,11 +29,6 @@ from stager_loaders import (
     capture_rng_state,
     restore_rng_state,
 )
-from stager.errors import IntegrityError
-from stager.shards.synth import SyntheticSpec, sample_key, sample_label, write_synthetic_dataset
-from stager.slurm import SlurmEnv
-from stager.stagein.run import StageInOptions, stage_in, staged_manifest_path
-from stager.storage.sources import resolve_source
 
 from .conftest import REPO, clean_env, run_cli
 
@@ -53,12 +53,14 @@ def keys_of(loader: ShardedLoader) -> list[str]:
 
 def test_public_api_is_pinned_and_planner_is_torch_free() -> None:
     assert sorted(stager_loaders.__all__) == [
+        "CsvMetrics",
         "LoaderMetrics",
         "LoaderOptions",
         "LoaderState",
         "PlanOptions",
         "ResumeMismatch",
         "ShardedLoader",
+        "TensorBoardMetrics",
         "WorldLayout",
         "capture_rng_state",
         "restore_rng_state",
