@@ -390,7 +390,10 @@ def test_memory_url_round_trip_uses_the_commit_marker(tmp_path: Path) -> None:
 
 
 def test_import_stager_stageout_does_not_import_torch() -> None:
-    code = "import sys, stager, stager.stageout.run, stager.stageout.restore, stager.cli.commands.stage_out; print('torch' in sys.modules)"
+    code = (
+        "import sys, stager, stager.stageout.run, stager.stageout.restore, "
+        "stager.cli.commands.stage_out; print('torch' in sys.modules)"
+    )
     out = subprocess.run(
         [str(BIN / "python"), "-c", code],
         capture_output=True,
