@@ -13,18 +13,22 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 __all__ = [
+    "CsvMetrics",
     "LoaderMetrics",
     "LoaderOptions",
     "LoaderState",
     "PlanOptions",
     "ResumeMismatch",
     "ShardedLoader",
+    "TensorBoardMetrics",
     "WorldLayout",
     "capture_rng_state",
     "restore_rng_state",
 ]
 
 _HOME = {
+    "CsvMetrics": "metrics_export",
+    "TensorBoardMetrics": "metrics_export",
     "LoaderMetrics": "metrics",
     "LoaderOptions": "loader",
     "ShardedLoader": "loader",
@@ -41,6 +45,7 @@ if TYPE_CHECKING:
     from stager.plan.ranks import PlanOptions, WorldLayout
     from stager_loaders.loader import LoaderOptions, ShardedLoader
     from stager_loaders.metrics import LoaderMetrics
+    from stager_loaders.metrics_export import CsvMetrics, TensorBoardMetrics
     from stager_loaders.rng import capture_rng_state, restore_rng_state
     from stager_loaders.state import LoaderState
 

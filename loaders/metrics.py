@@ -3,7 +3,8 @@
 The wait of a step is the time from the training loop asking for the next batch until it
 arrives; the rest of the step is the model's. A data-bound job shows a wait fraction well above
 zero; a compute-bound one shows near-zero waits because workers prefetch ahead. Logged every
-``log_every`` steps on the ``loaders`` logger, and available as a dict for any tracker.
+``log_every`` steps on the ``loaders`` logger, available as a dict for any tracker, and sent
+to attached writers (CSV, TensorBoard: :mod:`stager_loaders.metrics_export`).
 """
 
 from __future__ import annotations
@@ -11,23 +12,52 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-__all__ = ["LoaderMetrics", "batch_length"]
+__all__ = ["LoaderMetrics", "MetricsWriter", "batch_length"]
 
 log = logging.getLogger("stager_loaders")
 
 
-def batch_length(batch: Any) -> int:
-    """Samples in a collated batch: dict (``__key__`` or any field), tuple/list, or tensor."""
-    if isinstance(batch, dict):
-        value = batch.get("__key__", next(iter(batch.values()), ()))
+def _sized(value: Any) -> int | None:
+    """``len(value)`` when it has one; None for scalars, 0-d tensors and arrays, strings."""
+    if isinstance(value, (str, bytes)):
+        return None
+    try:
         return len(value)
-    if isinstance(batch, (tuple, list)) and batch:
-        first = batch[0]
-        return len(first) if hasattr(first, "__len__") else len(batch)
-    return len(batch) if hasattr(batch, "__len__") else 1
+    except TypeError:  # no __len__, or a 0-d tensor/array, which has one that raises
+        return None
+
+
+def batch_length(batch: Any) -> int:
+    """Samples in a collated batch: dict (``__key__`` or the first sized field), tuple/list, or
+    tensor; 1 when nothing in it has a length.
+
+    Total on purpose: it runs on every batch whatever the user's ``collate_fn`` returns (a dict
+    whose first value is a number, a custom object), and a metric must never stop training.
+    """
+    if isinstance(batch, Mapping):
+        fields = [batch["__key__"]] if "__key__" in batch else []
+        fields += list(batch.values())
+    elif isinstance(batch, (tuple, list)):
+        fields = list(batch)
+        if fields and _sized(fields[0]) is None:
+            return len(fields)  # a list of samples, not of columns
+    else:
+        fields = [batch]
+    for value in fields:
+        length = _sized(value)
+        if length is not None:
+            return length
+    return 1
+
+
+class MetricsWriter(Protocol):
+    """Where :meth:`LoaderMetrics.attach` sends the metrics: CSV, TensorBoard, a tracker."""
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None: ...
 
 
 @dataclass
@@ -41,6 +71,18 @@ class LoaderMetrics:
     wait_s: float = 0.0
     _started: float | None = field(default=None, init=False, repr=False)
     _recent: deque = field(default_factory=deque, init=False, repr=False)  # (wait_s, samples, at)
+    _writers: list = field(default_factory=list, init=False, repr=False)  # (writer, every_steps)
+
+    def attach(self, writer: MetricsWriter, every_steps: int = 100) -> None:
+        """Send :meth:`as_dict` to ``writer.write(step, metrics)`` every ``every_steps`` batches.
+
+        ``step`` counts the batches this loader delivered since it was created. To log against
+        the training loop's own step instead, call ``writer.write(step, loader.metrics.as_dict())``
+        yourself.
+        """
+        if every_steps < 1:
+            raise ValueError(f"every_steps must be at least 1, not {every_steps}")
+        self._writers.append((writer, every_steps))
 
     def start_epoch(self) -> None:
         if self._started is None:
@@ -56,6 +98,9 @@ class LoaderMetrics:
         self._recent.append((wait_s, samples, now))
         while len(self._recent) > self.window:
             self._recent.popleft()
+        for writer, every_steps in self._writers:
+            if self.steps % every_steps == 0:
+                writer.write(self.steps, self.as_dict())
         if self.log_every and self.steps % self.log_every == 0:
             m = self.as_dict()
             log.info(

@@ -2,11 +2,30 @@
 
 Kept apart from the readers so the staged (random-access) and streaming paths produce the
 same batches from the same arguments.
+
+What a decode spec gives (webdataset's image specs; ``.npy`` members hold arrays, which are
+returned as stored whatever the spec, so for images saved as ``.npy`` pick ``"rgb8"``, whose
+layout they usually already have):
+
+==============  ========================================  =================================
+spec            a .jpg/.jpeg/.png/.webp member            batch (images of one size)
+==============  ========================================  =================================
+``"rgb8"``      numpy uint8 HxWx3                         uint8 tensor [B, H, W, 3]
+``"torchrgb8"`` torch uint8 3xHxW                         uint8 tensor [B, 3, H, W]
+``"torchrgb"``  torch float32 3xHxW in [0, 1]             float32 tensor [B, 3, H, W]
+``"rgb"``       numpy float32 HxWx3 in [0, 1]             float32 tensor [B, H, W, 3]
+``"l8"``        numpy uint8 HxW (grey)                    uint8 tensor [B, H, W]
+``"pil"``       PIL.Image (RGB)                           list of B PIL images
+==============  ========================================  =================================
+
+Images of different sizes collate to a list of tensors, never a padded tensor. ``.cls`` becomes
+an int (an int64 tensor per batch), ``.json`` a Python object, ``.txt`` a str.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import numbers
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,9 +35,28 @@ from torch.utils.data import default_collate
 
 from stager.errors import UsageError
 
-__all__ = ["SamplePipeline", "DecodeSpec", "make_decoder", "select_fields", "collate_samples"]
+__all__ = [
+    "SamplePipeline",
+    "DecodeSpec",
+    "make_decoder",
+    "decode_sample",
+    "select_fields",
+    "collate_samples",
+    "INSTALL_HINTS",
+]
 
 DecodeSpec = str | Callable[[dict[str, Any]], dict[str, Any]] | None
+
+#: Modules that webdataset's decoders import on first use, and the pip package providing each.
+INSTALL_HINTS = {
+    "PIL": "Pillow",
+    "msgpack": "msgpack",
+    "cbor": "cbor",
+    "torchvision": "torchvision",
+    "torchaudio": "torchaudio",
+    "av": "av",
+    "imageio": "imageio",
+}
 
 
 def make_decoder(decode: DecodeSpec) -> Callable[[dict[str, Any]], dict[str, Any]] | None:
@@ -47,7 +85,9 @@ def make_decoder(decode: DecodeSpec) -> Callable[[dict[str, Any]], dict[str, Any
 class _ImagesOnly:
     """webdataset's image handler imports Pillow for every member; call it for images only.
 
-    So datasets without images (``.npy`` + ``.cls``) decode on machines without Pillow.
+    So datasets without images (``.npy`` + ``.cls``) decode on machines without Pillow. Arrays
+    come back writable: ``np.asarray(PIL image)`` is a read-only view, and torch warns about
+    every such array it wraps, once per worker and epoch ("NumPy array is not writable").
     """
 
     def __init__(self, handler: Callable[[str, bytes], Any]):
@@ -58,7 +98,43 @@ class _ImagesOnly:
 
         if key.rsplit(".", 1)[-1].lower() not in wds.autodecode.IMAGE_EXTENSIONS:
             return None
-        return self.handler(key, data)
+        result = self.handler(key, data)
+        if isinstance(result, np.ndarray) and not result.flags.writeable:
+            result = result.copy()
+        return result
+
+
+def decode_sample(
+    decoder: Callable[[dict[str, Any]], dict[str, Any]], sample: dict[str, Any], spec: DecodeSpec
+) -> dict[str, Any]:
+    """``decoder(sample)``, with webdataset's ``DecodingError`` turned into one readable line.
+
+    That error wraps the cause (often ``No module named 'PIL'``) and only shows it deep in the
+    chained traceback of a worker. A missing module becomes a ``ModuleNotFoundError`` naming
+    the package to install; anything else a ``ValueError`` naming the member and sample.
+    """
+    import webdataset as wds
+
+    try:
+        return decoder(sample)
+    except wds.autodecode.DecodingError as exc:
+        cause = exc.__cause__
+        member = f"member {exc.k!r} of sample {exc.key!r}"
+        where = sample.get("__shard__") or sample.get("__url__") or exc.url
+        if where:
+            member += f" in {where}"
+        if isinstance(cause, ImportError):
+            module = (cause.name or "").split(".")[0]
+            package = INSTALL_HINTS.get(module, module or "the missing package")
+            raise ModuleNotFoundError(
+                f"decode={spec!r}: {member} needs the Python package {package!r}, which is not "
+                f"installed here ({cause}); pip install {package}",
+                name=cause.name,
+            ) from None
+        raise ValueError(
+            f"decode={spec!r}: cannot decode {member}: {type(cause).__name__}: {cause}; "
+            "fix or drop that sample, or decode it yourself (decode=None or a callable)"
+        ) from cause
 
 
 def select_fields(sample: dict[str, Any], to_tuple: Sequence[str]) -> tuple[Any, ...]:
@@ -71,23 +147,29 @@ def select_fields(sample: dict[str, Any], to_tuple: Sequence[str]) -> tuple[Any,
                 break
         else:
             raise KeyError(
-                f"sample {sample.get('__key__')!r} has none of {spec!r} (has {sorted(sample)})"
+                f"sample {sample.get('__key__')!r} has none of {spec!r} (has {sorted(sample)}); "
+                "name members the samples have in to_tuple ('jpg;png' takes the first present)"
             )
     return tuple(out)
 
 
-def collate_samples(samples: list[Any]) -> Any:
-    """torch's default collation, but bytes/str/None and ragged tensors stay lists.
+#: What torch's default_collate can stack; anything else (PIL images, custom objects) stays a list.
+_COLLATABLE = (torch.Tensor, np.ndarray, np.generic, numbers.Number, Mapping, Sequence)
 
-    default_collate would fail on images of different sizes; a list keeps each tensor in shared
-    memory all the same.
+
+def collate_samples(samples: list[Any]) -> Any:
+    """torch's default collation, but bytes/str/None, PIL images, other objects and ragged
+    tensors stay lists.
+
+    default_collate would fail on images of different sizes and on PIL images (``decode="pil"``);
+    a list keeps each tensor in shared memory all the same.
     """
     first = samples[0]
     if isinstance(first, tuple):
         return tuple(collate_samples(list(column)) for column in zip(*samples, strict=True))
     if isinstance(first, dict):
         return {k: collate_samples([s[k] for s in samples]) for k in first}
-    if isinstance(first, (bytes, str)) or first is None:
+    if isinstance(first, (bytes, str)) or first is None or not isinstance(first, _COLLATABLE):
         return list(samples)
     if isinstance(first, (torch.Tensor, np.ndarray)) and len({tuple(s.shape) for s in samples}) > 1:
         return [torch.as_tensor(s) for s in samples]
@@ -105,7 +187,7 @@ class SamplePipeline:
     def __call__(self, sample: dict[str, Any]) -> Any:
         decoder = _decoder_for(self.decode)
         if decoder is not None:
-            sample = decoder(sample)
+            sample = decode_sample(decoder, sample, self.decode)
         if self.map is not None:
             sample = self.map(sample)
         if self.to_tuple is not None:

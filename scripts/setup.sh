@@ -36,5 +36,5 @@ fi
 extra=""
 [[ $want_test == 1 ]] && extra="[test]"
 "$VPY" -m pip install -q -e ".${extra}" 2>&1 | grep -v "^WARNING: Location" || true
-"$VPY" -c "import stager, loaders" >/dev/null
+"$VPY" -c "import stager, stager_loaders" >/dev/null
 echo "setup: ready (.venv)" >&2

@@ -3,8 +3,9 @@
 * docs/cli.md is regenerated from the argument parsers and compared;
 * docs/api.md is regenerated from the docstrings and compared, and every public name has one;
 * every ```bash and ```python block of README.md and docs/*.md runs against a small synthetic
-  dataset. Paths under /nfs and /scratch are redirected into a temporary directory and ``srun``
-  runs its command once as a one-node job. Blocks marked ``norun`` (installs, sbatch
+  dataset. Paths under /nfs and /scratch are redirected into a temporary directory, blocks run
+  as if in a one-node allocation (``SLURM_NNODES=1``) and ``srun`` runs its command once as
+  that node's task. Blocks marked ``norun`` (installs, sbatch
   submissions, multi-node launches) are left to the Slurm tier, which runs the templates.
 """
 
@@ -78,6 +79,7 @@ def test_doc_block_runs(where: str, lang: str, body: str, docs_root: Path) -> No
     env = clean_env(
         PATH=f"{docs_root / 'shims'}{os.pathsep}{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
         STAGER_DEST=str(docs_root / "scratch" / "docs"),
+        SLURM_NNODES="1",
         TMPDIR=str(docs_root / "tmp"),
         PYTHONPATH=str(REPO),
     )
@@ -123,3 +125,10 @@ def test_every_public_name_is_documented(package: str) -> None:
         obj = getattr(module, name)
         assert inspect.getdoc(obj), f"{package}.{name} has no docstring"
         assert f"`{package}.{name}" in api, f"{package}.{name} is missing from docs/api.md"
+
+
+def test_jobs_md_shows_the_tested_minimal_script_verbatim() -> None:
+    """docs/jobs.md quotes jobs/examples/minimal_train.py, which the Slurm tier runs."""
+    text = (REPO / "docs" / "jobs.md").read_text()
+    quoted = [m.group(3) for m in FENCE.finditer(text) if "minimal_train.py" in m.group(2)]
+    assert quoted == [(REPO / "jobs" / "examples" / "minimal_train.py").read_text()]

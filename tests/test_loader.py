@@ -54,12 +54,14 @@ def keys_of(loader: ShardedLoader) -> list[str]:
 
 def test_public_api_is_pinned_and_planner_is_torch_free() -> None:
     assert sorted(stager_loaders.__all__) == [
+        "CsvMetrics",
         "LoaderMetrics",
         "LoaderOptions",
         "LoaderState",
         "PlanOptions",
         "ResumeMismatch",
         "ShardedLoader",
+        "TensorBoardMetrics",
         "WorldLayout",
         "capture_rng_state",
         "restore_rng_state",

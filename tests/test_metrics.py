@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import csv
 import logging
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from stager_loaders import LoaderOptions, ShardedLoader
+from stager_loaders import CsvMetrics, LoaderOptions, ShardedLoader, TensorBoardMetrics
 from stager_loaders.metrics import LoaderMetrics, batch_length
 
 
@@ -54,7 +56,8 @@ def test_wait_is_zero_when_the_data_is_ready(
     metrics = _run_epoch(loader, clock, step_s=0.02)
     assert metrics["steps"] == len(loader) and metrics["samples"] == loader.shard_samples.sum()
     assert metrics["wait_s_total"] == 0 and metrics["wait_fraction"] == 0
-    # Over the window: every sample delivered, in the model's time between the first batch and the last.
+    # Over the window: every sample delivered, in the model's time from the first batch to
+    # the last.
     assert metrics["samples_per_s"] == pytest.approx(
         metrics["samples"] / ((len(loader) - 1) * 0.02)
     )
@@ -98,3 +101,53 @@ def test_batch_length_of_common_batch_shapes() -> None:
     assert batch_length({"__key__": ["a", "b"]}) == 2
     assert batch_length((["a", "b", "c"], [1, 2, 3])) == 3
     assert batch_length([[1, 2], [3, 4]]) == 2
+
+
+def test_attached_csv_writer_gets_a_row_every_n_steps(tmp_path: Path, clock: FakeClock) -> None:
+    metrics = LoaderMetrics()
+    path = tmp_path / "m" / "loader-rank0.csv"
+    with CsvMetrics(path) as writer:
+        metrics.attach(writer, every_steps=2)
+        for _ in range(5):
+            clock.advance(0.25)  # waiting for the batch
+            metrics.record(0.25, 8)
+            clock.advance(0.25)  # the model's time
+    with path.open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert [int(r["step"]) for r in rows] == [2, 4]
+    # Step 4: four waits of 0.25 s over 1.75 s (first wait to fourth arrival).
+    assert float(rows[-1]["samples"]) == 32
+    assert float(rows[-1]["wait_fraction"]) == pytest.approx(1.0 / 1.75, rel=1e-5)
+    # A requeued job appends to the same file; the header is not repeated.
+    with CsvMetrics(path) as writer:
+        writer.write(6, metrics.as_dict())
+    lines = path.read_text().splitlines()
+    assert len(lines) == 4 and lines[0].startswith("step,") and lines[-1].startswith("6,")
+
+
+def test_tensorboard_writer_logs_scalars(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    metrics = LoaderMetrics()
+    with TensorBoardMetrics(tmp_path / "tb") as writer:
+        metrics.attach(writer, every_steps=1)
+        metrics.record(0.0, 4)
+        metrics.record(0.0, 4)
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"loader/wait_fraction", "loader/samples_per_s", "loader/samples"} <= tags
+    assert [e.step for e in events.Scalars("loader/samples")] == [1, 2]
+    assert [e.value for e in events.Scalars("loader/samples")] == [4.0, 8.0]
+
+
+def test_tensorboard_missing_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(ModuleNotFoundError, match=r"pip install tensorboard") as info:
+        TensorBoardMetrics("unused")
+    assert "\n" not in str(info.value)
+
+
+def test_attach_refuses_a_zero_interval() -> None:
+    with pytest.raises(ValueError, match="every_steps"):
+        LoaderMetrics().attach(CsvMetrics.__new__(CsvMetrics), every_steps=0)

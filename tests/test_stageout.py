@@ -152,6 +152,23 @@ def test_all_stages_every_checkpoint_and_rerun_skips_unchanged(tmp_path: Path) -
     assert {p: p.stat().st_mtime_ns for p in dest.rglob("*") if p.is_file()} == before
 
 
+def test_all_with_nothing_to_stage_says_so_with_exit_9(tmp_path: Path) -> None:
+    """A job script must be able to tell "the trainer saved nothing" from "all committed"."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    (scratch / "last.pt.tmp").write_bytes(b"a save that never finished")
+    (scratch / ".hidden").mkdir()
+    out = run_cli("stage-out", "--all", str(scratch), str(tmp_path / "persist"))
+    assert out.returncode == EXIT_NO_CHECKPOINT, out.stderr
+    assert out.stderr.count("\n") == 1 and f"no checkpoint in {scratch}" in out.stderr
+    assert not (tmp_path / "persist").exists()
+    # Any name is a checkpoint: a trainer's last.pt is committed as it is.
+    (scratch / "last.pt").write_bytes(b"weights")
+    out = run_cli("stage-out", "--all", str(scratch), str(tmp_path / "persist"))
+    assert out.returncode == 0 and "committed last.pt" in out.stderr, out.stderr
+    assert (tmp_path / "persist" / "last.pt").read_bytes() == b"weights"
+
+
 def test_changed_content_under_the_same_name_is_recommitted(tmp_path: Path) -> None:
     ckpt = write_ckpt_file(tmp_path / "scratch" / "last.pt", seed=1)
     dest = tmp_path / "persist"

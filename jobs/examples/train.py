@@ -1,10 +1,16 @@
 """A tiny DDP training run over staged shards: the example that the sbatch templates launch.
 
-It shows the parts a real script needs on Slurm, with a model small enough for CPU:
+It runs unmodified on any image WebDataset (``.jpg``/``.jpeg``/``.png``/``.webp`` or ``.npy``
+images plus an integer ``.cls`` label): the image member is detected from the first sample
+(``--image-key`` names it), the class count is read from the labels (``--num-classes`` skips
+that pass), and loader workers default to ``SLURM_CPUS_PER_TASK - 1`` per process (one core
+stays with the training loop). It shows the parts a real script needs on Slurm, with a model
+small enough for CPU:
 
 * ranks from torchrun (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``) or from ``srun`` alone
   (``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID``); NCCL when CUDA is there, else gloo;
-* data from node-local scratch through :class:`stager_loaders.ShardedLoader`;
+* data from node-local scratch through :class:`stager_loaders.ShardedLoader` (``decode="rgb8"``:
+  uint8 HxWx3 whatever the image format; images of several sizes are pooled one by one);
 * checkpoints (model, optimizer, loader position, RNG, step) written atomically to scratch
   every ``--ckpt-every`` steps, as ``<ckpt-dir>/step-XXXXXXXX/`` (published by one rename, so
   ``stage-out`` never sees half of one);
@@ -21,6 +27,7 @@ Try it without Slurm: ``python jobs/examples/train.py --data DIR --ckpt-dir /tmp
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -35,11 +42,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from stager_loaders import ShardedLoader
+from stager_loaders import CsvMetrics, ShardedLoader, TensorBoardMetrics
 from stager_loaders.rng import capture_rng_state, restore_rng_state
 
 CKPT_NAME = re.compile(r"^step-(\d{8})$")
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+#: Image members looked for, in this order, when --image-key is "auto".
+IMAGE_KEYS = ("jpg", "jpeg", "png", "webp", "npy")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -57,7 +66,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--keep-local", type=int, default=2, metavar="N", help="checkpoints kept on scratch"
     )
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--workers", type=int, default=2, help="loader worker processes per rank")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="loader worker processes per rank (default: SLURM_CPUS_PER_TASK - 1, shared among "
+        "torchrun's processes; 2 outside Slurm)",
+    )
+    p.add_argument(
+        "--image-key",
+        default="auto",
+        help=f"image member of a sample (default: the first of {', '.join(IMAGE_KEYS)} present)",
+    )
+    p.add_argument("--label-key", default="cls", help="integer label member of a sample")
+    p.add_argument(
+        "--num-classes",
+        type=int,
+        default=0,
+        metavar="N",
+        help="classes (default: 1 + the largest label, read from the data once)",
+    )
+    p.add_argument(
+        "--metrics-dir",
+        default="",
+        help="directory: each rank appends loader metrics (data wait, samples/s) to a CSV file",
+    )
+    p.add_argument(
+        "--tensorboard",
+        default="",
+        help="directory: rank 0 logs loss and loader metrics for TensorBoard (needs tensorboard)",
+    )
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10, metavar="N")
@@ -70,7 +108,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--key-log", default="", help="directory: each rank appends 'step key...' lines (tests)"
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.workers is None:
+        args.workers = default_workers(os.environ)
+    return args
+
+
+def default_workers(env: dict[str, str] | os._Environ) -> int:
+    """Loader workers per training process from the CPUs Slurm gave its task.
+
+    One core stays with the training process itself. Under torchrun one task holds all the
+    node's processes (``LOCAL_WORLD_SIZE``), so they share its CPUs. Outside Slurm: 2.
+    """
+    cpus = env.get("SLURM_CPUS_PER_TASK", "")
+    if not cpus.isdigit():
+        return 2
+    processes = int(env.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return max(0, int(cpus) // max(1, processes) - 1)
 
 
 class StopFlag:
@@ -114,16 +168,65 @@ def init_distributed() -> tuple[int, int, int, torch.device]:
 
 
 class TinyNet(nn.Module):
-    """Pools any HxWx3 uint8 image to 3x4x4 features, then two linear layers (10 classes)."""
+    """Pools any HxWx3 (or HxW) uint8 image to 3x4x4 features, then two linear layers."""
 
-    def __init__(self) -> None:
+    def __init__(self, num_classes: int) -> None:
         super().__init__()
         self.pool = nn.AdaptiveAvgPool2d(4)
-        self.head = nn.Sequential(nn.Flatten(), nn.Linear(48, 32), nn.ReLU(), nn.Linear(32, 10))
+        self.head = nn.Sequential(nn.Linear(48, 32), nn.ReLU(), nn.Linear(32, num_classes))
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
+    def features(self, images: torch.Tensor) -> torch.Tensor:
+        if images.ndim == 3:  # grey: B x H x W
+            images = images.unsqueeze(-1).expand(-1, -1, -1, 3)
         x = images.permute(0, 3, 1, 2).float() / 255.0
-        return self.head(self.pool(x))
+        return self.pool(x).flatten(1)
+
+    def forward(self, images: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+        if isinstance(images, (list, tuple)):  # images of different sizes: pooled one by one
+            return self.head(torch.cat([self.features(im.unsqueeze(0)) for im in images]))
+        return self.head(self.features(images))
+
+
+def detect_image_key(data: str, wanted: str) -> str:
+    """``wanted``, or the first of IMAGE_KEYS that the dataset's first sample has."""
+    if wanted != "auto":
+        return wanted
+    probe = ShardedLoader(data, batch_size=1, shuffle=False, rank=0, world_size=1)
+    members = set(next(iter(probe)))  # raw batch: a dict of member columns
+    for key in IMAGE_KEYS:
+        if key in members:
+            return key
+    raise SystemExit(
+        f"train: the samples of {data} have none of the image members {', '.join(IMAGE_KEYS)} "
+        f"(they have {', '.join(sorted(members - {'__key__'}))}); pass --image-key"
+    )
+
+
+def _label_only(label_key: str, sample: dict) -> dict:
+    return {label_key: int(sample[label_key])}
+
+
+def count_classes(data: str, label_key: str, workers: int, device: torch.device) -> int:
+    """1 + the largest label in the dataset: every rank reads its share, one all-reduce."""
+    loader = ShardedLoader(
+        data,
+        batch_size=256,
+        num_workers=workers,
+        shuffle=False,
+        decode=functools.partial(_label_only, label_key),  # reads the labels only
+        to_tuple=(label_key,),
+    )
+    loader.set_epoch(0)
+    top = torch.tensor([-1], dtype=torch.int64)
+    for (labels,) in loader:
+        if int(labels.min()) < 0:
+            raise SystemExit(f"train: negative label {int(labels.min())} in {data}")
+        top = torch.maximum(top, labels.max().reshape(1))
+    top = top.to(device)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    if int(top.item()) < 0:
+        raise SystemExit(f"train: no labels in {data}")
+    return int(top.item()) + 1
 
 
 def model_digest(model: nn.Module) -> str:
@@ -135,7 +238,14 @@ def model_digest(model: nn.Module) -> str:
 
 
 def save_checkpoint(
-    ckpt_dir: Path, step: int, epoch: int, model: nn.Module, optimizer, loader, keep: int
+    ckpt_dir: Path,
+    step: int,
+    epoch: int,
+    model: nn.Module,
+    optimizer,
+    loader,
+    keep: int,
+    data_layout: dict,
 ) -> Path:
     """Write ``step-XXXXXXXX/state.pt`` under a temporary name and publish it by one rename."""
     final = ckpt_dir / f"step-{step:08d}"
@@ -152,6 +262,7 @@ def save_checkpoint(
         # All ranks consume batches in lockstep: rank 0's position resumes every rank.
         "loader": loader.state_dict(),
         "rng": capture_rng_state(),
+        "data": data_layout,  # image key, label key, class count: a resume needs no probing
     }
     torch.save(state, tmp / "state.pt")
     (tmp / "meta.json").write_text(
@@ -176,8 +287,29 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
 
+    state = None
+    if args.resume:
+        state = torch.load(Path(args.resume) / "state.pt", map_location=device, weights_only=False)
+    if state is not None and "data" in state:
+        data_layout = dict(state["data"])
+    else:
+        image_key = detect_image_key(args.data, args.image_key)
+        num_classes = args.num_classes or count_classes(
+            args.data, args.label_key, args.workers, device
+        )
+        data_layout = {
+            "image_key": image_key,
+            "label_key": args.label_key,
+            "num_classes": num_classes,
+        }
+    log(
+        rank,
+        f"images from .{data_layout['image_key']}, labels from .{data_layout['label_key']}, "
+        f"{data_layout['num_classes']} classes, {args.workers} loader workers per rank",
+    )
+
     torch.manual_seed(args.seed)
-    model = TinyNet().to(device)
+    model = TinyNet(data_layout["num_classes"]).to(device)
     ddp = nn.parallel.DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None
     )
@@ -188,14 +320,13 @@ def main(argv: list[str] | None = None) -> int:
         num_workers=args.workers,
         shuffle=True,
         seed=args.seed,
-        decode="rgb8",
-        to_tuple=("npy", "cls", "__key__"),
+        decode="rgb8",  # uint8 HxWx3 from JPEG/PNG/WebP; .npy arrays as stored
+        to_tuple=(data_layout["image_key"], data_layout["label_key"], "__key__"),
         even="drop",
     )
 
     step, epoch = 0, 0
-    if args.resume:
-        state = torch.load(Path(args.resume) / "state.pt", map_location=device, weights_only=False)
+    if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         loader.load_state_dict(state["loader"])
@@ -214,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.key_log:
         Path(args.key_log).mkdir(parents=True, exist_ok=True)
         key_log = open(Path(args.key_log) / f"rank-{rank}.keys", "a")  # noqa: SIM115 - closed below
+    writers = metrics_writers(args, rank)
+    for writer in writers:
+        loader.metrics.attach(writer, every_steps=args.log_every)
 
     loss_fn = nn.CrossEntropyLoss()
     stopped = False
@@ -223,7 +357,11 @@ def main(argv: list[str] | None = None) -> int:
         for images, labels, keys in loader:
             batches += 1
             optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(ddp(images.to(device)), torch.as_tensor(labels).to(device))
+            if isinstance(images, list):
+                images = [im.to(device) for im in images]
+            else:
+                images = images.to(device)
+            loss = loss_fn(ddp(images), torch.as_tensor(labels).to(device))
             loss.backward()
             optimizer.step()
             step += 1
@@ -237,7 +375,14 @@ def main(argv: list[str] | None = None) -> int:
             stopped = stop.agreed(device)
             if rank == 0 and (stopped or step % args.ckpt_every == 0 or step >= args.steps):
                 path = save_checkpoint(
-                    ckpt_dir, step, epoch, model, optimizer, loader, args.keep_local
+                    ckpt_dir,
+                    step,
+                    epoch,
+                    model,
+                    optimizer,
+                    loader,
+                    args.keep_local,
+                    data_layout,
                 )
                 log(rank, f"checkpoint {path}")
             if stopped or step >= args.steps:
@@ -254,12 +399,24 @@ def main(argv: list[str] | None = None) -> int:
     dist.barrier()  # rank 0's checkpoint is published before any rank reports done
     if key_log is not None:
         key_log.close()
+    for writer in writers:
+        writer.close()
     if stopped:
         log(rank, f"stopped by signal {stop.signum} at step {step}; checkpoint saved")
     else:
         log(rank, f"done at step {step}, model {model_digest(model)}")
     dist.destroy_process_group()
     return 0
+
+
+def metrics_writers(args: argparse.Namespace, rank: int) -> list:
+    """Loader metrics every --log-every steps: a CSV per rank, TensorBoard on rank 0."""
+    writers: list = []
+    if args.metrics_dir:
+        writers.append(CsvMetrics(Path(args.metrics_dir) / f"loader-rank{rank}.csv"))
+    if args.tensorboard and rank == 0:
+        writers.append(TensorBoardMetrics(args.tensorboard))
+    return writers
 
 
 if __name__ == "__main__":

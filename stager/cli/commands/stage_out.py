@@ -7,7 +7,7 @@ import argparse
 import threading
 from pathlib import Path
 
-from stager.errors import UsageError
+from stager.errors import NoCheckpoint, UsageError
 from stager.slurm import SlurmEnv
 from stager.stageout.deadline import resolve_deadline
 from stager.stageout.run import StageOutOptions, check_outcomes, stage_out
@@ -21,7 +21,8 @@ stopped cleanly);
 2 usage error; 4 integrity error (bytes at DEST differ after copy); 5 destination error (not
 writable, full, unreachable); 7 checkpoint error: a checkpoint was not committed (not enough time
 before the deadline, or it changed while copied), earlier committed ones are intact;
-8 lock timeout; 130 interrupted (the copy in flight was abandoned, nothing partial is visible).
+8 lock timeout; 9 (--all, one shot) no checkpoint in CKPT: nothing to stage out;
+130 interrupted (the copy in flight was abandoned, nothing partial is visible).
 layout at DEST: DEST/<name> plus DEST/.stager/commits/<name>.json (the commit record, written last).
 environment: SLURM_JOB_ID (deadline from the job's end time via squeue/scontrol)."""
 
@@ -140,8 +141,15 @@ def run(args: argparse.Namespace) -> int:
         with stop_on_signals(stop):
             watch(list_ckpts, args.dest, options, interval_s=args.interval, stop=stop)
         return 0
+    ckpts = list_ckpts()
+    if not ckpts:
+        # Said, not passed over: a job script reads 9 as "the trainer saved nothing here".
+        raise NoCheckpoint(
+            f"no checkpoint in {ckpt} to stage out (names starting with '.' or ending in "
+            f".partial, .tmp or .lock are skipped); nothing committed to {args.dest}"
+        )
     # One shot (job end, signal trap): a signal abandons the copy in flight atomically.
     with stop_on_signals(stop, graceful=False):
-        outcomes = stage_out(list_ckpts(), args.dest, options, slurm=slurm, stop=None)
+        outcomes = stage_out(ckpts, args.dest, options, slurm=slurm, stop=None)
     check_outcomes(outcomes)
     return 0

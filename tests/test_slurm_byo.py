@@ -1,0 +1,206 @@
+"""A user's own data and training script in the unmodified templates, on the real test cluster.
+
+The data is what users have: JPEG + ``.cls`` shards written by webdataset's ``ShardWriter``,
+37 classes, images of several sizes, shards of uneven sample counts. Only environment
+variables and sbatch's sizes change between jobs, never the templates.
+
+* the example trainer finds the image member, the class count and its worker count itself,
+  with two tasks per node (stage-in must still run once per node);
+* the ~40-line script of docs/jobs.md saves ``last.pt`` (no ``step-*`` name): it is committed,
+  and a second job resumes from it;
+* a script that saves ``$CKPT_DIR/last.pt`` through the environment is committed too, and one
+  that saves nothing where the template looks fails the job loudly (issue 19, item 5).
+
+The jobs are submitted together and kept small (a few hundred KB, a dozen steps).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from .imagedata import write_image_dataset
+
+pytestmark = pytest.mark.slurm
+
+JOBS = Path(__file__).resolve().parent.parent / "jobs"
+NUM_CLASSES = 37
+#: A stand-in for a user's script that saves through the environment, not the arguments.
+ENV_SAVER = """import os, sys
+path = os.path.join(os.environ["CKPT_DIR"], "last.pt")
+assert sys.argv[1:3] == ["--data", os.environ["DATA_DIR"]], sys.argv
+if int(os.environ["SLURM_PROCID"]) == 0:
+    with open(path + ".tmp", "w") as f:
+        f.write("weights")
+    os.replace(path + ".tmp", path)
+print("saved", path, flush=True)
+"""
+#: ...and one that saves where the template does not look: the job must not end "successfully".
+ELSEWHERE_SAVER = """import os, sys
+os.makedirs(sys.argv[-1], exist_ok=True)
+open(os.path.join(sys.argv[-1], "last.pt"), "w").write("weights")
+print("saved", sys.argv[-1], flush=True)
+"""
+
+
+@dataclass(frozen=True)
+class Job:
+    job_id: str
+    output: Path
+    ckpt_dest: Path
+
+    def text(self) -> str:
+        return self.output.read_text(errors="replace") if self.output.exists() else ""
+
+
+def _submit(cluster, name: str, template: str, sbatch_args: tuple[str, ...], **env: str) -> Job:
+    base = cluster.shared_dir / "byo" / name
+    base.mkdir(parents=True, exist_ok=True)
+    ckpt_dest = Path(env.pop("CKPT_DEST", str(base / "ckpt")))
+    output = base / f"job-{len(list(base.glob('job-*.out')))}.out"
+    job_id = cluster.sbatch(
+        JOBS / template,
+        *sbatch_args,
+        f"--output={output}",
+        f"--job-name={name}",
+        env={"CKPT_DEST": str(ckpt_dest), **env},
+    )
+    return Job(job_id, output, ckpt_dest)
+
+
+def _done(cluster, job: Job, state: str = "COMPLETED", exit_code: str = "0:0") -> str:
+    record = cluster.wait_job(job.job_id, timeout_s=300, output=job.output)
+    assert (record["JobState"], record["ExitCode"]) == (state, exit_code), (record, job.text())
+    return job.text()
+
+
+def _committed(job: Job) -> dict[str, dict]:
+    commits = job.ckpt_dest / ".stager" / "commits"
+    return {p.stem: json.loads(p.read_text()) for p in commits.glob("*.json")}
+
+
+@pytest.fixture(scope="module")
+def photos(slurm_cluster) -> Path:
+    data = slurm_cluster.shared_dir / "datasets" / "photos"
+    shards = write_image_dataset(data, num_samples=200, num_classes=NUM_CLASSES, seed=21)
+    counts = set()
+    for shard in shards:
+        with tarfile.open(shard) as tar:
+            counts.add(len(tar.getnames()) // 2)
+    assert len(shards) >= 4 and len(counts) > 1  # uneven shards
+    return data
+
+
+@pytest.fixture(scope="module")
+def jobs(slurm_cluster, photos: Path) -> dict[str, Job]:
+    scripts = slurm_cluster.shared_dir / "byo" / "scripts"
+    scripts.mkdir(parents=True)
+    (scripts / "env_saver.py").write_text(ENV_SAVER)
+    (scripts / "elsewhere_saver.py").write_text(ELSEWHERE_SAVER)
+    one_per_node = ("--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--gres=gpu:1")
+    return {
+        # Two tasks per node, two CPUs each: one loader worker per rank, from the allocation.
+        "example": _submit(
+            slurm_cluster,
+            "example",
+            "train-multi-node.sbatch",
+            ("--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=2", "--gres=gpu:2"),
+            DATA_SRC=str(photos),
+            TRAIN_ARGS="--steps 12 --ckpt-every 6 --batch-size 8 --log-every 6",
+        ),
+        "minimal": _submit(
+            slurm_cluster,
+            "minimal",
+            "train-multi-node.sbatch",
+            one_per_node,
+            DATA_SRC=str(photos),
+            TRAIN_SCRIPT=str(JOBS / "examples" / "minimal_train.py"),
+            TRAIN_ARGS="--steps 12",
+        ),
+        "env-saver": _submit(
+            slurm_cluster,
+            "env-saver",
+            "train-single-node.sbatch",
+            ("--ntasks-per-node=2", "--cpus-per-task=1", "--gres=gpu:2"),
+            DATA_SRC=str(photos),
+            TRAIN_SCRIPT=str(scripts / "env_saver.py"),
+        ),
+        "elsewhere": _submit(
+            slurm_cluster,
+            "elsewhere",
+            "train-multi-node.sbatch",
+            one_per_node,
+            DATA_SRC=str(photos),
+            TRAIN_SCRIPT=str(scripts / "elsewhere_saver.py"),
+            TRAIN_ARGS=shlex.quote(str(slurm_cluster.shared_dir / "byo" / "elsewhere" / "mine")),
+        ),
+    }
+
+
+def test_example_trainer_runs_unmodified_on_a_jpg_dataset(slurm_cluster, jobs) -> None:
+    import torch
+
+    job = jobs["example"]
+    text = _done(slurm_cluster, job)
+    # One stage-in per node although the job has two tasks per node.
+    for node in ("node1", "node2"):
+        assert len(re.findall(rf"\[{node}\] stage-in: ", text)) == 1, text
+    assert f"images from .jpg, labels from .cls, {NUM_CLASSES} classes" in text, text
+    assert "1 loader workers per rank" in text  # --cpus-per-task=2, one core for the loop
+    assert "train: rank 0 of 4" in text and "done at step 12" in text
+    committed = _committed(job)
+    assert {"step-00000006", "step-00000012"} <= set(committed), text
+    state = torch.load(job.ckpt_dest / "step-00000012" / "state.pt", weights_only=False)
+    assert state["data"] == {"image_key": "jpg", "label_key": "cls", "num_classes": NUM_CLASSES}
+    assert state["model"]["head.2.weight"].shape[0] == NUM_CLASSES
+
+
+def test_minimal_script_from_the_docs_commits_last_pt_and_resumes(
+    slurm_cluster, jobs, photos: Path
+) -> None:
+    job = jobs["minimal"]
+    text = _done(slurm_cluster, job)
+    assert "rank 0: done at step 12" in text and "rank 1: done at step 12" in text
+    assert "stage-out: committed last.pt" in text, text
+    assert set(_committed(job)) == {"last.pt"}
+    # A second job of the series restores last.pt and continues from its step.
+    again = _submit(
+        slurm_cluster,
+        "minimal",
+        "train-multi-node.sbatch",
+        ("--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--gres=gpu:1"),
+        DATA_SRC=str(photos),
+        CKPT_DEST=str(job.ckpt_dest),
+        TRAIN_SCRIPT=str(JOBS / "examples" / "minimal_train.py"),
+        TRAIN_ARGS="--steps 20",
+        RESUME="always",
+    )
+    text = _done(slurm_cluster, again)
+    assert re.search(rf"restored checkpoint: /scratch/{again.job_id}/restore/last\.pt\b", text)
+    assert "rank 0: done at step 20" in text, text
+    record = _committed(again)["last.pt"]
+    assert record["job_id"] == again.job_id
+
+
+def test_a_checkpoint_saved_under_any_name_through_the_environment_is_committed(
+    slurm_cluster, jobs
+) -> None:
+    job = jobs["env-saver"]
+    text = _done(slurm_cluster, job)
+    assert "stage-out: committed last.pt" in text, text
+    assert (job.ckpt_dest / "last.pt").read_text() == "weights"
+
+
+def test_a_script_that_saves_elsewhere_fails_the_job_loudly(slurm_cluster, jobs) -> None:
+    job = jobs["elsewhere"]
+    text = _done(slurm_cluster, job, state="FAILED", exit_code="9:0")
+    assert "saved" in text
+    assert "error: training ended without leaving a checkpoint in" in text, text
+    assert "nothing committed to" in text and "finished" not in text
+    assert not job.ckpt_dest.exists()
