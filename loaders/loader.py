@@ -151,7 +151,9 @@ class ShardedLoader(DataLoader):
             rank, world_size, workers_per_rank=num_workers, ranks_per_node=options.ranks_per_node
         )
         self.layout: WorldLayout = layout
-        self.shards: DatasetShards = resolve_dataset(source, dest=options.dest, name=options.name)
+        self.shards: DatasetShards = resolve_dataset(
+            source, dest=options.dest, name=options.name, on_error=options.on_error
+        )
         self.skipped_shards: list[str] = []
         self._to_tuple = tuple(to_tuple) if to_tuple is not None else None
         self._epoch = 0

@@ -1,11 +1,14 @@
 """Find the shards to read: the staged copy when there is one, the source only for what is missing.
 
-The staged copy is found the way stage-in places it (``stager.storage.dest.resolve_dest_root`` plus
-the
-dataset name), and its manifest (``<dataset>/.stager/manifest.json``) is authoritative: when it
-is complete, the source is never listed nor read, so a loader on 1,000 nodes puts no load on
-NFS. A shard whose local copy is missing (or that stage-in reported as failed) is read from the
-source instead, and one warning says how many shards that was.
+The staged copy is found under the name stage-in gives the source (:mod:`stager.layout`), and
+its manifest (``<dataset>/.stager/manifest.json``) is authoritative: when it is complete, the
+source is never listed nor read, so a loader on 1,000 nodes puts no load on NFS. A shard whose
+local copy is missing, or that stage-in failed to copy, is read from the source instead, at the
+absolute source root the manifest records (never resolved against this process's working
+directory), and one warning says how many shards that was. A shard stage-in found corrupt
+(its bytes differ from the manifest) is never read from the source: that raises
+:class:`~stager.errors.IntegrityError`, or with ``on_error="skip"`` leaves it out with a warning.
+A staged copy of another source under the same name is refused.
 """
 
 from __future__ import annotations
@@ -17,8 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from stager.errors import SourceError, StagerError
-from stager.layout import StagedDataset, dataset_name
+from stager.errors import IntegrityError, SourceError, StagerError, UsageError
+from stager.layout import StagedDataset, canonical_root, dataset_name
 from stager.shards.manifest import Manifest, find_manifest
 from stager.shards.tarindex import is_compressed
 from stager.storage.dest import resolve_dest_root
@@ -58,14 +61,14 @@ class DatasetShards:
         return sum(s.from_source for s in self.shards)
 
 
-def _failed_urls(dataset_dir: Path) -> set[str]:
-    """URLs stage-in reported as failed in its last result for this dataset on this node."""
+def _failures(dataset_dir: Path) -> list[dict[str, str]]:
+    """The shards stage-in reported as failed in its last result for this dataset on this node."""
     result = StagedDataset.of(dataset_dir).result_path
     try:
-        payload = json.loads(result.read_text())
-        return {f["url"] for f in payload["report"].get("failures", [])}
-    except (OSError, ValueError, KeyError, TypeError):
-        return set()
+        failures = json.loads(result.read_text())["report"].get("failures", [])
+        return [f for f in failures if isinstance(f, dict) and isinstance(f.get("url"), str)]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
 
 
 def _source_refs(source: SourceSet, samples: dict[str, int | None]) -> dict[str, ShardRef]:
@@ -91,11 +94,42 @@ def _source_samples(source: SourceSet) -> dict[str, int | None]:
         return {}
 
 
-def _from_staged(dataset_dir: Path, spec: str | list[str] | None) -> DatasetShards:
+def _check_same_root(manifest: Manifest, spec: str | list[str] | None, dataset_dir: Path) -> None:
+    """Refuse a staged copy of another source that happens to have the name ``spec`` gives."""
+    staged_root = manifest.meta.get("source", "")
+    if spec is None or "://" not in staged_root and not staged_root.startswith("/"):
+        return  # given the staged directory itself, or a manifest of an older stager
+    if canonical_root(staged_root) != canonical_root(spec):
+        raise UsageError(
+            f"{dataset_dir} holds a staged copy of {staged_root}, not of {spec}: another dataset "
+            "under the same name; pass options=LoaderOptions(name=...) as stage-in's --name"
+        )
+
+
+def _source_url(root: str, relpath: str) -> str:
+    return f"{root.rstrip('/')}/{relpath}"
+
+
+def _from_source(root: str, relpath: str, samples: int | None) -> ShardRef:
+    remote = "://" in root and not root.startswith("file://")
+    url = _source_url(root.removeprefix("file://"), relpath)
+    return ShardRef(relpath, url, not remote, True, samples)
+
+
+def _relpath_under(root: str, url: str) -> str | None:
+    prefix = root.rstrip("/") + "/"
+    return url[len(prefix) :] if url.startswith(prefix) else None
+
+
+def _from_staged(
+    dataset_dir: Path, spec: str | list[str] | None, on_error: str = "raise"
+) -> DatasetShards:
     manifest = Manifest.read(StagedDataset.of(dataset_dir).manifest_path)
+    _check_same_root(manifest, spec, dataset_dir)
     subset = manifest.meta.get("subset", "all")
+    root = manifest.meta.get("source", "")
+    absolute_root = "://" in root or root.startswith("/")
     refs: list[ShardRef] = []
-    missing: list[str] = []
     base = os.fspath(dataset_dir)  # str joins: pathlib costs ~30 us per shard, 0.3 s at 10k shards
     for entry in manifest.entries:
         path = os.path.join(base, entry.relpath)  # relpath checked by Manifest.read
@@ -105,60 +139,43 @@ def _from_staged(dataset_dir: Path, spec: str | list[str] | None) -> DatasetShar
             whole = False
         if whole:
             refs.append(ShardRef(entry.relpath, path, True, False, entry.samples))
+        elif absolute_root:
+            refs.append(_from_source(root, entry.relpath, entry.samples))
         else:
-            refs.append(ShardRef(entry.relpath, "", False, True, entry.samples))
-            missing.append(entry.relpath)
-    failed = _failed_urls(dataset_dir)
-    if not missing and not failed:
-        return DatasetShards(tuple(refs), subset, dataset_dir)
-    return _merge_source(
-        refs, missing, bool(failed), spec or manifest.meta.get("source"), subset, dataset_dir
-    )
-
-
-def _merge_source(
-    refs: list[ShardRef],
-    missing: list[str],
-    failed: bool,
-    spec: str | list[str] | None,
-    subset: str,
-    dataset_dir: Path,
-) -> DatasetShards:
-    if not spec:
-        raise SourceError(
-            f"{dataset_dir}: {len(missing)} staged shard(s) are missing and no source is known; "
-            "re-run stage-in"
+            raise SourceError(
+                f"{dataset_dir}: staged shard {entry.relpath!r} is missing and the manifest names "
+                "no absolute source to read it from; re-run stage-in"
+            )
+    corrupt, retry = [], []
+    for failure in _failures(dataset_dir):
+        (corrupt if failure.get("kind") == "corrupt" else retry).append(failure["url"])
+    if corrupt and on_error != "skip":
+        raise IntegrityError(
+            f"stage-in found {len(corrupt)} shard(s) of {dataset_dir} corrupt (first: "
+            f"{corrupt[0]}): their bytes differ from the manifest. Fix the source and re-run "
+            "stage-in, or pass on_error='skip' to train without them"
         )
-    source = resolve_source(spec)
-    by_rel = _source_refs(source, {r.relpath: r.samples for r in refs})
-    merged = []
-    for ref in refs:
-        if ref.relpath in missing:
-            if ref.relpath not in by_rel:
-                raise SourceError(
-                    f"shard {ref.relpath} is neither staged in {dataset_dir} nor in {spec}; "
-                    "re-run stage-in"
-                )
-            merged.append(by_rel[ref.relpath])
-        else:
-            merged.append(ref)
-    if failed and subset == "all":
-        # stage-in left out the shards it failed to copy; they are still part of the dataset
-        known = {r.relpath for r in refs}
-        merged.extend(r for rel, r in by_rel.items() if rel not in known)
-        merged.sort(key=lambda r: r.relpath)
-    count = sum(r.from_source for r in merged)
+    if corrupt:
+        log.warning("leaving out %d shard(s) stage-in found corrupt: %s", len(corrupt), corrupt[:5])
+    known = {r.relpath for r in refs}
+    if subset == "all" and absolute_root:
+        for url in retry:  # failed after retries: still part of the dataset, read from the source
+            relpath = _relpath_under(root.removeprefix("file://"), url)
+            if relpath is not None and relpath not in known:
+                refs.append(_from_source(root, relpath, None))
+                known.add(relpath)
+        refs.sort(key=lambda r: r.relpath)
+    count = sum(r.from_source for r in refs)
     if count:
         log.warning(
             "%d of %d shard(s) are read from the source %s because their staged copy in %s is "
-            "missing; "
-            "re-run stage-in to read them locally",
+            "missing; re-run stage-in to read them locally",
             count,
-            len(merged),
-            spec,
+            len(refs),
+            root,
             dataset_dir,
         )
-    return DatasetShards(tuple(merged), subset, dataset_dir)
+    return DatasetShards(tuple(refs), subset, dataset_dir)
 
 
 def resolve_dataset(
@@ -166,6 +183,7 @@ def resolve_dataset(
     *,
     dest: str | None = None,
     name: str | None = None,
+    on_error: str = "raise",
 ) -> DatasetShards:
     """Resolve what the loader was given into shards, preferring the node-local staged copy.
 
@@ -181,10 +199,10 @@ def resolve_dataset(
     if isinstance(spec, str) and "://" not in spec:
         direct = Path(spec)
         if direct.is_dir() and StagedDataset.of(direct).manifest_path.is_file():
-            return _from_staged(direct, None)
+            return _from_staged(direct, None, on_error)
     staged = StagedDataset(resolve_dest_root(dest), name or dataset_name(spec))
     if staged.manifest_path.is_file():
-        return _from_staged(staged.dir, spec)
+        return _from_staged(staged.dir, spec, on_error)
     resolved = resolve_source(spec, name=name)
     refs = list(_source_refs(resolved, _source_samples(resolved)).values())
     log.warning(

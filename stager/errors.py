@@ -143,8 +143,9 @@ class SourceError(StagerError, OSError):
 
 
 #: Why a shard failed: its source (missing, unreadable, flaky), its bytes (corrupt, changed),
-#: or the destination (full). The kinds decide the run's exit code (see :func:`shard_failures`).
-FAILURE_KINDS = ("source", "corrupt", "full")
+#: or the destination (full, or read-only). The kinds decide the run's exit code
+#: (:func:`shard_failures`, :mod:`stager.stagein.finish`).
+FAILURE_KINDS = ("source", "corrupt", "full", "dest")
 
 
 @dataclass(frozen=True)

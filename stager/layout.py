@@ -39,6 +39,7 @@ __all__ = [
     "StagedDataset",
     "dataset_name",
     "canonical_spec",
+    "canonical_root",
     "source_root",
     "is_shard_name",
     "RESTORED_DIR",
@@ -130,6 +131,19 @@ def canonical_spec(spec: str, *, listed: bool = False) -> str:
     else:
         text = "file://" + _path_of(spec)
     return f"list:{text}" if listed else text
+
+
+def canonical_root(spec: str | Sequence[str]) -> str:
+    """:func:`source_root` as a URL: ``file:///abs/root`` or ``s3://bucket/root`` (no I/O).
+
+    Compared with the ``source`` a staged manifest records, to tell a staged copy of this
+    source from one of another source that happens to have the same name.
+    """
+    first = spec if isinstance(spec, str) else next(iter(spec), "")
+    root = source_root(spec)
+    if "://" in first and not first.startswith("file://"):
+        return f"{first.split('://', 1)[0]}://{root}"
+    return f"file://{root}"
 
 
 def dataset_name(spec: str | Sequence[str]) -> str:

@@ -1,4 +1,5 @@
-"""The sbatch templates and scripts quote every expansion: shellcheck finds nothing, info level included.
+"""The sbatch templates and scripts quote every expansion: shellcheck finds nothing, info level
+included.
 
 SC2086/SC2046 (unquoted expansions) are info-level findings, so the check runs at ``-S info``;
 a path with spaces, quotes or newlines passed through DATA_SRC or CKPT_DEST cannot split.

@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
             if step >= args.batches:
                 break
             print(
-                f"    batch {step}: images {tuple(images.shape)} {images.dtype}, labels {labels[:8].tolist()}..."
+                f"    batch {step}: images {tuple(images.shape)} {images.dtype}, "
+                f"labels {labels[:8].tolist()}..."
             )
         print("demo ok")
         return 0

@@ -14,8 +14,9 @@ import importlib
 import sys
 from collections.abc import Sequence
 from types import ModuleType
+from typing import NoReturn
 
-from stager.errors import EXIT_INTERRUPTED, StagerError, exit_code_for, one_line
+from stager.errors import EXIT_INTERRUPTED, EXIT_USAGE, StagerError, exit_code_for, one_line
 
 __all__ = [
     "main",
@@ -35,6 +36,17 @@ BUILTIN_COMMANDS = {
 }
 #: Entry-point group through which other packages add commands.
 COMMAND_GROUP = "stager.commands"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (and exit 2), like every other error here.
+
+    argparse prints the whole usage block before the message; in a job log of hundreds of
+    nodes that is a dozen lines per node for one wrong flag.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {one_line(message)}; see --help\n")
 
 
 def commands() -> dict[str, str]:
@@ -58,7 +70,7 @@ def build_parser(prog: str = "stager", *, only: str | None = None) -> argparse.A
     ``stager stage-in`` imports neither the other commands nor the packages they need (the
     loader's ``doctor`` needs torch; a prologue on every node should not pay for it).
     """
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog=prog,
         description="Stage datasets to node-local scratch and checkpoints back, on SLURM.",
     )
@@ -73,7 +85,10 @@ def build_parser(prog: str = "stager", *, only: str | None = None) -> argparse.A
 
 
 def _run(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error already printed on one line
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     prog = getattr(args, "prog_name", parser.prog)
     try:
         return int(args.handler(args) or 0)
@@ -95,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _single(name: str, argv: Sequence[str] | None) -> int:
-    parser = argparse.ArgumentParser(prog=name)
+    parser = OneLineParser(prog=name)
     _command_module(BUILTIN_COMMANDS[name]).configure(parser)
     parser.set_defaults(prog_name=name)
     return _run(parser, argv)

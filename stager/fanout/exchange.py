@@ -106,11 +106,13 @@ class Exchange:
         node_label: Callable[[int], str],
         log: TextIO,
         journal: Journal | None = None,
+        heartbeat: Callable[[], None] = lambda: None,
     ):
         self.group, self.plan, self.items, self.source = group, plan, items, source
         self.options, self.fanout, self.report, self.progress = options, fanout, report, progress
         self.node_label, self.log = node_label, log
         self.journal = journal  # each shard staged here is recorded as it is published
+        self.heartbeat = heartbeat
         self.torch = group.torch
         self.me = node_label(group.node)
         self.outcome = ExchangeOutcome()
@@ -331,6 +333,7 @@ class Exchange:
 
     def _staged(self, index: int, size: int, digest: str) -> None:
         self.outcome.staged[index] = (size, digest)
+        self.heartbeat()
         with self.lock:
             self.report.files_copied += 1
             self.report.bytes_copied += size

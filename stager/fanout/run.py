@@ -89,7 +89,7 @@ def fanout_stage_in(
     endpoint = resolve_endpoint(slurm, fanout, env)
     staged = staged_dataset(source, options)
 
-    def work() -> StageInReport:
+    def work(heartbeat: Callable[[], None]) -> StageInReport:
         # torch takes seconds to import: do it while this node plans and verifies its shards.
         threading.Thread(
             target=_import_torch_distributed, name="fanout-import", daemon=True
@@ -97,7 +97,9 @@ def fanout_stage_in(
         report = new_report(slurm, staged, source, options, "on")
         try:
             try:
-                _run_fanout(source, options, fanout, slurm, endpoint, staged, report, log)
+                _run_fanout(
+                    source, options, fanout, slurm, endpoint, staged, report, log, heartbeat
+                )
             except GroupUnavailable as exc:
                 print(
                     f"[{slurm.node_name}] warning: {one_line(exc)}; falling back to plain per-node "
@@ -106,7 +108,7 @@ def fanout_stage_in(
                     flush=True,
                 )
                 report = new_report(slurm, staged, source, options, "fallback")
-                copy_per_node(source, options, slurm, None, staged, report, log)
+                copy_per_node(source, options, slurm, None, staged, report, log, heartbeat)
         except BaseException as exc:
             attach_report(exc, report)
             raise
@@ -152,9 +154,18 @@ def _run_fanout(
     staged: StagedDataset,
     report: StageInReport,
     log: TextIO,
+    heartbeat: Callable[[], None] = lambda: None,
 ) -> None:
     run, local, expected = prepare(
-        source, options, slurm, list(source.shards), staged, report, log, size_later=False
+        source,
+        options,
+        slurm,
+        list(source.shards),
+        staged,
+        report,
+        log,
+        size_later=False,
+        heartbeat=heartbeat,
     )
     items = _exchange_items(run, expected, local.kept)
     report.bytes_total = sum(it.size or 0 for it in items)
@@ -196,11 +207,13 @@ def _run_fanout(
                 node_label=label,
                 log=log,
                 journal=run.journal,
+                heartbeat=heartbeat,
             ).run()
         finally:
             progress.close()
     for index, (size, digest) in outcome.staged.items():
         relpath = items[index].shard.relpath
+        run.unverified.add(relpath)
         want = expected.get(relpath)
         run.entries[relpath] = ManifestEntry(
             relpath,

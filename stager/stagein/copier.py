@@ -16,10 +16,19 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from stager.errors import IntegrityError, ScratchFull, ShardFailure, SourceError, one_line
+from stager.errors import (
+    DestinationError,
+    HashMismatch,
+    IntegrityError,
+    ScratchFull,
+    ShardFailure,
+    SourceError,
+    one_line,
+)
 from stager.shards.manifest import ManifestEntry
 from stager.shards.tarparse import TarSampleCounter
 from stager.stagein.journal import Journal
@@ -50,6 +59,8 @@ def failure_kind(exc: BaseException) -> str:
     """The :data:`stager.errors.FAILURE_KINDS` entry of a failed copy."""
     if isinstance(exc, ScratchFull):
         return "full"
+    if isinstance(exc, DestinationError):
+        return "dest"
     if isinstance(exc, IntegrityError) and not exc.transient:
         return "corrupt"
     return "source"
@@ -67,10 +78,12 @@ class Copier:
         known_samples: dict[str, int | None],
         log: TextIO,
         journal: Journal | None = None,
+        heartbeat: Callable[[], None] = lambda: None,
     ):
         self.source, self.plan, self.options = source, plan, options
         self.report, self.known_samples, self.log = report, known_samples, log
         self.journal = journal
+        self.heartbeat = heartbeat  # tells tasks waiting on the node lock that we progress
         self.outcome = CopyOutcome()
         self.progress = Progress(
             plan.bytes_to_copy,
@@ -122,6 +135,7 @@ class Copier:
 
     # -- one shard, on a copy thread -------------------------------------------------------
     def _fail(self, item: CopyItem, reason: str, kind: str = "source") -> None:
+        reason = reason.removeprefix(f"{item.shard.url}: ")  # the FAILED line names it already
         with self.lock:
             self.report.add_failure(ShardFailure(item.shard.url, reason, kind))
 
@@ -163,16 +177,26 @@ class Copier:
         if self.sizing is not None and self.sizing.refused:
             return  # the refusal raised at the end says it for all of them
         if self.full.is_set():
-            self._fail(item, "not attempted: scratch is full", "full")
+            self._fail(item, "not attempted: the destination is full or not writable", "full")
             return
         published = [True]
         count_in_flight = self.options.count_samples and item.final.name.endswith(".tar")
         counters: list[TarSampleCounter] = []
         sizing = self.sizing
 
+        want_samples = self.known_samples.get(item.shard.relpath)
+
         def publish(partial: str, final_path: str) -> None:
-            assert sizing is not None
-            published[0] = sizing.gate.publish(partial, final_path)
+            counted = counters[0].samples if counters else None
+            if want_samples is not None and counted is not None and counted != want_samples:
+                raise HashMismatch(  # before the rename: nothing is published under this name
+                    f"{item.shard.url}: holds {counted} samples but the manifest says "
+                    f"{want_samples}; the manifest is stale or wrong: re-run stager index"
+                )
+            if sizing is not None:
+                published[0] = sizing.gate.publish(partial, final_path)
+            else:
+                os.replace(partial, final_path)
 
         def attempt() -> CopyResult:
             counters[:] = [TarSampleCounter()] if count_in_flight else []  # fresh per attempt
@@ -189,7 +213,7 @@ class Copier:
                 inspect=counters[0].feed if counters else None,
                 fsync=self.options.fsync,
                 size_from_manifest=item.from_manifest,
-                publish=publish if sizing is not None else None,
+                publish=publish,
             )
 
         self.streams.acquire()
@@ -198,8 +222,8 @@ class Copier:
             result = call_with_retries(attempt, self.options.retry, on_retry=self._on_retry)
         except Exception as exc:  # noqa: BLE001 - every failure becomes one report line
             kind = failure_kind(exc)
-            if kind == "full":
-                self.full.set()
+            if kind in ("full", "dest"):
+                self.full.set()  # no later copy can land either
             self._fail(item, one_line(exc), kind)
             return
         finally:
@@ -232,6 +256,7 @@ class Copier:
             self.report.bytes_copied += result.size
         if published and self.journal is not None:
             self.journal.record(entry)
+        self.heartbeat()
         self.progress.file_done()
 
     # -- after the copies -------------------------------------------------------------------

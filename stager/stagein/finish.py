@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -40,6 +40,7 @@ from stager.stagein.journal import Journal
 from stager.stagein.options import StageInOptions
 from stager.stagein.plan import count_samples_of
 from stager.stagein.report import StageInReport
+from stager.storage.paths import discard
 from stager.storage.sources import SourceSet, SourceShard
 
 __all__ = ["Staging", "finish"]
@@ -59,6 +60,10 @@ class Staging:
     entries: dict[str, ManifestEntry] = field(default_factory=dict)  # staged ones, by relpath
     parsed: dict[str, TarSampleCounter] = field(default_factory=dict)  # parsed in flight
     journal: Journal | None = None  # where each publication is recorded as it happens
+    #: Staged in this run without their samples counted in flight (fan-out): counted at the end
+    #: and checked against the manifest's count.
+    unverified: set[str] = field(default_factory=set)
+    heartbeat: Callable[[], None] = field(default=lambda: None)  # progress, for lock waiters
 
     def __post_init__(self) -> None:
         if self.journal is None:
@@ -95,9 +100,12 @@ def finish(run: Staging) -> None:
     failures = [
         ShardFailure(f["url"], f["reason"], f.get("kind", "source")) for f in report.failures
     ]
-    full = [f for f in failures if f.kind == "full"]
-    if full:
-        raise ScratchFull(f"[{report.node}] {full[0].reason}", where=str(run.staged.dir))
+    for kind, error in (("dest", DestinationError), ("full", ScratchFull)):
+        first = next(
+            (f for f in failures if f.kind == kind and "not attempted" not in f.reason), None
+        )
+        if first is not None:
+            raise error(f"[{report.node}] {first.reason}")
     if failures:
         raise shard_failures(failures)
 
@@ -121,6 +129,8 @@ def _count_and_index(run: Staging) -> dict[str, TarIndex]:
         index = counter.index()
         if index is not None and relpath in run.entries:
             indexes[relpath] = index
+    for relpath in sorted(run.unverified & run.entries.keys()):
+        _verify_count(run, relpath, indexes)
     for relpath, entry in list(run.entries.items()):
         if entry.samples is not None:
             continue
@@ -137,6 +147,38 @@ def _count_and_index(run: Staging) -> dict[str, TarIndex]:
             samples = index.num_samples
         run.entries[relpath] = dataclasses.replace(entry, samples=samples)
     return indexes
+
+
+def _verify_count(run: Staging, relpath: str, indexes: dict[str, TarIndex]) -> None:
+    """Unstage ``relpath`` as corrupt when its samples differ from the manifest's count."""
+    entry = run.entries[relpath]
+    if entry.samples is None:
+        return
+    final = run.staged.dir / relpath
+    try:
+        if tarindex.is_compressed(final) or not final.name.endswith(".tar"):
+            counted = tarindex.count_samples(final)
+        else:
+            index = indexes.get(relpath) or tarindex.index_tar(final)
+            indexes[relpath] = index
+            counted = index.num_samples
+    except IntegrityError as exc:
+        reason = one_line(exc)
+    else:
+        if counted == entry.samples:
+            return
+        reason = (
+            f"holds {counted} samples but the manifest says {entry.samples}; the manifest is "
+            "stale or wrong: re-run stager index"
+        )
+    del run.entries[relpath]
+    indexes.pop(relpath, None)
+    run.report.files_copied -= 1
+    run.report.bytes_copied -= entry.size
+    discard(final)  # a file with its final name is always what the manifest describes
+    run.report.add_failure(
+        ShardFailure(f"{run.source.root_url.rstrip('/')}/{relpath}", reason, "corrupt")
+    )
 
 
 def _save_loader_index(run: Staging, manifest: Manifest, indexes: dict[str, TarIndex]) -> None:

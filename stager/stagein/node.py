@@ -32,7 +32,7 @@ def attach_report(exc: BaseException, report: StageInReport) -> None:
 def run_once_per_node(
     staged: StagedDataset,
     options: StageInOptions,
-    work: Callable[[], StageInReport],
+    work: Callable[[Callable[[], None]], StageInReport],
     *,
     spec: str = "",
 ) -> StageInReport:
@@ -41,18 +41,19 @@ def run_once_per_node(
     A result is adopted only if it staged the same ``spec`` (what was asked for); a task that
     waited on another dataset's copier under the same name does the work itself, which then
     refuses the name (see :func:`stager.stagein.plan.check_same_source`). ``work`` attaches its
-    report to any exception it raises (:func:`attach_report`).
+    report to any exception it raises (:func:`attach_report`), and calls the heartbeat it is
+    given as it makes progress, so that waiting tasks can tell a slow copier from a hung one.
     """
     ensure_private_dir(staged.root)
     ensure_private_dir(staged.dir)
     wait_started = time.time()
-    with NodeLock(staged.lock_path, timeout_s=options.lock_timeout_s) as lock:
+    with NodeLock(staged.lock_path, timeout_s=options.lock_timeout_s, read_only_ok=True) as lock:
         if lock.contended:
             adopted = _adopt(staged, wait_started, spec)
             if adopted is not None:
                 return adopted
         try:
-            report = work()
+            report = work(lock.heartbeat)
         except BaseException as exc:
             failed: StageInReport | None = getattr(exc, "report", None)
             if failed is not None:

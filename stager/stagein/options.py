@@ -34,7 +34,8 @@ class StageInOptions:
     jitter_max_s: float = 2.0  # start delays spread over nodes up to this
     count_samples: bool = True  # count samples and index members of copied shards
     fsync: bool = False  # fsync each shard before publishing it
-    lock_timeout_s: float = 24 * 3600  # wait for another copier on this node at most this long
+    #: Wait at most this long for another copier of the dataset on this node to show progress.
+    lock_timeout_s: float = 3600.0
     min_free_bytes: int = 0  # keep this much free on scratch
     subset: str = "all"  # one of SUBSETS
     log: TextIO | None = None  # where progress and warnings go (default: stderr)

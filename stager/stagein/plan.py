@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -37,6 +37,7 @@ __all__ = [
     "preflight",
     "remove_unlisted",
     "check_same_source",
+    "check_outside_source",
     "space_error",
     "count_samples_of",
 ]
@@ -219,6 +220,7 @@ def plan_local(
     previous: dict[str, ManifestEntry],
     options: StageInOptions,
     log: TextIO,
+    heartbeat: Callable[[], None] = lambda: None,
 ) -> LocalPlan:
     """Split ``shards`` into those to copy and those already staged with the source's bytes."""
     to_copy: list[CopyItem] = []
@@ -228,6 +230,7 @@ def plan_local(
         final = join(shard.relpath)
         want = expected.get(shard.relpath)
         entry = _kept_entry(shard, final, want, previous.get(shard.relpath), options, log)
+        heartbeat()  # hashing staged copies against a manifest can take a while
         if entry is not None:
             kept[shard.relpath] = entry
             continue
@@ -259,6 +262,19 @@ def remove_unlisted(
         except (OSError, StagerError):
             continue  # unsafe or already gone: nothing of ours to remove
     return removed
+
+
+def check_outside_source(staged: StagedDataset, source: SourceSet) -> None:
+    """Refuse a destination inside a local source: every rerun would stage the copy again."""
+    if not source.is_local:
+        return
+    root = os.path.realpath(source.root_url)
+    dest = os.path.realpath(staged.dir)
+    if dest == root or dest.startswith(root.rstrip("/") + "/"):
+        raise UsageError(
+            f"the destination {staged.dir} is inside the source {source.root_url}: each run "
+            "would stage its own copy again; pass --dest outside the source"
+        )
 
 
 def check_same_source(staged: StagedDataset, source: SourceSet) -> None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from stager.errors import ShardFailure
+from stager.errors import DestinationError, ScratchFull, ShardFailure
+from stager.layout import PARTIAL_SUFFIX
+from stager.storage.paths import discard
 from stager.units import human_bytes
 
 __all__ = ["StageInReport"]
@@ -70,12 +73,29 @@ class StageInReport:
         return out
 
     def write(self, path: str | os.PathLike[str]) -> None:
-        """Write atomically so a reader never sees half a report."""
+        """Write atomically so a reader never sees half a report; nothing is left on failure.
+
+        Raises :class:`~stager.errors.ScratchFull` or :class:`~stager.errors.DestinationError`
+        naming the path when it cannot be written.
+        """
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
-        tmp.write_text(json.dumps(self.to_json(), indent=1) + "\n")
-        os.replace(tmp, path)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}{PARTIAL_SUFFIX}")
+        try:
+            if path.is_dir():
+                raise IsADirectoryError(errno.EISDIR, "is a directory")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+            os.replace(tmp, path)
+        except OSError as exc:
+            discard(tmp)
+            reason = exc.strerror or str(exc)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise ScratchFull(
+                    f"cannot write the report {path}: {reason}", where=str(path)
+                ) from exc
+            raise DestinationError(
+                f"cannot write the report {path}: {reason}; pass --report a writable file path"
+            ) from exc
 
     @classmethod
     def from_json(cls, payload: dict) -> StageInReport:

@@ -32,6 +32,7 @@ from stager.stagein.node import attach_report, run_once_per_node
 from stager.stagein.options import StageInOptions
 from stager.stagein.plan import (
     LocalPlan,
+    check_outside_source,
     check_same_source,
     clean_partials,
     load_source_manifest,
@@ -67,8 +68,13 @@ def jitter_s(node: int, num_nodes: int, max_s: float) -> float:
 
 
 def staged_dataset(source: SourceSet, options: StageInOptions) -> StagedDataset:
-    """Where ``source`` is staged under ``options``: ``--dest`` root, ``--name`` or its own name."""
-    return StagedDataset(options.dest_root, options.name or source.name)
+    """Where ``source`` is staged under ``options``: ``--dest`` root, ``--name`` or its own name.
+
+    Refused (before anything is created) when that is inside the source itself.
+    """
+    staged = StagedDataset(options.dest_root, options.name or source.name)
+    check_outside_source(staged, source)
+    return staged
 
 
 def new_report(
@@ -106,10 +112,10 @@ def stage_in(
     log = options.log or sys.stderr
     staged = staged_dataset(source, options)
 
-    def work() -> StageInReport:
+    def work(heartbeat: Callable[[], None]) -> StageInReport:
         report = new_report(slurm, staged, source, options)
         try:
-            copy_per_node(source, options, slurm, select, staged, report, log)
+            copy_per_node(source, options, slurm, select, staged, report, log, heartbeat)
         except BaseException as exc:
             attach_report(exc, report)
             raise
@@ -132,6 +138,7 @@ def prepare(
     log: TextIO,
     *,
     size_later: bool,
+    heartbeat: Callable[[], None] = lambda: None,
 ) -> tuple[Staging, LocalPlan, dict[str, ManifestEntry]]:
     """Steps 2-3 of the module doc, shared with ``--fanout``: what to copy, and what to delete.
 
@@ -172,14 +179,14 @@ def prepare(
     clean_partials(staged.dir)
     previous = read_previous(staged)
     remove_unlisted(staged, previous, shards)
-    plan = plan_local(shards, staged, expected, previous, options, log)
+    plan = plan_local(shards, staged, expected, previous, options, log, heartbeat)
     plan.sized_later = sized_later
     report.files_total = len(shards) + len(source.missing)
     report.files_skipped = len(plan.kept)
     report.bytes_total = sum(e.size for e in plan.kept.values()) + plan.bytes_to_copy
     for url in source.missing:
         report.add_failure(ShardFailure(url, "not found on the source"))
-    run = Staging(source, options, staged, report, log, shards)
+    run = Staging(source, options, staged, report, log, shards, heartbeat=heartbeat)
     run.entries.update(plan.kept)
     return run, plan, expected
 
@@ -192,11 +199,12 @@ def copy_per_node(
     staged: StagedDataset,
     report: StageInReport,
     log: TextIO,
+    heartbeat: Callable[[], None] = lambda: None,
 ) -> None:
     """Steps 2-6 of the module doc: this node reads all its shards from the source itself."""
     shards = list(select(source) if select is not None else source.shards)
     run, plan, expected = prepare(
-        source, options, slurm, shards, staged, report, log, size_later=True
+        source, options, slurm, shards, staged, report, log, size_later=True, heartbeat=heartbeat
     )
     plan.free_bytes = preflight(staged.dir, plan.bytes_to_copy, options, slurm.node_name)
     if plan.to_copy:
@@ -205,7 +213,14 @@ def copy_per_node(
             _import_in_background("stager.shards.loader_index")  # numpy: ~0.2 s, overlapped
         known_samples = {k: e.samples for k, e in expected.items()}
         outcome = Copier(
-            source, plan, options, report, known_samples, log, journal=run.journal
+            source,
+            plan,
+            options,
+            report,
+            known_samples,
+            log,
+            journal=run.journal,
+            heartbeat=heartbeat,
         ).run()
         run.entries.update(outcome.entries)
         run.parsed.update(outcome.parsed)

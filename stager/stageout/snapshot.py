@@ -1,10 +1,13 @@
 """Checkpoints on node-local scratch: finding them, and a hashed snapshot of one.
 
 A snapshot lists every file with its size, mtime and content hash. Hashes are cached in
-``<parent>/.stager-stageout/<name>.hashes.json`` keyed by (size, mtime_ns), so the ranks that
+``<parent>/.stager-stageout/<name>.hashes.json`` keyed by the file's size and version (inode,
+mtime_ns and ctime_ns: :mod:`stager.storage.identity`), so the ranks that
 call ``stage-out`` after the copier, and every ``--watch`` pass, decide "already committed"
 from a few ``stat`` calls instead of re-reading gigabytes. The same directory holds the
-per-checkpoint lock (node-local, where ``flock`` is reliable).
+per-checkpoint lock (node-local, where ``flock`` is reliable). Size and mtime alone are not
+a key: a file rewritten at the same size keeping its mtime (``cp -p``, ``rsync -a``, coarse
+timestamps) would have been "already committed with the same content" while it was not.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from stager.layout import STAGEOUT_STATE_DIR
 from stager.shards.manifest import ManifestEntry
 from stager.stageout.record import KIND_DIR, KIND_FILE, check_checkpoint_name, content_id
 from stager.storage.hashing import hash_file
+from stager.storage.identity import local_version
 from stager.storage.paths import PARTIAL_SUFFIX
 
 __all__ = [
@@ -45,6 +49,7 @@ class SourceFile:
     size: int
     mtime_ns: int
     hash: str
+    version: str = ""  # stager.storage.identity.local_version when hashed
 
 
 @dataclass(frozen=True)
@@ -84,7 +89,7 @@ class Snapshot:
         if [rel for _, rel, _ in current] != [f.relpath for f in self.files]:
             return True
         for (_, _, st), f in zip(current, self.files, strict=True):
-            if st.st_size != f.size or st.st_mtime_ns != f.mtime_ns:
+            if st.st_size != f.size or local_version(st) != f.version:
                 return True
         return False
 
@@ -155,7 +160,7 @@ def _load_cache(cache_path: Path) -> dict[str, list]:
 def _save_cache(cache_path: Path, files: tuple[SourceFile, ...]) -> None:
     tmp = cache_path.with_name(f"{cache_path.name}.{os.getpid()}{PARTIAL_SUFFIX}")
     try:
-        tmp.write_text(json.dumps({f.relpath: [f.size, f.mtime_ns, f.hash] for f in files}))
+        tmp.write_text(json.dumps({f.relpath: [f.size, f.version, f.hash] for f in files}))
         os.replace(tmp, cache_path)
     except OSError:
         pass  # the cache only saves re-hashing; losing it is harmless
@@ -185,11 +190,18 @@ def snapshot(ckpt_path: Path) -> Snapshot:
     files, rehashed = [], False
     for full, rel, st in walked:
         cached = cache.get(rel)
-        if isinstance(cached, list) and cached[:2] == [st.st_size, st.st_mtime_ns]:
+        version = local_version(st)
+        if isinstance(cached, list) and cached[:2] == [st.st_size, version]:
             digest = str(cached[2])
         else:
             digest, rehashed = hash_file(full), True
-        files.append(SourceFile(full, rel, st.st_size, st.st_mtime_ns, digest))
+            after = full.stat()
+            if local_version(after) != version or after.st_size != st.st_size:
+                raise CheckpointError(
+                    f"checkpoint file {full} changed while it was hashed; it is still being "
+                    "written: stage it out once the training script has finished saving it"
+                )
+        files.append(SourceFile(full, rel, st.st_size, st.st_mtime_ns, digest, version))
     snap = Snapshot(name, kind, ckpt_path, tuple(files))
     if rehashed or len(cache) != len(files):
         with contextlib.suppress(OSError):  # a read-only scratch only costs re-hashing

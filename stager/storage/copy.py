@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from stager.errors import HashMismatch, ScratchFull, SizeMismatch, SourceError
+from stager.errors import DestinationError, HashMismatch, ScratchFull, SizeMismatch, SourceError
 from stager.storage.hashing import DEFAULT_ALGORITHM, new_hasher, split_digest
 from stager.storage.identity import is_regular, local_version
 from stager.storage.paths import PARTIAL_SUFFIX, discard
@@ -141,10 +141,18 @@ def _open_partial(partial: str) -> _Fd:
     directory find it there.
     """
     try:
-        return _Fd(partial, _WRITE_FLAGS)
-    except FileNotFoundError:
-        os.makedirs(os.path.dirname(partial), exist_ok=True)
-        return _Fd(partial, _WRITE_FLAGS)
+        try:
+            return _Fd(partial, _WRITE_FLAGS)
+        except FileNotFoundError:
+            os.makedirs(os.path.dirname(partial), exist_ok=True)
+            return _Fd(partial, _WRITE_FLAGS)
+    except OSError as exc:
+        if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):  # never fixed by a retry
+            raise DestinationError(
+                f"cannot write {partial}: {exc.strerror}; the destination is read-only or not "
+                "ours: pass --dest to a writable directory"
+            ) from exc
+        raise
 
 
 def copy_file(

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from stager.cli.argtypes import count, default_of, positive_count, seconds
 from stager.errors import UsageError
+from stager.shards.build import IndexOptions
 from stager.storage.hashing import ALGORITHMS, DEFAULT_ALGORITHM
 
 HELP = "scan a dataset once and write its manifest (size, hash and sample count per shard)"
@@ -47,18 +49,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help=f"content hash (default {DEFAULT_ALGORITHM}: fast; sha256 for strict sites)",
     )
     parser.add_argument(
-        "--jobs", type=int, default=8, metavar="N", help="shards read in parallel (default 8)"
+        "--jobs",
+        type=positive_count,
+        default=default_of(IndexOptions, "jobs"),
+        metavar="N",
+        help=f"shards read in parallel (default {default_of(IndexOptions, 'jobs')})",
     )
     parser.add_argument(
         "--retries",
-        type=int,
+        type=count,
         default=3,
         metavar="N",
         help="retries per shard on transient errors (default 3)",
     )
     parser.add_argument(
         "--retry-delay",
-        type=float,
+        type=seconds,
         default=0.5,
         metavar="S",
         help="first retry delay in s; doubles (default 0.5)",
@@ -70,7 +76,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stager.shards.build import IndexOptions, index_source
+    from stager.shards.build import index_source
     from stager.storage.retry import RetryPolicy
     from stager.storage.sources import resolve_source
     from stager.units import human_bytes

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from stager.cli.argtypes import count, positive_count
+
 HELP = "write a small synthetic WebDataset (for the demo, tests and benchmarks)"
 
 
@@ -14,12 +16,19 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", metavar="DIR", help="directory to write shards into")
-    parser.add_argument("--shards", type=int, default=8, help="number of shards (default 8)")
-    parser.add_argument("--samples", type=int, default=100, help="samples per shard (default 100)")
     parser.add_argument(
-        "--sample-bytes", type=int, default=1024, help="approximate image bytes per sample"
+        "--shards", type=positive_count, default=8, help="number of shards (default 8)"
     )
-    parser.add_argument("--seed", type=int, default=0, help="content seed (default 0)")
+    parser.add_argument(
+        "--samples", type=positive_count, default=100, help="samples per shard (default 100)"
+    )
+    parser.add_argument(
+        "--sample-bytes",
+        type=positive_count,
+        default=1024,
+        help="approximate image bytes per sample",
+    )
+    parser.add_argument("--seed", type=count, default=0, help="content seed (default 0)")
     parser.add_argument("--uneven", action="store_true", help="vary shard sizes around --samples")
     parser.add_argument("--compress", action="store_true", help="write .tar.gz shards")
     parser.set_defaults(handler=run)

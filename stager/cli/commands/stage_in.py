@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 
 from stager.cli.argtypes import (
@@ -19,8 +20,10 @@ from stager.errors import (
     EXIT_CHECKPOINT,
     EXIT_NO_CHECKPOINT,
     EXIT_OK,
+    StagerError,
     UsageError,
     exit_codes_text,
+    one_line,
 )
 from stager.fanout.group import FanoutOptions
 from stager.slurm import SlurmEnv
@@ -223,15 +226,41 @@ def run(args: argparse.Namespace) -> int:
     except Exception as exc:
         report = getattr(exc, "report", None)
         if report is not None and (report.files_total or report.failures):
-            _tell(report, args)  # what was done before the error; nothing to say if refused early
+            _tell(report, args, failing=True)  # what was done before the error
         raise
     _tell(report, args)
+    if not slurm.in_slurm and not args.dest and not os.environ.get("STAGER_DEST"):
+        _outside_a_job(report)
     return 0
 
 
-def _tell(report: StageInReport, args: argparse.Namespace) -> None:
+def _outside_a_job(report: StageInReport) -> None:
+    """Say where a run outside any job staged, and how to stage inside one instead."""
+    hint = ""
+    if shutil.which("srun") or shutil.which("sbatch"):
+        hint = (
+            "; this host has Slurm: inside an allocation (salloc or sbatch) run "
+            "`srun --nodes=$SLURM_NNODES --ntasks=$SLURM_NNODES stage-in ...` to stage to "
+            "/scratch/$SLURM_JOB_ID on every node"
+        )
+    print(
+        f"stage-in: note: not inside a Slurm job (no SLURM_JOB_ID): staged to "
+        f"{report.dataset_dir}, which outlives this run (rm -r it when done){hint}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _tell(report: StageInReport, args: argparse.Namespace, *, failing: bool = False) -> None:
+    """The summary line, and ``--report``; a report that cannot be written never hides the
+    run's own error (it is a warning then), and otherwise fails the run with its own code."""
     if args.report:
-        report.write(args.report)
+        try:
+            report.write(args.report)
+        except StagerError as exc:
+            if not failing:
+                raise
+            print(f"stage-in: warning: {one_line(exc)}", file=sys.stderr, flush=True)
     print(report.summary_line(), file=sys.stderr, flush=True)
 
 

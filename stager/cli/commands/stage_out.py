@@ -7,6 +7,7 @@ import argparse
 import threading
 from pathlib import Path
 
+from stager.cli.argtypes import mbps, positive_count, positive_seconds, seconds
 from stager.errors import NoCheckpoint, UsageError
 from stager.slurm import SlurmEnv
 from stager.stageout.deadline import resolve_deadline
@@ -52,7 +53,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--keep",
-        type=int,
+        type=int,  # checked in _validate: the message says why 0 is refused
         metavar="N",
         help="after staging, prune all but the N newest committed checkpoints at DEST",
     )
@@ -63,44 +64,44 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--interval",
-        type=float,
+        type=positive_seconds,
         default=60.0,
         metavar="S",
         help="seconds between --watch passes (default 60)",
     )
     parser.add_argument(
         "--settle",
-        type=float,
+        type=seconds,
         metavar="S",
         help="skip checkpoints modified less than S seconds ago (default 2 with --watch, else 0)",
     )
     parser.add_argument(
         "--deadline-s",
-        type=float,
+        type=seconds,
         metavar="S",
         help="seconds left to finish (default inside Slurm: the job's end time minus "
         "--deadline-margin-s)",
     )
     parser.add_argument(
         "--deadline-margin-s",
-        type=float,
+        type=seconds,
         default=10.0,
         metavar="S",
         help="margin before the Slurm end time (default 10)",
     )
     parser.add_argument(
         "--assume-mbps",
-        type=float,
+        type=mbps,
         default=100.0,
         metavar="MBPS",
         help="copy rate assumed for deadline estimates until one is measured (default 100)",
     )
     parser.add_argument(
-        "--bw-limit", type=float, metavar="MBPS", help="cap on the copy rate, in MB/s"
+        "--bw-limit", type=mbps, metavar="MBPS", help="cap on the copy rate, in MB/s"
     )
     parser.add_argument(
         "--lock-timeout",
-        type=float,
+        type=positive_seconds,
         default=3600.0,
         metavar="S",
         help="max wait for another process copying the same checkpoint (default 3600)",
