@@ -20,8 +20,8 @@ def discard(path: str | os.PathLike[str]) -> None:
     """Remove a file that may already be gone (a ``.partial`` after a failed copy)."""
     try:
         os.unlink(path)
-    except FileNotFoundError:
-        pass
+    except OSError:  # gone already, or on a read-only filesystem where it never was created:
+        pass  # discard runs on error paths, and must never mask the error being reported
 
 
 def safe_relpath(relpath: str) -> str:
