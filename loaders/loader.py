@@ -35,14 +35,8 @@ from stager_loaders.state import LoaderState
 from stager_loaders.streaming import StreamingShards, count_remote_samples, reorder_batches
 from stager_loaders.world import detect_layout
 from stager.errors import UsageError
-from stager.plan.ranks import (
-    PlanOptions,
-    WorldLayout,
-    elastic_indices,
-    fingerprint,
-    remaining_after,
-    samples_per_rank,
-)
+from stager.plan.elastic import remaining_after
+from stager.plan.ranks import PlanOptions, WorldLayout, fingerprint, samples_per_rank
 from stager.plan.streaming import StreamingPlan
 
 __all__ = ["ShardedLoader", "LoaderOptions"]
@@ -366,8 +360,5 @@ class ShardedLoader(DataLoader):
             options=self.plan_options,
             batches_consumed=origin["batches_consumed"],
         )
-        self.batch_plan.override = (
-            epoch,
-            elastic_indices(remaining, self.layout, self.plan_options.even),
-        )
+        self.batch_plan.override = (epoch, remaining)
         self._elastic_origin = dict(origin)
