@@ -17,10 +17,11 @@ from torch.utils.data import Sampler
 from stager.plan.elastic import RemainingSamples, elastic_indices
 from stager.plan.ranks import (
     PlanOptions,
+    RankShare,
     WorldLayout,
     num_batches,
     rank_batches,
-    rank_indices,
+    rank_share,
     samples_per_rank,
 )
 
@@ -50,6 +51,7 @@ class RankBatchSampler(Sampler[list[int]]):
         self.start_batch = 0
         # (epoch, what it still owed) for an epoch resumed elastically on a different world
         self.override: tuple[int, RemainingSamples] | None = None
+        self._share_cache: tuple[int, RankShare] | None = None
 
     def _share(self, epoch: int) -> int:
         """Samples of this rank in ``epoch``."""
@@ -66,15 +68,12 @@ class RankBatchSampler(Sampler[list[int]]):
             return elastic_indices(
                 self.override[1], self.layout, self.options.even, start=start, stop=stop
             )
-        return rank_indices(
-            self.counts,
-            self.layout,
-            epoch=epoch,
-            options=self.options,
-            per_rank=self.per_rank,
-            start=start,
-            stop=stop,
-        )
+        if self._share_cache is None or self._share_cache[0] != epoch:
+            share = rank_share(
+                self.counts, self.layout, epoch=epoch, options=self.options, per_rank=self.per_rank
+            )
+            self._share_cache = (epoch, share)  # the blocked mode's O(shards) part, once
+        return self._share_cache[1].indices(start, stop)
 
     def batches(self, epoch: int) -> list[np.ndarray]:
         """All batches of ``epoch`` on this rank (also used by tests and tools)."""

@@ -17,7 +17,7 @@ Modes:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -49,6 +49,21 @@ def seeded_rng(seed: int, *words: int) -> np.random.Generator:
     return np.random.default_rng(
         np.random.SeedSequence([int(w) & (2**64 - 1) for w in (seed, *words)])
     )
+
+
+#: Positions evaluated per vectorised step: bounds the temporaries (a dozen arrays of this many
+#: 64-bit words, per-element round keys included) whatever the number of positions asked.
+CHUNK = 1 << 16
+
+
+def _chunked(evaluate: Callable[[np.ndarray], np.ndarray], values: np.ndarray) -> np.ndarray:
+    if values.size <= CHUNK:
+        return evaluate(values)
+    flat = values.reshape(-1)
+    out = np.empty(flat.shape, dtype=np.int64)
+    for lo in range(0, flat.size, CHUNK):
+        out[lo : lo + CHUNK] = evaluate(flat[lo : lo + CHUNK])
+    return out.reshape(values.shape)
 
 
 class EpochOrder:
@@ -104,6 +119,9 @@ class EpochOrder:
         positions = np.asarray(positions, dtype=np.int64)
         if positions.size and (positions.min() < 0 or positions.max() >= self.total):
             raise ValueError(f"positions must lie in [0, {self.total})")
+        return _chunked(self._at, positions)
+
+    def _at(self, positions: np.ndarray) -> np.ndarray:
         if self.mode == "none":
             return positions.copy()
         if self.mode == "global":
@@ -120,6 +138,9 @@ class EpochOrder:
         samples = np.asarray(samples, dtype=np.int64)
         if samples.size and (samples.min() < 0 or samples.max() >= self.total):
             raise ValueError(f"samples must lie in [0, {self.total})")
+        return _chunked(self._position_of, samples)
+
+    def _position_of(self, samples: np.ndarray) -> np.ndarray:
         if self.mode == "none":
             return samples.copy()
         if self.mode == "global":

@@ -58,6 +58,8 @@ __all__ = [
     "node_owner",
     "node_partition",
     "samples_per_rank",
+    "RankShare",
+    "rank_share",
     "rank_indices",
     "rank_of_sample",
     "world_indices",
@@ -206,14 +208,37 @@ def samples_per_rank(total_samples: int | Sequence[int], layout: WorldLayout, ev
     return int(shares.min() if even == "drop" else shares.max())
 
 
-def _group(
+@dataclass(frozen=True)
+class RankShare:
+    """One rank's share of an epoch: ``per_rank`` consecutive positions of the evened order.
+
+    Holds the epoch's :class:`EpochOrder` (and, for the blocked mode, its per-shard layout once
+    computed), so evaluating the share a chunk at a time pays the O(shards) part once.
+    """
+
+    order: EpochOrder
+    first: int  # the share's first position in the evened order
+    per_rank: int
+
+    def __len__(self) -> int:
+        return self.per_rank
+
+    def indices(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Global sample indices of items ``start:stop`` of the share: O(stop - start)."""
+        stop = self.per_rank if stop is None else min(stop, self.per_rank)
+        start = min(max(start, 0), stop)
+        return evened(self.order, self.first + np.arange(start, stop, dtype=np.int64))
+
+
+def rank_share(
     counts: Sequence[int] | np.ndarray,
     layout: WorldLayout,
+    *,
     epoch: int,
     options: PlanOptions,
-    per_rank: int | None,
-) -> tuple[EpochOrder, int, int]:
-    """The order this rank cuts, its per-rank share, and its slot among the ranks sharing it."""
+    per_rank: int | None = None,
+) -> RankShare:
+    """The share of ``layout.rank`` in ``epoch``, evaluated lazily (see :func:`rank_indices`)."""
     if options.subset == "node":
         order = plan_order(counts, epoch=epoch, options=options, salt=1 + layout.node_rank)
         if per_rank is None:
@@ -222,11 +247,11 @@ def _group(
                     "node subsets need per_rank agreed across nodes (samples_per_rank)"
                 )
             per_rank = samples_per_rank(len(order), layout, options.even)
-        return order, per_rank, layout.rank_of_node
+        return RankShare(order, layout.rank_of_node * per_rank, per_rank)
     order = plan_order(counts, epoch=epoch, options=options)
     if per_rank is None:
         per_rank = samples_per_rank(len(order), layout, options.even)
-    return order, per_rank, layout.rank
+    return RankShare(order, layout.rank * per_rank, per_rank)
 
 
 def evened(order: EpochOrder, positions: np.ndarray) -> np.ndarray:
@@ -259,10 +284,8 @@ def rank_indices(
     (indices refer to them) and ``per_rank`` is the figure agreed across nodes (see
     :func:`samples_per_rank`); with ``"all"`` it is derived from ``counts``.
     """
-    order, per_rank, slot = _group(counts, layout, epoch, options, per_rank)
-    stop = per_rank if stop is None else min(stop, per_rank)
-    start = min(max(start, 0), stop)
-    return evened(order, slot * per_rank + np.arange(start, stop, dtype=np.int64))
+    share = rank_share(counts, layout, epoch=epoch, options=options, per_rank=per_rank)
+    return share.indices(start, stop)
 
 
 def rank_of_sample(
@@ -280,11 +303,11 @@ def rank_of_sample(
     rank slot is -1 for a sample that ``"drop"`` left out. For checks over huge worlds: coverage
     by sampling samples instead of materialising every rank.
     """
-    order, per_rank, _ = _group(counts, layout, epoch, options, per_rank)
-    position = order.position_of(samples)
-    slot, within = np.divmod(position, max(per_rank, 1))
+    share = rank_share(counts, layout, epoch=epoch, options=options, per_rank=per_rank)
+    position = share.order.position_of(samples)
+    slot, within = np.divmod(position, max(share.per_rank, 1))
     group = layout.ranks_per_node if options.subset == "node" else layout.world_size
-    dropped = position >= per_rank * group
+    dropped = position >= share.per_rank * group
     return np.where(dropped, -1, slot), np.where(dropped, -1, within)
 
 
