@@ -13,10 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from torch.utils.data import DataLoader
-
 import stager_loaders
+import torch
 from stager_loaders import (
     LoaderOptions,
     ResumeMismatch,
@@ -24,7 +22,10 @@ from stager_loaders import (
     capture_rng_state,
     restore_rng_state,
 )
+from torch.utils.data import DataLoader
+
 from stager.errors import IntegrityError
+from stager.shards.loader_index import dataset_index_path
 from stager.shards.synth import SyntheticSpec, sample_key, sample_label, write_synthetic_dataset
 from stager.slurm import SlurmEnv
 from stager.stagein.run import StageInOptions, stage_in, staged_manifest_path
@@ -90,7 +91,7 @@ def test_staged_copy_is_read_alone_source_deleted(
     assert len(loader) == -(-len(all_keys()) // 16)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     # the dataset index sits beside the staged copy (stage-in wrote it), so no loader walks headers
-    assert (staged / ".stager" / "index" / "dataset.flat.npz").is_file()
+    assert dataset_index_path(staged / ".stager" / "index").is_file()
 
 
 def test_missing_staged_shard_falls_back_with_one_warning(
@@ -529,7 +530,7 @@ def test_dataset_index_is_cached_in_one_file_and_rebuilt_on_change(
     first = ShardedLoader(
         dataset_copy, batch_size=16, to_tuple=("__key__",), options=LoaderOptions(dest=str(dest))
     )
-    assert (staged / ".stager" / "index" / "dataset.flat.npz").is_file()
+    assert dataset_index_path(staged / ".stager" / "index").is_file()
 
     import stager.shards.loader_index as index_module
 
@@ -563,7 +564,7 @@ def test_first_loader_after_stage_in_reads_no_tar_header(
     """stage-in hands over the member offsets it parsed in flight: no header walk, same batches."""
     dest = tmp_path / "scratch"
     staged = stage(dataset_copy, dest)
-    assert (staged / ".stager" / "index" / "dataset.flat.npz").is_file()
+    assert dataset_index_path(staged / ".stager" / "index").is_file()
     import stager.shards.loader_index as index_module
 
     def no_header_walk(*args, **kwargs):
@@ -578,7 +579,7 @@ def test_first_loader_after_stage_in_reads_no_tar_header(
     )
     got = keys_of(loader)
     monkeypatch.undo()
-    (staged / ".stager" / "index" / "dataset.flat.npz").unlink()
+    dataset_index_path(staged / ".stager" / "index").unlink()
     walked = ShardedLoader(
         dataset_copy,
         batch_size=16,
