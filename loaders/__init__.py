@@ -26,7 +26,7 @@ __all__ = [
 
 _HOME = {
     "LoaderMetrics": "metrics",
-    "LoaderOptions": "loader",
+    "LoaderOptions": "options",
     "ShardedLoader": "loader",
     "LoaderState": "state",
     "ResumeMismatch": "errors",
@@ -38,10 +38,12 @@ _HOME = {
 
 if TYPE_CHECKING:
     from stager_loaders.errors import ResumeMismatch
-    from stager_loaders.loader import LoaderOptions, ShardedLoader
+    from stager_loaders.loader import ShardedLoader
     from stager_loaders.metrics import LoaderMetrics
+    from stager_loaders.options import LoaderOptions
     from stager_loaders.rng import capture_rng_state, restore_rng_state
     from stager_loaders.state import LoaderState
+
     from stager.plan.ranks import PlanOptions, WorldLayout
 
 

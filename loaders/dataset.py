@@ -23,11 +23,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from stager_loaders.samples import SamplePipeline, select_fields
 from torch.utils.data import Dataset, get_worker_info
 
-from stager.shards.loader_index import FlatIndex
-from stager_loaders.samples import SamplePipeline, select_fields
 from stager.errors import IntegrityError
+from stager.shards.loader_index import FlatIndex
 
 __all__ = ["StagedTarDataset", "PackedBatch"]
 
@@ -169,8 +169,8 @@ class StagedTarDataset(Dataset):
         if get_worker_info() is not None and nbytes >= SHARED_MEMORY_MIN_BYTES:
             # Allocate in shared memory up front: otherwise torch copies the batch into shared
             # memory again when the worker hands it to the main process.
-            payload = torch.empty(nbytes, dtype=torch.uint8).share_memory_()
-            out = payload.numpy()
+            shared = torch.empty(nbytes, dtype=torch.uint8).share_memory_()
+            payload, out = shared, shared.numpy()
         else:
             payload = out = np.empty(nbytes, dtype=np.uint8)
         maps = {shard: self._map(shard) for shard in np.unique(shards).tolist()}

@@ -59,8 +59,12 @@ class RankBatchSampler(Sampler[list[int]]):
             return samples_per_rank(len(self.override[1]), self.layout, self.options.even)
         return self.per_rank
 
+    def num_batches_in(self, epoch: int) -> int:
+        """Batches of ``epoch`` on this rank (an elastically resumed epoch has its own count)."""
+        return num_batches(self._share(epoch), self.options.batch_size, self.options.even)
+
     def __len__(self) -> int:
-        return num_batches(self._share(self.epoch), self.options.batch_size, self.options.even)
+        return self.num_batches_in(self.epoch)
 
     def indices(self, epoch: int, start: int = 0, stop: int | None = None) -> np.ndarray:
         """This rank's sample indices ``start:stop`` of ``epoch``: O(stop - start)."""

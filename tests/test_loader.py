@@ -24,7 +24,7 @@ from stager_loaders import (
 )
 from torch.utils.data import DataLoader
 
-from stager.errors import IntegrityError
+from stager.errors import IntegrityError, UsageError
 from stager.shards.loader_index import dataset_index_path
 from stager.shards.synth import SyntheticSpec, sample_key, sample_label, write_synthetic_dataset
 from stager.slurm import SlurmEnv
@@ -286,11 +286,9 @@ def test_ranks_of_a_simulated_world_split_the_epoch(small_dataset: Path, tmp_pat
         loader = ShardedLoader(
             small_dataset,
             batch_size=8,
-            rank=rank,
-            world_size=3,
             even="drop",
             to_tuple=("__key__",),
-            options=LoaderOptions(dest=str(tmp_path)),
+            options=LoaderOptions(dest=str(tmp_path), rank=rank, world_size=3),
         )
         per_rank.append([batch[0] for batch in loader])
     assert len({len(batches) for batches in per_rank}) == 1
@@ -350,10 +348,9 @@ def test_compressed_shards_stream_with_exact_len(tmp_path: Path) -> None:
 def test_resume_mismatch_is_refused_with_what_differs(
     small_dataset: Path, dataset_copy: Path, tmp_path: Path
 ) -> None:
-    def make(source: Path = small_dataset, **kw) -> ShardedLoader:
-        return ShardedLoader(
-            source, options=LoaderOptions(dest=str(tmp_path)), **{"batch_size": 8, **kw}
-        )
+    def make(source: Path = small_dataset, batch_size: int = 8, **world) -> ShardedLoader:
+        options = LoaderOptions(dest=str(tmp_path), **world)
+        return ShardedLoader(source, batch_size=batch_size, options=options)
 
     state = make().state_dict()
     with pytest.raises(ResumeMismatch, match="batch_size was 8, is now 16"):
@@ -436,9 +433,7 @@ def test_stage_in_subset_node_and_loader_agree(small_dataset: Path, tmp_path: Pa
         small_dataset,
         batch_size=8,
         to_tuple=("__key__",),
-        rank=0,
-        world_size=1,
-        options=LoaderOptions(dest=str(tmp_path / "node0")),
+        options=LoaderOptions(dest=str(tmp_path / "node0"), rank=0, world_size=1),
     )
     assert loader.plan_options.subset == "node"
     node_keys = {k for k in all_keys() if f"train-{int(k[1:6]):06d}.tar" in staged_sets[0]}
@@ -452,10 +447,8 @@ def test_elastic_resume_on_a_smaller_world_repeats_and_loses_nothing(
         return ShardedLoader(
             small_dataset,
             batch_size=8,
-            rank=rank,
-            world_size=world,
             to_tuple=("__key__",),
-            options=LoaderOptions(dest=str(tmp_path)),
+            options=LoaderOptions(dest=str(tmp_path), rank=rank, world_size=world),
         )
 
     consumed, state = [], None
@@ -616,3 +609,73 @@ def test_a_shard_index_is_cached_on_disk_only_when_it_was_slow_to_build(
     monkeypatch.setattr(index_module, "index_tar", no_header_walk)
     cached = index_module.cached_index(shard, cache_dir=cache)
     assert cached.keys == quick.keys and cached.offsets.tolist() == quick.offsets.tolist()
+
+
+def test_constructor_is_dataloader_like_with_one_options_object(
+    small_dataset: Path, tmp_path: Path
+) -> None:
+    import inspect
+
+    params = [
+        p
+        for p in inspect.signature(ShardedLoader.__init__).parameters.values()
+        if p.name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD
+    ]
+    assert len(params) <= 12 and params[-1].name == "options"
+    assert [p.name for p in params[:3]] == ["source", "batch_size", "num_workers"]
+    with pytest.raises(UsageError, match="even='drop'") as caught:
+        ShardedLoader(small_dataset, batch_size=8, drop_last=True)
+    assert "\n" not in str(caught.value)
+    with pytest.raises(TypeError, match="sampler"):
+        ShardedLoader(small_dataset, batch_size=8, sampler=None)
+    with pytest.raises(UsageError, match="on_error"):
+        LoaderOptions(on_error="ignore")
+    # the keywords of earlier versions still work, and land in the options
+    old_style = ShardedLoader(
+        small_dataset,
+        batch_size=8,
+        rank=1,
+        world_size=2,
+        to_tuple=("__key__",),
+        options=LoaderOptions(dest=str(tmp_path)),
+    )
+    new_style = ShardedLoader(
+        small_dataset,
+        batch_size=8,
+        to_tuple=("__key__",),
+        options=LoaderOptions(dest=str(tmp_path), rank=1, world_size=2),
+    )
+    assert old_style.options == new_style.options and old_style.layout.rank == 1
+    assert keys_of(old_style) == keys_of(new_style)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_both_readers_serve_the_same_loader_interface(
+    small_dataset: Path, tmp_path: Path, streaming: bool
+) -> None:
+    from stager_loaders.readers import StagedReader, StreamingReader
+
+    def make() -> ShardedLoader:
+        return ShardedLoader(
+            small_dataset,
+            batch_size=8,
+            num_workers=2,
+            to_tuple=("__key__",),
+            options=LoaderOptions(
+                dest=str(tmp_path), force_streaming=streaming, persistent_workers=True
+            ),
+        )
+
+    loader = make()
+    assert isinstance(loader.reader, StreamingReader if streaming else StagedReader)
+    assert loader.persistent_workers is not streaming, "streaming workers restart per epoch"
+    loader.set_epoch(2)
+    full = [b[0] for b in loader]
+    assert len(full) == len(loader) and {k for b in full for k in b} == all_keys()
+    first = make()
+    first.set_epoch(2)
+    it = iter(first)
+    head = [next(it)[0] for _ in range(3)]
+    second = make()
+    second.load_state_dict(first.state_dict())
+    assert head + [b[0] for b in second] == full
