@@ -1,8 +1,9 @@
 """Random access to samples of local, uncompressed tar shards by byte offset.
 
-Staged shards sit on node-local disk, so a sample is a few slices of a memory-mapped file at
-offsets known from the index: no per-member tar parsing on the hot path, any order is as cheap
-as sequential order, and a batch can be fetched in one call (``__getitems__``).
+Staged shards sit on node-local disk, so a sample is a few byte ranges of its shard at offsets
+known from the index, read from a mapped shard or with ``pread`` (:mod:`stager_loaders.shardio`
+chooses by shard count): no per-member tar parsing on the hot path, any order is as cheap as
+sequential order, and a batch can be fetched in one call (``__getitems__``).
 
 With nothing to decode, a whole batch is copied into one uint8 buffer (:class:`PackedBatch`),
 which the main process cuts into per-member tensor views (``torch.split``), so no payload is
@@ -14,7 +15,6 @@ truncate, map, pass the descriptor, map again) costs more than copying a few hun
 
 from __future__ import annotations
 
-import mmap
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 from stager_loaders.samples import SamplePipeline, select_fields
+from stager_loaders.shardio import open_shards
 from torch.utils.data import Dataset, get_worker_info
 
 from stager.errors import IntegrityError
@@ -113,31 +114,10 @@ class StagedTarDataset(Dataset):
         self.shard_paths = [os.fspath(p) for p in shard_paths]
         self.index = index
         self.pipeline = pipeline
-        self._maps: dict[int, np.ndarray] = {}
-        self._pid = os.getpid()
+        self.files = open_shards(self.shard_paths)  # per process: a fork or pickle reopens
 
     def __len__(self) -> int:
         return self.index.num_samples
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_maps"] = {}  # mappings never cross processes; each process maps lazily
-        return state
-
-    def _map(self, shard: int) -> np.ndarray:
-        if self._pid != os.getpid():  # forked worker: drop the parent's mappings
-            self._maps, self._pid = {}, os.getpid()
-        array = self._maps.get(shard)
-        if array is None:
-            path = self.shard_paths[shard]
-            try:
-                with open(path, "rb") as handle:
-                    mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-            except (OSError, ValueError) as exc:
-                raise IntegrityError(f"{path}: cannot map shard ({exc}); re-stage it") from exc
-            array = np.frombuffer(mapped, dtype=np.uint8)
-            self._maps[shard] = array
-        return array
 
     def _members(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Member numbers of ``samples`` in order, the batch position owning each, and shards."""
@@ -148,15 +128,12 @@ class StagedTarDataset(Dataset):
         members = first + np.arange(int(counts.sum()), dtype=np.int64)
         return members, owner, self.index.shard_of(samples)
 
-    def _read(self, shard: int, offset: int, size: int, sample: int) -> np.ndarray:
-        view = self._map(shard)[offset : offset + size]
-        if len(view) != size:
-            key = self.index.keys[sample].decode()
-            raise IntegrityError(
-                f"{self.shard_paths[shard]}: member of sample {key!r} is truncated "
-                f"(wanted {size} bytes at {offset}); re-stage this shard"
-            )
-        return view
+    def _truncated(self, shard: int, offset: int, size: int, sample: int) -> IntegrityError:
+        key = self.index.keys[sample].decode()
+        return IntegrityError(
+            f"{self.shard_paths[shard]}: member of sample {key!r} is truncated "
+            f"(wanted {size} bytes at {offset}); re-stage this shard"
+        )
 
     def __getitems__(self, indices: Sequence[int]) -> Any:
         samples = np.asarray(indices, dtype=np.int64)
@@ -175,27 +152,12 @@ class StagedTarDataset(Dataset):
             payload, out = shared, shared.numpy()
         else:
             payload = out = np.empty(nbytes, dtype=np.uint8)
-        maps = {shard: self._map(shard) for shard in np.unique(shards).tolist()}
-        try:
-            # The hot path: a view per member, then one C loop copies them all back to back
-            # (half the time of assigning slice by slice); a view cut short by a truncated
-            # shard makes the total come out wrong, and concatenate refuses it.
-            views = [
-                maps[shard][start:end]
-                for shard, start, end in zip(
-                    member_shard.tolist(), offsets.tolist(), (offsets + sizes).tolist(), strict=True
-                )
-            ]
-            if views:
-                np.concatenate(views, out=out)
-        except ValueError:
-            for shard, offset, size, who in zip(
-                member_shard.tolist(), offsets.tolist(), sizes.tolist(), owner.tolist(), strict=True
-            ):
-                self._read(
-                    shard, offset, size, int(samples[who])
-                )  # raises, naming shard and sample
-            raise
+        shard_list, offset_list, size_list = member_shard.tolist(), offsets.tolist(), sizes.tolist()
+        short = self.files.copy_members(shard_list, offset_list, size_list, out)
+        if short >= 0:  # a truncated shard: name it and the sample
+            raise self._truncated(
+                shard_list[short], offset_list[short], size_list[short], int(samples[owner[short]])
+            )
         return PackedBatch(
             payload=payload,
             keys=[k.decode() for k in self.index.keys[samples].tolist()],
@@ -214,9 +176,11 @@ class StagedTarDataset(Dataset):
         lo, hi = int(self.index.member_start[g]), int(self.index.member_start[g + 1])
         for m in range(lo, hi):
             ext = self.index.ext_names[self.index.member_ext[m]]
-            sample[ext] = self._read(
-                shard, int(self.index.member_offset[m]), int(self.index.member_size[m]), g
-            ).tobytes()
+            offset, size = int(self.index.member_offset[m]), int(self.index.member_size[m])
+            payload = self.files.read(shard, offset, size)
+            if len(payload) != size:
+                raise self._truncated(shard, offset, size, g)
+            sample[ext] = payload
         return self.pipeline(sample) if self.pipeline is not None else sample
 
     def __getitem__(self, g: int) -> Any:

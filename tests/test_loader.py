@@ -681,3 +681,53 @@ def test_both_readers_serve_the_same_loader_interface(
     second = make()
     second.load_state_dict(first.state_dict())
     assert head + [b[0] for b in second] == full
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_more_shards_than_open_files_read_the_same_batches(
+    small_dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: int
+) -> None:
+    """Past the open-file limit shards are read with pread and a few descriptors, not mapped."""
+    import stager_loaders.shardio as shardio
+
+    def make() -> ShardedLoader:
+        return ShardedLoader(
+            small_dataset,
+            batch_size=7,
+            num_workers=workers,
+            options=LoaderOptions(dest=str(tmp_path)),
+        )
+
+    def batches(loader: ShardedLoader) -> list[tuple[list[str], list[bytes]]]:
+        return [(b["__key__"], [bytes(t.numpy()) for t in b["npy"]]) for b in loader]
+
+    mapped = make()
+    assert isinstance(mapped.dataset.files, shardio.MappedShards)
+    expected = batches(mapped)
+    monkeypatch.setattr(shardio, "open_limit", lambda: 3)  # 8 shards, at most 3 open at once
+    read = make()
+    assert isinstance(read.dataset.files, shardio.PreadShards)
+    assert batches(read) == expected and len(expected) > 10
+    if workers == 0:
+        assert 0 < len(read.dataset.files) <= 3
+
+
+@pytest.mark.parametrize("many_shards", [False, True])
+def test_a_shard_truncated_after_indexing_names_shard_and_sample(
+    dataset_copy: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, many_shards: bool
+) -> None:
+    import stager_loaders.shardio as shardio
+
+    if many_shards:
+        monkeypatch.setattr(shardio, "open_limit", lambda: 2)
+    loader = ShardedLoader(
+        dataset_copy,
+        batch_size=400,
+        shuffle=False,
+        options=LoaderOptions(dest=str(tmp_path / "none")),
+    )
+    victim = dataset_copy / "train-000003.tar"
+    with open(victim, "r+b") as handle:  # the same file, cut: the index still promises more
+        handle.truncate(2048)
+    with pytest.raises(IntegrityError, match=r"train-000003\.tar: member of sample 's00003-"):
+        list(loader)
