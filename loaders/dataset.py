@@ -42,7 +42,7 @@ class PackedBatch:
     payload: torch.Tensor | np.ndarray  # uint8, every member of every sample, back to back
     keys: list[str]
     member_sample: np.ndarray  # int32: which sample of the batch owns each member
-    member_ext: np.ndarray  # int16 codes into ext_names
+    member_ext: np.ndarray  # small integer codes into ext_names
     member_size: np.ndarray  # int64
     ext_names: tuple[str, ...]
 
@@ -111,18 +111,19 @@ class StagedTarDataset(Dataset):
         index: FlatIndex,
         pipeline: SamplePipeline | None = None,
     ):
-        self.shard_paths = [os.fspath(p) for p in shard_paths]
         self.index = index
         self.pipeline = pipeline
-        self.files = open_shards(self.shard_paths)  # per process: a fork or pickle reopens
+        # per process (a fork or a pickle reopens); holds the paths without a str per shard
+        self.files = open_shards([os.fspath(p) for p in shard_paths])
 
     def __len__(self) -> int:
         return self.index.num_samples
 
     def _members(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Member numbers of ``samples`` in order, the batch position owning each, and shards."""
-        starts = self.index.member_start[samples]
-        counts = self.index.member_start[samples + 1] - starts
+        # the index stores narrow unsigned types: widen before subtracting
+        starts = self.index.member_start[samples].astype(np.int64)
+        counts = self.index.member_start[samples + 1].astype(np.int64) - starts
         owner = np.repeat(np.arange(len(samples), dtype=np.int32), counts)
         first = np.repeat(starts - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
         members = first + np.arange(int(counts.sum()), dtype=np.int64)
@@ -131,7 +132,7 @@ class StagedTarDataset(Dataset):
     def _truncated(self, shard: int, offset: int, size: int, sample: int) -> IntegrityError:
         key = self.index.keys[sample].decode()
         return IntegrityError(
-            f"{self.shard_paths[shard]}: member of sample {key!r} is truncated "
+            f"{self.files.path(shard)}: member of sample {key!r} is truncated "
             f"(wanted {size} bytes at {offset}); re-stage this shard"
         )
 
@@ -140,8 +141,8 @@ class StagedTarDataset(Dataset):
         if self.pipeline is not None:
             return [self._sample_dict(int(g)) for g in samples]
         members, owner, shards = self._members(samples)
-        sizes = self.index.member_size[members]
-        offsets = self.index.member_offset[members]
+        sizes = self.index.member_size[members].astype(np.int64)
+        offsets = self.index.member_offset[members].astype(np.int64)
         member_shard = shards[owner]
         nbytes = int(sizes.sum())
         payload: torch.Tensor | np.ndarray
@@ -171,7 +172,7 @@ class StagedTarDataset(Dataset):
         shard = int(self.index.shard_of(np.asarray([g]))[0])
         sample: dict[str, Any] = {
             "__key__": self.index.keys[g].decode(),
-            "__shard__": self.shard_paths[shard],
+            "__shard__": self.files.path(shard),
         }
         lo, hi = int(self.index.member_start[g]), int(self.index.member_start[g + 1])
         for m in range(lo, hi):

@@ -129,7 +129,7 @@ class ShardedLoader(DataLoader):
         )
         self.skipped_shards: list[str] = self.reader.skipped_shards
         self.shard_samples = self.reader.counts
-        self.fingerprint = fingerprint([s.relpath for s in self.shards.shards], self.shard_samples)
+        self.fingerprint = fingerprint(self.shards.relpaths, self.shard_samples)
         self.plan_options = PlanOptions(
             batch_size=batch_size,
             seed=seed,

@@ -97,15 +97,15 @@ class StagedReader:
         pipeline: SamplePipeline | None,
         collate_fn: Collate | None,
     ):
-        self.locations = [s.location for s in shards.shards]  # str: pathlib costs 25 us each
+        self.locations = shards.locations  # str: pathlib costs 25 us each
         staged = shards.staged_dir
         self.index, self.skipped_shards = build_flat_index(
             self.locations,
-            relpaths=[s.relpath for s in shards.shards],
-            expected_samples=[s.samples for s in shards.shards],
+            relpaths=shards.relpaths,
+            expected_samples=shards.samples,
             cache_dir=staged / ".stager" / "index" if staged is not None else None,
             on_error=options.on_error,
-            stats=[s.stat for s in shards.shards],
+            stats=shards.stat_list(),
         )
         self.counts = self.index.shard_samples
         self._pipeline = pipeline
@@ -157,11 +157,11 @@ class StreamingReader:
         collate_fn: Collate | None,
         workers: int,
     ):
-        self.locations = [s.location for s in shards.shards]
+        self.locations = list(shards.locations)
         self.counts = np.asarray(
             [
-                s.samples if s.samples is not None else count_remote_samples(s.location)
-                for s in shards.shards
+                n if n is not None else count_remote_samples(location)
+                for n, location in zip(shards.samples, shards.locations, strict=True)
             ],
             dtype=np.int64,
         )
