@@ -262,3 +262,25 @@ def test_epoch_order_materialises_the_same_order_as_rank_indices() -> None:
     assert np.array_equal(
         whole, rank_indices(counts, WorldLayout(1, 1, 0), epoch=2, options=options)
     )
+
+
+def test_streaming_plan_allocates_for_shards_and_batches_not_samples() -> None:
+    """2e9 samples in 200k shards, 4,096 x 8 ranks, 8 workers: one worker's ranges and the
+    delivery order cost O(shards + batches) (a few MB), never O(samples)."""
+    from stager.plan.streaming import StreamingPlan
+
+    counts = np.full(200_000, 10_000, dtype=np.int64)
+    layout = WorldLayout(4096, 8, 777, 8)
+    options = PlanOptions(batch_size=256, seed=3)
+    per_rank = samples_per_rank(int(counts.sum()), layout, "pad")
+    tracemalloc.start()
+    try:
+        plan = StreamingPlan(counts, layout, options, per_rank, 8)
+        segments = plan.segments(epoch=2, worker=5)
+        order = plan.delivery_order()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert sum(stop - first for _, first, stop in segments) == plan.worker_samples[5]
+    assert len(order) == plan.num_batches
+    assert peak < 24 << 20, f"planning one streaming worker allocated {peak >> 20} MiB"
