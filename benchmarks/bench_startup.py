@@ -1,6 +1,12 @@
 """Time to first batch with 10k small shards, and worker memory (RSS/PSS) over 5 epochs.
 
-Run: ``.venv/bin/python -m benchmarks.bench_startup [--size small|large] [--reps R] [--epochs E]``
+Run: ``.venv/bin/python -m benchmarks.bench_startup [--size small|large|100k] [--reps R]
+[--epochs E] [--dataset DIR] [--skip-uncached]``
+
+``--size 100k`` is 100k shards of 4 samples (issue 20's worker-PSS and first-batch figures);
+preparing it (writing and staging 2 GB of tiny shards on tmpfs) takes a few minutes, so
+``--dataset DIR`` reuses a staged copy left by an earlier run (``--keep`` keeps one), and
+``--skip-uncached`` leaves out the first start that walks every tar header (~a minute there).
 
 Conditions: synthetic shards (``.npy`` + ``.cls`` per sample, ~1 KB images), staged by stage-in
 from a tmpfs to a tmpfs (``/dev/shm``, page-cache warm; see /work/shared/BENCHMARKING.md for
@@ -46,6 +52,7 @@ from .common import report, scratch_root
 SIZES = {  # (shards, samples per shard)
     "small": (10_000, 4),  # 40k samples of ~1 KB: the issue's 10k shards, minimal payload
     "large": (10_000, 40),  # 400k samples
+    "100k": (100_000, 4),  # 400k samples in 100k shards: per-shard costs dominate
 }
 WORKERS = 2
 STARTUP_LOADERS = (
@@ -61,13 +68,13 @@ MEMORY_LOADERS = ("ShardedLoader persistent workers", "ShardedLoader", "webdatas
 
 def _make_loader(name: str, dataset_dir: Path, workers: int):
     if name.startswith("ShardedLoader"):
-        from stager_loaders import ShardedLoader
+        from stager_loaders import LoaderOptions, ShardedLoader
 
         return ShardedLoader(
             dataset_dir,
             batch_size=BATCH,
             num_workers=workers,
-            persistent_workers="persistent" in name,
+            options=LoaderOptions(persistent_workers="persistent" in name),
         )
     import webdataset as wds
 
@@ -84,7 +91,8 @@ def _child_first_batch(name: str, dataset_dir: Path, workers: int) -> dict:
     import torch  # noqa: F401 - the import cost every loader pays, reported apart
     import webdataset  # noqa: F401
 
-    import stager_loaders  # noqa: F401
+    # the package imports its modules lazily: import the loader's own modules here
+    from stager_loaders import ShardedLoader  # noqa: F401
 
     t1 = time.perf_counter()
     loader = _make_loader(name, dataset_dir, workers)
@@ -178,11 +186,14 @@ def prepare(root: Path, shards: int, per_shard: int) -> Path:
     return staged[0].parent
 
 
-def bench_first_batch(dataset_dir: Path, reps: int, workers: int = WORKERS) -> list[dict]:
-    figures: dict[str, list[dict]] = {n: [] for n in STARTUP_LOADERS}
+def bench_first_batch(
+    dataset_dir: Path, reps: int, workers: int = WORKERS, skip_uncached: bool = False
+) -> list[dict]:
+    names = [n for n in STARTUP_LOADERS if not (skip_uncached and n.endswith("no cached index"))]
+    figures: dict[str, list[dict]] = {n: [] for n in names}
     index_dir = dataset_dir / ".stager" / "index"
     for _ in range(reps):
-        for name in STARTUP_LOADERS:
+        for name in names:
             if name.endswith("no cached index"):
                 shutil.rmtree(index_dir, ignore_errors=True)
             elif name.endswith("cached index") and not index_dir.is_dir():
@@ -230,25 +241,34 @@ def bench_memory(dataset_dir: Path, epochs: int, workers: int = WORKERS) -> list
 
 
 def bench(
-    size: str = "small", reps: int = 3, epochs: int = 5, root: Path | None = None
+    size: str = "small",
+    reps: int = 3,
+    epochs: int = 5,
+    root: Path | None = None,
+    dataset: Path | None = None,
+    skip_uncached: bool = False,
+    keep: bool = False,
 ) -> list[dict]:
     shards, per_shard = SIZES[size]
-    own_root = root is None
-    if root is None:
+    own_root = root is None and dataset is None
+    if dataset is not None:
+        root, condition = dataset, f"{dataset} (reused)"
+    elif root is None:
         root, condition = scratch_root("bench-startup-")
     else:
         condition = str(root)
     try:
         t0 = time.perf_counter()
-        dataset_dir = prepare(root, shards, per_shard)
+        dataset_dir = dataset if dataset is not None else prepare(root, shards, per_shard)
         print(
-            f"prepared {shards} shards in {time.perf_counter() - t0:.0f} s",
+            f"dataset ready in {time.perf_counter() - t0:.0f} s: {dataset_dir}",
             file=sys.stderr,
             flush=True,
         )
-        rows = bench_first_batch(dataset_dir, reps) + bench_memory(dataset_dir, epochs)
+        rows = bench_first_batch(dataset_dir, reps, skip_uncached=skip_uncached)
+        rows += bench_memory(dataset_dir, epochs)
     finally:
-        if own_root:
+        if own_root and not keep:
             shutil.rmtree(root, ignore_errors=True)
     for r in rows:
         r.update(condition=condition, shards=shards, samples=shards * per_shard)
@@ -311,6 +331,21 @@ def to_markdown(rows: list[dict]) -> str:
         mine = [r for r in memory if r["loader"] == name]
         cells = [_growth(mine, key) for key in ("main_rss", "main_pss", "worker_rss", "worker_pss")]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    web = [r for r in memory if r["loader"] == "webdataset WebLoader"]
+    if web and web[-1]["worker_pss"]:
+        web_pss = max(web[-1]["worker_pss"])
+        lines += [
+            "",
+            "Worker PSS at the end of the last epoch (max over workers), against WebLoader's:",
+            "",
+            "| loader | worker PSS MiB | x WebLoader |",
+            "|---|---|---|",
+        ]
+        for name in dict.fromkeys(r["loader"] for r in memory):
+            last = [r for r in memory if r["loader"] == name][-1]
+            if last["worker_pss"]:
+                pss = max(last["worker_pss"])
+                lines.append(f"| {name} | {_mb(pss)} | {pss / web_pss:.2f}x |")
     return "\n".join(lines)
 
 
@@ -329,15 +364,26 @@ def main(argv: list[str] | None = None) -> int:
         "--size",
         choices=sorted(SIZES),
         default="small",
-        help="small: 10k shards x 4 samples (default); large: 10k shards x 40 samples",
+        help="small: 10k shards x 4 samples (default); large: 10k shards x 40 samples; "
+        "100k: 100k shards x 4 samples",
     )
     parser.add_argument(
         "--reps", type=int, default=3, help="fresh-process repeats per loader (median)"
     )
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    parser.add_argument("--dataset", type=Path, help="a staged dataset directory to reuse")
+    parser.add_argument("--skip-uncached", action="store_true", help="no header-walking start")
+    parser.add_argument("--keep", action="store_true", help="keep the prepared dataset")
     args = parser.parse_args(argv)
-    rows = bench(args.size, args.reps, args.epochs)
+    rows = bench(
+        args.size,
+        args.reps,
+        args.epochs,
+        dataset=args.dataset,
+        skip_uncached=args.skip_uncached,
+        keep=args.keep,
+    )
     r = rows[0]
     print(
         f"{r['shards']} shards, {r['samples']} samples of ~1 KB; condition: {r['condition']}; "

@@ -30,7 +30,7 @@ _HOME = {
     "CsvMetrics": "metrics_export",
     "TensorBoardMetrics": "metrics_export",
     "LoaderMetrics": "metrics",
-    "LoaderOptions": "loader",
+    "LoaderOptions": "options",
     "ShardedLoader": "loader",
     "LoaderState": "state",
     "ResumeMismatch": "stager.errors",
@@ -43,9 +43,10 @@ _HOME = {
 if TYPE_CHECKING:
     from stager.errors import ResumeMismatch
     from stager.plan.ranks import PlanOptions, WorldLayout
-    from stager_loaders.loader import LoaderOptions, ShardedLoader
+    from stager_loaders.loader import ShardedLoader
     from stager_loaders.metrics import LoaderMetrics
     from stager_loaders.metrics_export import CsvMetrics, TensorBoardMetrics
+    from stager_loaders.options import LoaderOptions
     from stager_loaders.rng import capture_rng_state, restore_rng_state
     from stager_loaders.state import LoaderState
 

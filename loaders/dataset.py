@@ -1,8 +1,9 @@
 """Random access to samples of local, uncompressed tar shards by byte offset.
 
-Staged shards sit on node-local disk, so a sample is a few slices of a memory-mapped file at
-offsets known from the index: no per-member tar parsing on the hot path, any order is as cheap
-as sequential order, and a batch can be fetched in one call (``__getitems__``).
+Staged shards sit on node-local disk, so a sample is a few byte ranges of its shard at offsets
+known from the index, read from a mapped shard or with ``pread`` (:mod:`stager_loaders.shardio`
+chooses by shard count): no per-member tar parsing on the hot path, any order is as cheap as
+sequential order, and a batch can be fetched in one call (``__getitems__``).
 
 With nothing to decode, a whole batch is copied into one uint8 buffer (:class:`PackedBatch`),
 which the main process cuts into per-member tensor views (``torch.split``), so no payload is
@@ -14,11 +15,9 @@ truncate, map, pass the descriptor, map again) costs more than copying a few hun
 
 from __future__ import annotations
 
-import mmap
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,6 +27,7 @@ from torch.utils.data import Dataset, get_worker_info
 from stager.errors import IntegrityError
 from stager.shards.loader_index import FlatIndex
 from stager_loaders.samples import SamplePipeline, select_fields
+from stager_loaders.shardio import open_shards
 
 __all__ = ["StagedTarDataset", "PackedBatch"]
 
@@ -42,7 +42,7 @@ class PackedBatch:
     payload: torch.Tensor | np.ndarray  # uint8, every member of every sample, back to back
     keys: list[str]
     member_sample: np.ndarray  # int32: which sample of the batch owns each member
-    member_ext: np.ndarray  # int16 codes into ext_names
+    member_ext: np.ndarray  # small integer codes into ext_names
     member_size: np.ndarray  # int64
     ext_names: tuple[str, ...]
 
@@ -106,94 +106,59 @@ class StagedTarDataset(Dataset):
     """
 
     def __init__(
-        self, shard_paths: Sequence[Path], index: FlatIndex, pipeline: SamplePipeline | None = None
+        self,
+        shard_paths: Sequence[str | os.PathLike[str]],
+        index: FlatIndex,
+        pipeline: SamplePipeline | None = None,
     ):
-        self.shard_paths = [str(p) for p in shard_paths]
         self.index = index
         self.pipeline = pipeline
-        self._maps: dict[int, np.ndarray] = {}
-        self._pid = os.getpid()
+        # per process (a fork or a pickle reopens); holds the paths without a str per shard
+        self.files = open_shards([os.fspath(p) for p in shard_paths])
 
     def __len__(self) -> int:
         return self.index.num_samples
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_maps"] = {}  # mappings never cross processes; each process maps lazily
-        return state
-
-    def _map(self, shard: int) -> np.ndarray:
-        if self._pid != os.getpid():  # forked worker: drop the parent's mappings
-            self._maps, self._pid = {}, os.getpid()
-        array = self._maps.get(shard)
-        if array is None:
-            path = self.shard_paths[shard]
-            try:
-                with open(path, "rb") as handle:
-                    mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-            except (OSError, ValueError) as exc:
-                raise IntegrityError(f"{path}: cannot map shard ({exc}); re-stage it") from exc
-            array = np.frombuffer(mapped, dtype=np.uint8)
-            self._maps[shard] = array
-        return array
-
     def _members(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Member numbers of ``samples`` in order, the batch position owning each, and shards."""
-        starts = self.index.member_start[samples]
-        counts = self.index.member_start[samples + 1] - starts
+        # the index stores narrow unsigned types: widen before subtracting
+        starts = self.index.member_start[samples].astype(np.int64)
+        counts = self.index.member_start[samples + 1].astype(np.int64) - starts
         owner = np.repeat(np.arange(len(samples), dtype=np.int32), counts)
         first = np.repeat(starts - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
         members = first + np.arange(int(counts.sum()), dtype=np.int64)
         return members, owner, self.index.shard_of(samples)
 
-    def _read(self, shard: int, offset: int, size: int, sample: int) -> np.ndarray:
-        view = self._map(shard)[offset : offset + size]
-        if len(view) != size:
-            key = self.index.keys[sample].decode()
-            raise IntegrityError(
-                f"{self.shard_paths[shard]}: member of sample {key!r} is truncated "
-                f"(wanted {size} bytes at {offset}); re-stage this shard"
-            )
-        return view
+    def _truncated(self, shard: int, offset: int, size: int, sample: int) -> IntegrityError:
+        key = self.index.keys[sample].decode()
+        return IntegrityError(
+            f"{self.files.path(shard)}: member of sample {key!r} is truncated "
+            f"(wanted {size} bytes at {offset}); re-stage this shard"
+        )
 
     def __getitems__(self, indices: Sequence[int]) -> Any:
         samples = np.asarray(indices, dtype=np.int64)
         if self.pipeline is not None:
             return [self._sample_dict(int(g)) for g in samples]
         members, owner, shards = self._members(samples)
-        sizes = self.index.member_size[members]
-        offsets = self.index.member_offset[members]
+        sizes = self.index.member_size[members].astype(np.int64)
+        offsets = self.index.member_offset[members].astype(np.int64)
         member_shard = shards[owner]
         nbytes = int(sizes.sum())
         payload: torch.Tensor | np.ndarray
         if get_worker_info() is not None and nbytes >= SHARED_MEMORY_MIN_BYTES:
             # Allocate in shared memory up front: otherwise torch copies the batch into shared
             # memory again when the worker hands it to the main process.
-            payload = torch.empty(nbytes, dtype=torch.uint8).share_memory_()
-            out = payload.numpy()
+            shared = torch.empty(nbytes, dtype=torch.uint8).share_memory_()
+            payload, out = shared, shared.numpy()
         else:
             payload = out = np.empty(nbytes, dtype=np.uint8)
-        maps = {shard: self._map(shard) for shard in np.unique(shards).tolist()}
-        try:
-            # The hot path: a view per member, then one C loop copies them all back to back
-            # (half the time of assigning slice by slice); a view cut short by a truncated
-            # shard makes the total come out wrong, and concatenate refuses it.
-            views = [
-                maps[shard][start:end]
-                for shard, start, end in zip(
-                    member_shard.tolist(), offsets.tolist(), (offsets + sizes).tolist(), strict=True
-                )
-            ]
-            if views:
-                np.concatenate(views, out=out)
-        except ValueError:
-            for shard, offset, size, who in zip(
-                member_shard.tolist(), offsets.tolist(), sizes.tolist(), owner.tolist(), strict=True
-            ):
-                self._read(
-                    shard, offset, size, int(samples[who])
-                )  # raises, naming shard and sample
-            raise
+        shard_list, offset_list, size_list = member_shard.tolist(), offsets.tolist(), sizes.tolist()
+        short = self.files.copy_members(shard_list, offset_list, size_list, out)
+        if short >= 0:  # a truncated shard: name it and the sample
+            raise self._truncated(
+                shard_list[short], offset_list[short], size_list[short], int(samples[owner[short]])
+            )
         return PackedBatch(
             payload=payload,
             keys=[k.decode() for k in self.index.keys[samples].tolist()],
@@ -207,14 +172,16 @@ class StagedTarDataset(Dataset):
         shard = int(self.index.shard_of(np.asarray([g]))[0])
         sample: dict[str, Any] = {
             "__key__": self.index.keys[g].decode(),
-            "__shard__": self.shard_paths[shard],
+            "__shard__": self.files.path(shard),
         }
         lo, hi = int(self.index.member_start[g]), int(self.index.member_start[g + 1])
         for m in range(lo, hi):
             ext = self.index.ext_names[self.index.member_ext[m]]
-            sample[ext] = self._read(
-                shard, int(self.index.member_offset[m]), int(self.index.member_size[m]), g
-            ).tobytes()
+            offset, size = int(self.index.member_offset[m]), int(self.index.member_size[m])
+            payload = self.files.read(shard, offset, size)
+            if len(payload) != size:
+                raise self._truncated(shard, offset, size, g)
+            sample[ext] = payload
         return self.pipeline(sample) if self.pipeline is not None else sample
 
     def __getitem__(self, g: int) -> Any:

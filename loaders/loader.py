@@ -1,72 +1,38 @@
 """``ShardedLoader``: a real ``torch.utils.data.DataLoader`` over staged (or source) shards.
 
-Two paths, chosen per dataset:
-
-* **staged / local** (every shard a local uncompressed tar): a map-style dataset read by byte
-  offset plus a rank-aware batch sampler. Batches arrive in plan order whatever the worker
-  count, so ``len(loader)`` is exact and resume is "skip the first k batches".
-* **streaming** (a remote source, ``.tgz`` shards, or missing staged copies read from a remote
-  source): a webdataset tar stream per worker over the same kind of plan, re-ordered in the
-  main process so that resume is exact too (see :mod:`stager_loaders.streaming`).
+The loader owns what every way of reading shares: where this process sits (the layout), the
+epoch and the position in it, the resumable state and the metrics. How batches are formed is a
+:class:`stager_loaders.readers.Reader`: the staged reader (local uncompressed tars, random access
+by offset) or the streaming one (remote sources, ``.tgz``, staged copies missing).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 from torch.utils.data import DataLoader
 
 from stager.errors import ResumeMismatch, UsageError
-from stager.layout import StagedDataset
-from stager.plan.ranks import (
-    PlanOptions,
-    WorldLayout,
-    elastic_indices,
-    fingerprint,
-    remaining_after,
-    samples_per_rank,
-)
-from stager.plan.streaming import StreamingPlan
-from stager.shards.loader_index import build_flat_index
-from stager_loaders.dataset import PackedBatch, StagedTarDataset
+from stager.plan.elastic import remaining_after
+from stager.plan.ranks import PlanOptions, WorldLayout, fingerprint
+from stager_loaders.dataset import PackedBatch
 from stager_loaders.metrics import LoaderMetrics, batch_length
+from stager_loaders.options import DROP_LAST_HINT, LEGACY_KEYWORDS, LoaderOptions
+from stager_loaders.readers import Reader, open_reader
 from stager_loaders.resolve import DatasetShards, resolve_dataset
-from stager_loaders.sampler import RankBatchSampler
-from stager_loaders.samples import DecodeSpec, SamplePipeline, collate_samples, make_decoder
+from stager_loaders.samples import DecodeSpec, SamplePipeline, make_decoder
 from stager_loaders.state import LoaderState
-from stager_loaders.streaming import StreamingShards, count_remote_samples, reorder_batches
-from stager_loaders.world import detect_layout
+from stager_loaders.world import agree_per_rank, detect_layout
 
 __all__ = ["ShardedLoader", "LoaderOptions"]
 
 log = logging.getLogger("stager_loaders")
-
-
-@dataclass(frozen=True)
-class LoaderOptions:
-    """Less common knobs, grouped so the constructor keeps the DataLoader-like signature."""
-
-    dest: str | None = (
-        None  # stage-in's --dest (default: $STAGER_DEST, /scratch/$SLURM_JOB_ID, ...)
-    )
-    name: str | None = None  # stage-in's --name
-    on_error: str = "raise"  # "raise" or "skip" for corrupt/truncated shards
-    shuffle_mode: str = "global"  # "global" or "blocked" when shuffle=True
-    block_samples: int = 4096  # window of the blocked shuffle
-    buffer_samples: int = 1000  # shuffle buffer per worker on the streaming path
-    ranks_per_node: int | None = None  # default: from Slurm/torchrun
-    force_streaming: bool = (
-        False  # read local shards through the streaming path (benchmarks, tests)
-    )
-    log_every: int = 0  # log data-wait time and samples/s every N steps (logger "loaders"); 0: off
 
 
 #: The size asked for the workers' result pipe: batches under 1 MiB (``SHARED_MEMORY_MIN_BYTES``
@@ -96,20 +62,14 @@ def _widen_result_pipe(iterator: Any) -> None:
         log.debug("could not widen the workers' result pipe: %s", exc)
 
 
-def _passthrough(batch: Any) -> Any:
-    return batch
-
-
-class _Collate:
-    """Picklable collate: packed raw batches pass through, sample lists are collated."""
-
-    def __init__(self, user: Callable[[list[Any]], Any] | None):
-        self.user = user
-
-    def __call__(self, batch: Any) -> Any:
-        if isinstance(batch, PackedBatch):
-            return batch
-        return (self.user or collate_samples)(batch)
+def _with_legacy(options: LoaderOptions, legacy: dict[str, Any]) -> LoaderOptions:
+    """Fold the keywords earlier versions took (``rank=``, ``persistent_workers=``...) in."""
+    if "drop_last" in legacy:
+        raise UsageError(DROP_LAST_HINT)
+    unknown = sorted(set(legacy) - set(LEGACY_KEYWORDS))
+    if unknown:
+        raise TypeError(f"ShardedLoader() got an unexpected keyword argument {unknown[0]!r}")
+    return dataclasses.replace(options, **legacy) if legacy else options
 
 
 class ShardedLoader(DataLoader):
@@ -118,7 +78,11 @@ class ShardedLoader(DataLoader):
     ``shuffle``: True (seeded, ``options.shuffle_mode``), False, or "global"/"blocked".
     ``decode``: None (raw: every member is a uint8 tensor view, see docs/loader.md), a
     webdataset spec such as "torchrgb"/"rgb8"/"pil", or a callable on the sample dict.
-    ``map`` runs on the decoded sample dict before ``to_tuple``.
+    ``map`` runs on the decoded sample dict before ``to_tuple``. ``even``: "pad" repeats a few
+    samples, "drop" drops them, so every rank has the same batches (DataLoader's ``drop_last``
+    is ``even="drop"``). Rarer settings (rank and world overrides, worker tuning, where the
+    staged copy is) are in :class:`LoaderOptions`; ``rank=``, ``world_size=``,
+    ``persistent_workers=`` and ``prefetch_factor=`` are still accepted as keywords.
     """
 
     def __init__(
@@ -133,58 +97,40 @@ class ShardedLoader(DataLoader):
         to_tuple: Sequence[str] | None = None,
         map: Callable[[Any], Any] | None = None,  # noqa: A002 - the contract's name
         even: str = "pad",
-        rank: int | None = None,
-        world_size: int | None = None,
-        pin_memory: bool = False,
-        persistent_workers: bool = False,
         collate_fn: Callable[[list[Any]], Any] | None = None,
-        prefetch_factor: int | None = None,
-        options: LoaderOptions = LoaderOptions(),
+        pin_memory: bool = False,
+        options: LoaderOptions | None = None,
+        **legacy: Any,
     ):
-        if options.on_error not in ("raise", "skip"):
-            raise UsageError(f"on_error must be 'raise' or 'skip', not {options.on_error!r}")
+        options = _with_legacy(options or LoaderOptions(), legacy)
         make_decoder(decode)  # refuse a bad spec now, not in a worker
+        if isinstance(shuffle, str) and shuffle not in ("none", "global", "blocked"):
+            raise UsageError(f"shuffle must be True, False, 'global' or 'blocked', not {shuffle!r}")
         mode = (
             shuffle if isinstance(shuffle, str) else (options.shuffle_mode if shuffle else "none")
         )
-        layout = detect_layout(
-            rank, world_size, workers_per_rank=num_workers, ranks_per_node=options.ranks_per_node
+        self.options = options
+        self.layout: WorldLayout = detect_layout(
+            options.rank,
+            options.world_size,
+            workers_per_rank=num_workers,
+            ranks_per_node=options.ranks_per_node,
         )
-        self.layout: WorldLayout = layout
         self.shards: DatasetShards = resolve_dataset(
             source, dest=options.dest, name=options.name, on_error=options.on_error
         )
-        self.skipped_shards: list[str] = []
         self._to_tuple = tuple(to_tuple) if to_tuple is not None else None
-        self._epoch = 0
-        self._skip = 0
-        self._consumed = 0
+        self._epoch, self._skip, self._consumed = 0, 0, 0
         self._elastic_origin: dict[str, int] | None = None
-        self._streaming = options.force_streaming or not self.shards.random_access
         self.metrics = LoaderMetrics(log_every=options.log_every)
-        relpaths = [s.relpath for s in self.shards.shards]
-        locations = [Path(s.location) for s in self.shards.shards] if not self._streaming else []
-        packed = decode is None and map is None and collate_fn is None
-        pipeline = None if packed else SamplePipeline(decode, map, self._to_tuple)
-
-        if not self._streaming:
-            staged = self.shards.staged_dir
-            index, self.skipped_shards = build_flat_index(
-                locations,
-                relpaths=relpaths,
-                expected_samples=[s.samples for s in self.shards.shards],
-                cache_dir=StagedDataset.of(staged).index_dir if staged is not None else None,
-                on_error=options.on_error,
-            )
-            counts = index.shard_samples
-        else:
-            counts = np.asarray(
-                [
-                    s.samples if s.samples is not None else count_remote_samples(s.location)
-                    for s in self.shards.shards
-                ],
-                dtype=np.int64,
-            )
+        raw = decode is None and map is None and collate_fn is None
+        pipeline = None if raw else SamplePipeline(decode, map, self._to_tuple)
+        self.reader: Reader = open_reader(
+            self.shards, options, pipeline, collate_fn, num_workers, self._to_tuple
+        )
+        self.skipped_shards: list[str] = self.reader.skipped_shards
+        self.shard_samples = self.reader.counts
+        self.fingerprint = fingerprint(self.shards.relpaths, self.shard_samples)
         self.plan_options = PlanOptions(
             batch_size=batch_size,
             seed=seed,
@@ -193,66 +139,25 @@ class ShardedLoader(DataLoader):
             block_samples=options.block_samples,
             subset=self.shards.subset,
         )
-        self.shard_samples = counts
-        self.fingerprint = fingerprint(relpaths, counts.tolist())
-        per_rank = self._agree_per_rank(int(counts.sum()))
-        common = dict(
+        per_rank = agree_per_rank(
+            int(self.shard_samples.sum()), self.layout, even, self.plan_options.subset
+        )
+        workers_on = num_workers > 0
+        super().__init__(
+            **self.reader.bind(self.layout, self.plan_options, per_rank),
             num_workers=num_workers,
             pin_memory=pin_memory,
-            # streaming workers hold the epoch in their dataset copy, so they are restarted per epoch
-            persistent_workers=persistent_workers and num_workers > 0 and not self._streaming,
-            prefetch_factor=prefetch_factor if num_workers > 0 else None,
+            # a reader whose workers hold the epoch restarts them each epoch
+            persistent_workers=options.persistent_workers
+            and workers_on
+            and not self.reader.restarts_workers,
+            prefetch_factor=options.prefetch_factor if workers_on else None,
         )
-        if not self._streaming:
-            self.batch_plan = RankBatchSampler(counts, layout, self.plan_options, per_rank)
-            dataset = StagedTarDataset(locations, index, pipeline)
-            super().__init__(
-                dataset, batch_sampler=self.batch_plan, collate_fn=_Collate(collate_fn), **common
-            )
-            self._num_batches = len(self.batch_plan)
-        else:
-            self.stream_plan = StreamingPlan(
-                counts, layout, self.plan_options, per_rank, max(1, num_workers)
-            )
-            dataset = StreamingShards(
-                [s.location for s in self.shards.shards],
-                self.stream_plan,
-                pipeline or SamplePipeline(None, None, self._to_tuple),
-                collate_fn or collate_samples,
-                buffer_samples=options.buffer_samples if mode != "none" else 0,
-                on_error=options.on_error,
-            )
-            super().__init__(dataset, batch_size=None, collate_fn=_passthrough, **common)
-            self._num_batches = self.stream_plan.num_batches
-
-    def _agree_per_rank(self, local_total: int) -> int:
-        """Samples per rank; for node subsets every node must agree (one all_reduce)."""
-        if self.plan_options.subset != "node":
-            return samples_per_rank(local_total, self.layout, self.plan_options.even)
-        share = samples_per_rank(
-            [local_total], WorldLayout(1, self.layout.ranks_per_node), self.plan_options.even
-        )
-        import torch
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            # NCCL reduces only GPU tensors; gloo (and the rest) CPU ones
-            on_gpu = dist.get_backend() == "nccl"
-            value = torch.tensor([share], dtype=torch.int64, device="cuda" if on_gpu else "cpu")
-            op = dist.ReduceOp.MIN if self.plan_options.even == "drop" else dist.ReduceOp.MAX
-            dist.all_reduce(value, op=op)
-            return int(value.item())
-        if self.layout.num_nodes > 1:
-            raise UsageError(
-                "this dataset was staged with --subset node, so nodes hold different samples; "
-                "initialise torch.distributed before creating the loader so nodes agree on the epoch length"
-            )
-        return share
 
     # -- epochs -------------------------------------------------------------------------------
     def __len__(self) -> int:
         """Batches per epoch on this rank; identical on every rank."""
-        return len(self.batch_plan) if not self._streaming else self._num_batches
+        return self.reader.num_batches(self._epoch)
 
     @property
     def epoch(self) -> int:
@@ -262,30 +167,19 @@ class ShardedLoader(DataLoader):
         """Select the epoch's order; a resumed epoch keeps its position, any other starts at 0."""
         if epoch != self._epoch:
             self._epoch, self._skip, self._consumed = epoch, 0, 0
-        if not self._streaming:
-            self.batch_plan.epoch = epoch  # len() follows the epoch (an elastic epoch differs)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         start, self._skip = self._skip, 0
         self._consumed = start
-        if self._streaming:
-            self.dataset.configure(self._epoch, start)  # type: ignore[attr-defined]
-        else:
-            self.batch_plan.epoch, self.batch_plan.start_batch = self._epoch, start
+        self.reader.start(self._epoch, start)
         inner = super().__iter__()
         _widen_result_pipe(inner)
-        if self._streaming:
-            inner = reorder_batches(inner, self.stream_plan.delivery_order()[start:])
-        return self._deliver(inner)
+        return self._deliver(self.reader.deliver(inner, start))
 
     def _deliver(self, inner: Iterator[Any]) -> Iterator[Any]:
-        asked = (
-            time.perf_counter()
-        )  # from the loop asking for a batch to its arrival: the data wait
+        asked = time.perf_counter()  # from the loop asking for a batch to its arrival: the wait
         for batch in inner:
-            self._consumed += (
-                1  # counted before the caller sees it: a checkpoint taken in the step includes it
-            )
+            self._consumed += 1  # before the caller sees it: a checkpoint in the step includes it
             out = batch.unpack(self._to_tuple) if isinstance(batch, PackedBatch) else batch
             self.metrics.record(time.perf_counter() - asked, batch_length(out))
             yield out
@@ -293,13 +187,7 @@ class ShardedLoader(DataLoader):
 
     # -- resume -------------------------------------------------------------------------------
     def _state(self, consumed: int) -> LoaderState:
-        elastic = None
-        if (
-            not self._streaming
-            and self.batch_plan.override is not None
-            and self.batch_plan.override[0] == self._epoch
-        ):
-            elastic = self._elastic_origin
+        elastic = self._elastic_origin if self.reader.elastic_epoch() == self._epoch else None
         return LoaderState(
             epoch=self._epoch,
             batches_consumed=consumed,
@@ -322,7 +210,7 @@ class ShardedLoader(DataLoader):
         return self._state(max(self._consumed, self._skip)).to_dict()
 
     def load_state_dict(self, state: dict[str, Any], *, elastic: bool = False) -> None:
-        """Continue mid-epoch where ``state`` stopped; refuses (ResumeMismatch) a state that does not fit.
+        """Continue mid-epoch where ``state`` stopped; refuse (ResumeMismatch) a state that differs.
 
         ``elastic=True`` accepts a state saved by a world of another size: the samples that
         epoch still owed are spread over this world (none repeated, none lost, except the
@@ -334,8 +222,9 @@ class ShardedLoader(DataLoader):
         if origin is not None and saved.world_size != self.layout.world_size:
             raise ResumeMismatch(
                 [
-                    f"the state was saved inside an epoch already resumed elastically on {saved.world_size} ranks; "
-                    "changing the world again mid-epoch is not supported: resume on that world size"
+                    "the state was saved inside an epoch already resumed elastically on "
+                    f"{saved.world_size} ranks; changing the world again mid-epoch is not "
+                    "supported: resume on that world size"
                 ]
             )
         if origin is None and saved.world_size != self.layout.world_size:
@@ -350,15 +239,13 @@ class ShardedLoader(DataLoader):
         if origin is not None:
             self._redistribute(saved.epoch, origin)
         self._epoch, self._skip, self._consumed = saved.epoch, skip, skip
-        if not self._streaming:
-            self.batch_plan.epoch = saved.epoch
         if not 0 <= skip <= len(self):
             raise ResumeMismatch([f"batches_consumed {skip} outside 0..{len(self)}"])
 
     def _redistribute(self, epoch: int, origin: dict[str, int]) -> None:
-        if self._streaming or self.plan_options.subset != "all":
+        if self.plan_options.subset != "all":
             raise ResumeMismatch(
-                ["elastic resume needs staged data staged with --subset all (the fast path)"]
+                ["elastic resume needs data staged with --subset all (nodes hold every shard)"]
             )
         remaining = remaining_after(
             self.shard_samples,
@@ -368,8 +255,5 @@ class ShardedLoader(DataLoader):
             options=self.plan_options,
             batches_consumed=origin["batches_consumed"],
         )
-        self.batch_plan.override = (
-            epoch,
-            elastic_indices(remaining, self.layout, self.plan_options.even),
-        )
+        self.reader.resume_elsewhere(epoch, remaining)
         self._elastic_origin = dict(origin)

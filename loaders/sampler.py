@@ -2,7 +2,9 @@
 
 The sampler runs in the main process; DataLoader hands batch ``i`` to worker ``i % workers``
 and returns results in order, so skipping the first ``k`` batches of the plan is an exact
-resume that reads and decodes nothing it skips.
+resume that reads and decodes nothing it skips. The plan is evaluated a chunk of batches at a
+time (the order is a function of position), so the first batch costs one chunk, not the whole
+share, and a resume evaluates nothing before its position.
 """
 
 from __future__ import annotations
@@ -12,16 +14,21 @@ from collections.abc import Iterator
 import numpy as np
 from torch.utils.data import Sampler
 
+from stager.plan.elastic import RemainingSamples, elastic_indices
 from stager.plan.ranks import (
     PlanOptions,
+    RankShare,
     WorldLayout,
     num_batches,
     rank_batches,
-    rank_indices,
+    rank_share,
     samples_per_rank,
 )
 
 __all__ = ["RankBatchSampler"]
+
+#: Positions evaluated per step of the sampler: ~1 ms of planning, ~0.5 MB of indices.
+CHUNK_SAMPLES = 1 << 15
 
 
 class RankBatchSampler(Sampler[list[int]]):
@@ -42,25 +49,48 @@ class RankBatchSampler(Sampler[list[int]]):
         self.per_rank = per_rank
         self.epoch = 0
         self.start_batch = 0
-        # (epoch, this rank's indices) for an epoch resumed elastically on a different world
-        self.override: tuple[int, np.ndarray] | None = None
+        # (epoch, what it still owed) for an epoch resumed elastically on a different world
+        self.override: tuple[int, RemainingSamples] | None = None
+        self._share_cache: tuple[int, RankShare] | None = None
+
+    def _share(self, epoch: int) -> int:
+        """Samples of this rank in ``epoch``."""
+        if self.override is not None and self.override[0] == epoch:
+            return samples_per_rank(len(self.override[1]), self.layout, self.options.even)
+        return self.per_rank
+
+    def num_batches_in(self, epoch: int) -> int:
+        """Batches of ``epoch`` on this rank (an elastically resumed epoch has its own count)."""
+        return num_batches(self._share(epoch), self.options.batch_size, self.options.even)
 
     def __len__(self) -> int:
-        if self.override is not None and self.override[0] == self.epoch:
-            return num_batches(len(self.override[1]), self.options.batch_size, self.options.even)
-        return num_batches(self.per_rank, self.options.batch_size, self.options.even)
+        return self.num_batches_in(self.epoch)
+
+    def indices(self, epoch: int, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """This rank's sample indices ``start:stop`` of ``epoch``: O(stop - start)."""
+        if self.override is not None and self.override[0] == epoch:
+            return elastic_indices(
+                self.override[1], self.layout, self.options.even, start=start, stop=stop
+            )
+        if self._share_cache is None or self._share_cache[0] != epoch:
+            share = rank_share(
+                self.counts, self.layout, epoch=epoch, options=self.options, per_rank=self.per_rank
+            )
+            self._share_cache = (epoch, share)  # the blocked mode's O(shards) part, once
+        return self._share_cache[1].indices(start, stop)
 
     def batches(self, epoch: int) -> list[np.ndarray]:
         """All batches of ``epoch`` on this rank (also used by tests and tools)."""
-        if self.override is not None and self.override[0] == epoch:
-            indices = self.override[1]
-        else:
-            indices = rank_indices(
-                self.counts, self.layout, epoch=epoch, options=self.options, per_rank=self.per_rank
-            )
-        return rank_batches(indices, self.options.batch_size, self.options.even)
+        return rank_batches(self.indices(epoch), self.options.batch_size, self.options.even)
 
     def __iter__(self) -> Iterator[list[int]]:
         start, epoch = self.start_batch, self.epoch
-        for batch in self.batches(epoch)[start:]:
-            yield batch.tolist()
+        size = self.options.batch_size
+        share = self._share(epoch)
+        count = num_batches(share, size, self.options.even)
+        step = max(1, CHUNK_SAMPLES // size)
+        for first in range(start, count, step):
+            last = min(count, first + step)
+            chunk = self.indices(epoch, first * size, min(last * size, share))
+            for lo in range(0, len(chunk), size):
+                yield chunk[lo : lo + size].tolist()

@@ -14,7 +14,9 @@ from stager.errors import ResumeMismatch
 
 __all__ = ["LoaderState", "STATE_VERSION"]
 
-STATE_VERSION = 1
+#: 2: the epoch order became a keyed bijection (issue 20). A version-1 state names a position
+#: in the old order; resuming it here would repeat and skip samples, so it is refused.
+STATE_VERSION = 2
 
 # Fields that must match for the saved position to mean the same samples.
 _MUST_MATCH = (
@@ -56,10 +58,11 @@ class LoaderState:
     @classmethod
     def from_dict(cls, payload: dict[str, Any]) -> LoaderState:
         if not isinstance(payload, dict) or payload.get("version") != STATE_VERSION:
+            found = payload.get("version") if isinstance(payload, dict) else payload
             raise ResumeMismatch(
                 [
-                    f"state format {payload.get('version') if isinstance(payload, dict) else payload!r} "
-                    f"is not version {STATE_VERSION}"
+                    f"state format {found!r} is not version {STATE_VERSION} (a state saved by "
+                    "another version of the loader names a position in a different epoch order)"
                 ]
             )
         required = {f.name for f in fields(cls) if f.default is MISSING}

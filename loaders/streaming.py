@@ -27,7 +27,7 @@ from typing import Any
 from torch.utils.data import IterableDataset, get_worker_info
 
 from stager.errors import IntegrityError, SourceError
-from stager.plan.ranks import _rng
+from stager.plan.order import seeded_rng
 from stager.plan.streaming import StreamingPlan
 from stager.shards.tarindex import count_samples, split_key
 from stager_loaders.samples import SamplePipeline
@@ -137,7 +137,8 @@ class StreamingShards(IterableDataset):
         if self.buffer_samples <= 0:
             yield from samples
             return
-        rng = _rng(self.plan.options.seed, self.epoch, 1000 + self.plan.layout.rank * 4096 + worker)
+        # its own stream: (seed, epoch, tag, rank, worker) never collides with another worker's
+        rng = seeded_rng(self.plan.options.seed, self.epoch, 3, self.plan.layout.rank, worker)
         buffer: list[dict[str, Any]] = []
         for sample in samples:
             buffer.append(sample)
@@ -185,7 +186,8 @@ def reorder_batches(
             position += 1
     if pending or position < len(expected):
         log.warning(
-            "streaming epoch ended after %d of %d batches (a shard was skipped or shorter than counted)",
+            "streaming epoch ended after %d of %d batches "
+            "(a shard was skipped or shorter than counted)",
             position,
             len(expected),
         )

@@ -12,10 +12,10 @@ import os
 from collections.abc import Mapping
 
 from stager.errors import UsageError
-from stager.plan.ranks import WorldLayout
+from stager.plan.ranks import WorldLayout, samples_per_rank
 from stager.slurm import SlurmEnv
 
-__all__ = ["detect_layout"]
+__all__ = ["detect_layout", "agree_per_rank"]
 
 
 def _env_int(env: Mapping[str, str], name: str) -> int | None:
@@ -70,3 +70,30 @@ def detect_layout(
             f"rank {rank} is outside a world of {world_size}; check RANK/WORLD_SIZE or SLURM_PROCID"
         )
     return WorldLayout(world_size // rpn, rpn, rank, workers_per_rank)
+
+
+def agree_per_rank(local_total: int, layout: WorldLayout, even: str, subset: str) -> int:
+    """Samples per rank this epoch; with node subsets every node must agree (one all_reduce).
+
+    Nodes stage different shards under ``--subset node``, so each node proposes its own share
+    and all take the smallest (``"drop"``) or the largest (``"pad"``), keeping epochs equal.
+    """
+    if subset != "node":
+        return samples_per_rank(local_total, layout, even)
+    share = samples_per_rank([local_total], WorldLayout(1, layout.ranks_per_node), even)
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        # NCCL reduces only GPU tensors; gloo (and the rest) CPU ones
+        on_gpu = dist.get_backend() == "nccl"
+        value = torch.tensor([share], dtype=torch.int64, device="cuda" if on_gpu else "cpu")
+        dist.all_reduce(value, op=dist.ReduceOp.MIN if even == "drop" else dist.ReduceOp.MAX)
+        return int(value.item())
+    if layout.num_nodes > 1:
+        raise UsageError(
+            "this dataset was staged with --subset node, so nodes hold different samples; "
+            "initialise torch.distributed before creating the loader so nodes agree on the "
+            "epoch length"
+        )
+    return share

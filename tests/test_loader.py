@@ -17,8 +17,9 @@ import torch
 from torch.utils.data import DataLoader
 
 import stager_loaders
-from stager.errors import IntegrityError
+from stager.errors import IntegrityError, UsageError
 from stager.layout import StagedDataset
+from stager.shards.loader_index import dataset_index_path
 from stager.shards.synth import SyntheticSpec, sample_key, sample_label, write_synthetic_dataset
 from stager.slurm import SlurmEnv
 from stager.stagein.run import StageInOptions, stage_in
@@ -93,7 +94,7 @@ def test_staged_copy_is_read_alone_source_deleted(
     assert len(loader) == -(-len(all_keys()) // 16)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     # the dataset index sits beside the staged copy (stage-in wrote it), so no loader walks headers
-    assert (staged / ".stager" / "index" / "dataset.flat.npz").is_file()
+    assert dataset_index_path(staged / ".stager" / "index").is_file()
 
 
 def test_missing_staged_shard_falls_back_with_one_warning(
@@ -288,11 +289,9 @@ def test_ranks_of_a_simulated_world_split_the_epoch(small_dataset: Path, tmp_pat
         loader = ShardedLoader(
             small_dataset,
             batch_size=8,
-            rank=rank,
-            world_size=3,
             even="drop",
             to_tuple=("__key__",),
-            options=LoaderOptions(dest=str(tmp_path)),
+            options=LoaderOptions(dest=str(tmp_path), rank=rank, world_size=3),
         )
         per_rank.append([batch[0] for batch in loader])
     assert len({len(batches) for batches in per_rank}) == 1
@@ -352,10 +351,9 @@ def test_compressed_shards_stream_with_exact_len(tmp_path: Path) -> None:
 def test_resume_mismatch_is_refused_with_what_differs(
     small_dataset: Path, dataset_copy: Path, tmp_path: Path
 ) -> None:
-    def make(source: Path = small_dataset, **kw) -> ShardedLoader:
-        return ShardedLoader(
-            source, options=LoaderOptions(dest=str(tmp_path)), **{"batch_size": 8, **kw}
-        )
+    def make(source: Path = small_dataset, batch_size: int = 8, **world) -> ShardedLoader:
+        options = LoaderOptions(dest=str(tmp_path), **world)
+        return ShardedLoader(source, batch_size=batch_size, options=options)
 
     state = make().state_dict()
     with pytest.raises(ResumeMismatch, match="batch_size was 8, is now 16"):
@@ -366,6 +364,8 @@ def test_resume_mismatch_is_refused_with_what_differs(
     with pytest.raises(ResumeMismatch, match="fingerprint"):
         make(dataset_copy).load_state_dict(state)
     make().load_state_dict(json.loads(json.dumps(state)))  # JSON round trip is accepted
+    with pytest.raises(ResumeMismatch, match="different epoch order"):
+        make().load_state_dict({**state, "version": 1})  # saved before the keyed epoch order
 
 
 def test_resume_in_process_and_set_epoch_keeps_position(
@@ -438,9 +438,7 @@ def test_stage_in_subset_node_and_loader_agree(small_dataset: Path, tmp_path: Pa
         small_dataset,
         batch_size=8,
         to_tuple=("__key__",),
-        rank=0,
-        world_size=1,
-        options=LoaderOptions(dest=str(tmp_path / "node0")),
+        options=LoaderOptions(dest=str(tmp_path / "node0"), rank=0, world_size=1),
     )
     assert loader.plan_options.subset == "node"
     node_keys = {k for k in all_keys() if f"train-{int(k[1:6]):06d}.tar" in staged_sets[0]}
@@ -454,10 +452,8 @@ def test_elastic_resume_on_a_smaller_world_repeats_and_loses_nothing(
         return ShardedLoader(
             small_dataset,
             batch_size=8,
-            rank=rank,
-            world_size=world,
             to_tuple=("__key__",),
-            options=LoaderOptions(dest=str(tmp_path)),
+            options=LoaderOptions(dest=str(tmp_path), rank=rank, world_size=world),
         )
 
     consumed, state = [], None
@@ -532,7 +528,7 @@ def test_dataset_index_is_cached_in_one_file_and_rebuilt_on_change(
     first = ShardedLoader(
         dataset_copy, batch_size=16, to_tuple=("__key__",), options=LoaderOptions(dest=str(dest))
     )
-    assert (staged / ".stager" / "index" / "dataset.flat.npz").is_file()
+    assert dataset_index_path(staged / ".stager" / "index").is_file()
 
     import stager.shards.loader_index as index_module
 
@@ -566,7 +562,7 @@ def test_first_loader_after_stage_in_reads_no_tar_header(
     """stage-in hands over the member offsets it parsed in flight: no header walk, same batches."""
     dest = tmp_path / "scratch"
     staged = stage(dataset_copy, dest)
-    assert (staged / ".stager" / "index" / "dataset.flat.npz").is_file()
+    assert dataset_index_path(staged / ".stager" / "index").is_file()
     import stager.shards.loader_index as index_module
 
     def no_header_walk(*args, **kwargs):
@@ -581,7 +577,7 @@ def test_first_loader_after_stage_in_reads_no_tar_header(
     )
     got = keys_of(loader)
     monkeypatch.undo()
-    (staged / ".stager" / "index" / "dataset.flat.npz").unlink()
+    dataset_index_path(staged / ".stager" / "index").unlink()
     walked = ShardedLoader(
         dataset_copy,
         batch_size=16,
@@ -618,3 +614,123 @@ def test_a_shard_index_is_cached_on_disk_only_when_it_was_slow_to_build(
     monkeypatch.setattr(index_module, "index_tar", no_header_walk)
     cached = index_module.cached_index(shard, cache_dir=cache)
     assert cached.keys == quick.keys and cached.offsets.tolist() == quick.offsets.tolist()
+
+
+def test_constructor_is_dataloader_like_with_one_options_object(
+    small_dataset: Path, tmp_path: Path
+) -> None:
+    import inspect
+
+    params = [
+        p
+        for p in inspect.signature(ShardedLoader.__init__).parameters.values()
+        if p.name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD
+    ]
+    assert len(params) <= 12 and params[-1].name == "options"
+    assert [p.name for p in params[:3]] == ["source", "batch_size", "num_workers"]
+    with pytest.raises(UsageError, match="even='drop'") as caught:
+        ShardedLoader(small_dataset, batch_size=8, drop_last=True)
+    assert "\n" not in str(caught.value)
+    with pytest.raises(TypeError, match="sampler"):
+        ShardedLoader(small_dataset, batch_size=8, sampler=None)
+    with pytest.raises(UsageError, match="on_error"):
+        LoaderOptions(on_error="ignore")
+    # the keywords of earlier versions still work, and land in the options
+    old_style = ShardedLoader(
+        small_dataset,
+        batch_size=8,
+        rank=1,
+        world_size=2,
+        to_tuple=("__key__",),
+        options=LoaderOptions(dest=str(tmp_path)),
+    )
+    new_style = ShardedLoader(
+        small_dataset,
+        batch_size=8,
+        to_tuple=("__key__",),
+        options=LoaderOptions(dest=str(tmp_path), rank=1, world_size=2),
+    )
+    assert old_style.options == new_style.options and old_style.layout.rank == 1
+    assert keys_of(old_style) == keys_of(new_style)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_both_readers_serve_the_same_loader_interface(
+    small_dataset: Path, tmp_path: Path, streaming: bool
+) -> None:
+    from stager_loaders.readers import StagedReader, StreamingReader
+
+    def make() -> ShardedLoader:
+        return ShardedLoader(
+            small_dataset,
+            batch_size=8,
+            num_workers=2,
+            to_tuple=("__key__",),
+            options=LoaderOptions(
+                dest=str(tmp_path), force_streaming=streaming, persistent_workers=True
+            ),
+        )
+
+    loader = make()
+    assert isinstance(loader.reader, StreamingReader if streaming else StagedReader)
+    assert loader.persistent_workers is not streaming, "streaming workers restart per epoch"
+    loader.set_epoch(2)
+    full = [b[0] for b in loader]
+    assert len(full) == len(loader) and {k for b in full for k in b} == all_keys()
+    first = make()
+    first.set_epoch(2)
+    it = iter(first)
+    head = [next(it)[0] for _ in range(3)]
+    second = make()
+    second.load_state_dict(first.state_dict())
+    assert head + [b[0] for b in second] == full
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_more_shards_than_open_files_read_the_same_batches(
+    small_dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: int
+) -> None:
+    """Past the open-file limit shards are read with pread and a few descriptors, not mapped."""
+    import stager_loaders.shardio as shardio
+
+    def make() -> ShardedLoader:
+        return ShardedLoader(
+            small_dataset,
+            batch_size=7,
+            num_workers=workers,
+            options=LoaderOptions(dest=str(tmp_path)),
+        )
+
+    def batches(loader: ShardedLoader) -> list[tuple[list[str], list[bytes]]]:
+        return [(b["__key__"], [bytes(t.numpy()) for t in b["npy"]]) for b in loader]
+
+    mapped = make()
+    assert isinstance(mapped.dataset.files, shardio.MappedShards)
+    expected = batches(mapped)
+    monkeypatch.setattr(shardio, "open_limit", lambda: 3)  # 8 shards, at most 3 open at once
+    read = make()
+    assert isinstance(read.dataset.files, shardio.PreadShards)
+    assert batches(read) == expected and len(expected) > 10
+    if workers == 0:
+        assert 0 < len(read.dataset.files) <= 3
+
+
+@pytest.mark.parametrize("many_shards", [False, True])
+def test_a_shard_truncated_after_indexing_names_shard_and_sample(
+    dataset_copy: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, many_shards: bool
+) -> None:
+    import stager_loaders.shardio as shardio
+
+    if many_shards:
+        monkeypatch.setattr(shardio, "open_limit", lambda: 2)
+    loader = ShardedLoader(
+        dataset_copy,
+        batch_size=400,
+        shuffle=False,
+        options=LoaderOptions(dest=str(tmp_path / "none")),
+    )
+    victim = dataset_copy / "train-000003.tar"
+    with open(victim, "r+b") as handle:  # the same file, cut: the index still promises more
+        handle.truncate(2048)
+    with pytest.raises(IntegrityError, match=r"train-000003\.tar: member of sample 's00003-"):
+        list(loader)

@@ -7,10 +7,10 @@ import itertools
 import numpy as np
 import pytest
 
+from stager.plan.elastic import elastic_indices, remaining_after
 from stager.plan.ranks import (
     PlanOptions,
     WorldLayout,
-    elastic_indices,
     epoch_order,
     fingerprint,
     locate,
@@ -18,7 +18,6 @@ from stager.plan.ranks import (
     num_batches,
     rank_batches,
     rank_indices,
-    remaining_after,
     samples_per_rank,
     shard_offsets,
     worker_of_batch,
@@ -197,8 +196,10 @@ def test_elastic_remaining_is_exactly_what_the_old_world_still_owed(even: str) -
         rows = world_indices(counts, old_nodes, old_rpn, epoch=3, options=options)
         owed = rows.shape[1] if even == "pad" else num_batches(rows.shape[1], 5, "drop") * 5
         consumed = set(rows[:, : k * 5].reshape(-1).tolist())
-        remaining = remaining_after(
-            counts, old_nodes, old_rpn, epoch=3, options=options, batches_consumed=k
+        remaining = np.asarray(
+            remaining_after(
+                counts, old_nodes, old_rpn, epoch=3, options=options, batches_consumed=k
+            )
         )
         assert len(set(remaining.tolist())) == len(remaining), "nothing owed twice"
         assert not consumed & set(remaining.tolist()), "nothing delivered is owed again"

@@ -1,6 +1,6 @@
 """Which shards ``stage-in --subset node`` copies to this node (torch-free, for prologues).
 
-The partition is :func:`stager.plan.ranks.node_partition` over shard byte sizes: sample counts
+The partition is :func:`stager.plan.ranks.node_owner` over shard byte sizes: sample counts
 are unknown before copying, and sizes are a good proxy for same-format shards. It depends on
 neither seed nor epoch, so the subset serves every epoch; the loader then shuffles within the
 node's shards and agrees on the epoch length across nodes.
@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from stager.errors import UsageError
-from stager.plan.ranks import node_partition
+from stager.plan.ranks import node_owner
 from stager.storage.sources import SourceSet, SourceShard
 
 __all__ = ["select_node_shards"]
@@ -25,8 +27,8 @@ def select_node_shards(source: SourceSet, *, num_nodes: int, node_id: int) -> Se
         )
     if len(source.shards) < num_nodes:
         raise UsageError(
-            f"--subset node needs at least one shard per node ({len(source.shards)} shards, {num_nodes} nodes); "
-            "use --subset all"
+            f"--subset node needs at least one shard per node ({len(source.shards)} shards, "
+            f"{num_nodes} nodes); use --subset all"
         )
-    mine = node_partition([s.size or 0 for s in source.shards], num_nodes)[node_id]
-    return [source.shards[i] for i in sorted(mine.tolist())]
+    owner = node_owner([s.size or 0 for s in source.shards], num_nodes)
+    return [source.shards[i] for i in np.flatnonzero(owner == node_id).tolist()]

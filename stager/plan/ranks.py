@@ -2,20 +2,25 @@
 
 Everything here is numpy only (no torch, no I/O), so stage-in can import it in a Slurm prologue
 to decide which shards a node needs, and the tests can check hundreds of simulated worlds in
-milliseconds. The I/O layers (:mod:`stager_loaders.dataset`, :mod:`stager_loaders.loader`) only execute the
-plan computed here; exact resume is then "skip the first k batches of the plan".
+milliseconds. The I/O layers (:mod:`stager_loaders.dataset`, :mod:`stager_loaders.loader`) only
+execute the plan computed here; exact resume is then "skip the first k batches of the plan".
+
+Cost per rank follows the rank's share: the epoch's order is a keyed bijection evaluated only at
+the positions this rank reads (:mod:`stager.plan.order`), never a permutation of the whole
+dataset. The largest array any rank builds is one entry per shard.
 
 Global sample index ``g`` numbers the samples of all shards in shard order: shard ``s`` owns
 ``offsets[s]:offsets[s + 1]`` where ``offsets = cumsum([0] + counts)``.
 
 The split, per epoch:
 
-1. an *order* over the samples: identity (``shuffle=False``), a seeded global permutation
-   (``"global"``), or shard order permuted and samples shuffled only inside windows of
+1. an *order* over the samples: identity (``shuffle="none"``), a keyed bijection of all samples
+   (``"global"``), or shards in keyed order with samples permuted only inside windows of
    ``block_samples`` (``"blocked"``: each rank touches few shards, which suits slow disks);
 2. even-ing: the order is cut (``even="drop"``) or extended by repeating its head
-   (``even="pad"``) to a multiple of ``world_size``, so every rank gets ``samples_per_rank``;
-3. rank ``r`` takes the contiguous slice ``r * samples_per_rank : (r + 1) * samples_per_rank``
+   (``even="pad"``, position ``p`` reads ``order[p mod n]``) to a multiple of the group size, so
+   every rank gets ``samples_per_rank``;
+3. rank ``r`` takes the contiguous positions ``r * samples_per_rank : (r + 1) * samples_per_rank``
    (contiguous, so blocked orders keep their locality per rank);
 4. batches of ``batch_size``: with ``"drop"`` only full batches, with ``"pad"`` the last batch may
    be short, but it is equally short on every rank;
@@ -24,18 +29,21 @@ The split, per epoch:
 
 Node-subset staging (``subset="node"``) replaces the global order by a node-stable partition of
 *shards* (:func:`node_partition`, the same for every epoch and seed, so the staged subset stays
-valid) and shuffles only inside each node; the per-rank sample count is then agreed across
+valid) and orders only inside each node; the per-rank sample count is then agreed across
 nodes (:func:`samples_per_rank`) so epochs still end together.
+
+Elastic resume (the rest of an epoch spread over another world) is in :mod:`stager.plan.elastic`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from stager.plan.order import EpochOrder, shard_offsets
 
 __all__ = [
     "WorldLayout",
@@ -43,15 +51,19 @@ __all__ = [
     "EVEN_MODES",
     "SHUFFLE_MODES",
     "shard_offsets",
+    "plan_order",
     "epoch_order",
+    "evened",
+    "node_owner",
     "node_partition",
     "samples_per_rank",
+    "RankShare",
+    "rank_share",
     "rank_indices",
+    "rank_of_sample",
     "world_indices",
     "rank_batches",
     "num_batches",
-    "remaining_after",
-    "elastic_indices",
     "worker_of_batch",
     "locate",
     "fingerprint",
@@ -124,56 +136,59 @@ class PlanOptions:
             raise ValueError(f"block_samples must be >= 1, got {self.block_samples}")
 
 
-def shard_offsets(counts: Sequence[int] | np.ndarray) -> np.ndarray:
-    """``[0, c0, c0 + c1, ...]``: the first global index of each shard, plus the total."""
-    array = np.asarray(counts, dtype=np.int64)
-    if array.ndim != 1 or (array < 0).any():
-        raise ValueError("shard sample counts must be a 1-D list of non-negative integers")
-    return np.concatenate([np.zeros(1, np.int64), np.cumsum(array)])
-
-
-def _rng(seed: int, epoch: int, salt: int) -> np.random.Generator:
-    # SeedSequence mixes the words, so (seed, epoch) pairs never alias as seed + epoch would.
-    return np.random.default_rng(
-        np.random.SeedSequence([seed & 0xFFFFFFFF, epoch & 0xFFFFFFFF, salt])
+def plan_order(
+    counts: Sequence[int] | np.ndarray, *, epoch: int, options: PlanOptions, salt: int = 0
+) -> EpochOrder:
+    """This epoch's order over ``counts``, evaluated lazily (see :class:`EpochOrder`)."""
+    return EpochOrder(
+        counts,
+        mode=options.shuffle,
+        seed=options.seed,
+        epoch=epoch,
+        salt=salt,
+        block_samples=options.block_samples,
     )
 
 
 def epoch_order(
     counts: Sequence[int] | np.ndarray, *, epoch: int, options: PlanOptions, salt: int = 0
 ) -> np.ndarray:
-    """The order in which the samples of ``counts`` are visited this epoch (global indices)."""
-    offsets = shard_offsets(counts)
-    total = int(offsets[-1])
-    if options.shuffle == "none":
-        return np.arange(total, dtype=np.int64)
-    rng = _rng(options.seed, epoch, salt)
-    if options.shuffle == "global":
-        return rng.permutation(total).astype(np.int64, copy=False)
-    shard_perm = rng.permutation(len(offsets) - 1)
-    pieces = [np.arange(offsets[s], offsets[s + 1], dtype=np.int64) for s in shard_perm]
-    order = np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
-    for lo in range(0, total, options.block_samples):
-        window = order[lo : lo + options.block_samples]
-        window[:] = rng.permutation(window)
-    return order
+    """The whole order of this epoch (global indices): O(samples), for simulations and tests."""
+    return plan_order(counts, epoch=epoch, options=options, salt=salt).materialise()
+
+
+def node_owner(weights: Sequence[float] | np.ndarray, num_nodes: int) -> np.ndarray:
+    """Which node stages each shard: a serpentine deal of the shards, heaviest first.
+
+    Shards sorted by weight (sample counts, or bytes as a proxy), descending, are dealt in rounds
+    of ``num_nodes``: round 0 to nodes 0, 1, ..., round 1 back from the last node, and so on.
+    Within a round the node dealt first gets the heaviest shard and, one round later, the
+    lightest, so two nodes' loads never differ by more than the heaviest shard (the differences
+    of the rounds telescope); shards of equal weight split to within one shard per node. It is
+    O(shards log shards) and vectorised (1M shards x 4,096 nodes in well under a second), where
+    greedy "largest onto the lightest node" is a Python loop over shards. It depends on neither
+    seed nor epoch, so a node's staged subset serves every epoch, and ties break by shard
+    number, so every node computes the same partition independently.
+    """
+    if num_nodes < 1:
+        raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
+    w = np.asarray(weights, dtype=np.float64)
+    if w.ndim != 1:
+        raise ValueError("weights must be one number per shard")
+    dealt = np.argsort(-w, kind="stable")
+    turn = np.arange(len(w), dtype=np.int64)
+    round_number, seat = np.divmod(turn, num_nodes)
+    owner = np.empty(len(w), dtype=np.int64)
+    owner[dealt] = np.where(round_number % 2 == 0, seat, num_nodes - 1 - seat)
+    return owner
 
 
 def node_partition(weights: Sequence[float] | np.ndarray, num_nodes: int) -> list[np.ndarray]:
-    """Shard numbers per node, balanced by ``weights`` (sample counts, or bytes as a proxy).
-
-    Greedy largest-first onto the lightest node; it depends on neither seed nor epoch, so a
-    node's staged subset serves every epoch. Ties break by shard and node number, so every node
-    computes the same partition independently.
-    """
-    w = np.asarray(weights, dtype=np.float64)
-    load = np.zeros(num_nodes)
-    owner = np.zeros(len(w), dtype=np.int64)
-    for shard in np.argsort(-w, kind="stable"):
-        node = int(np.argmin(load))
-        owner[shard] = node
-        load[node] += w[shard]
-    return [np.flatnonzero(owner == node) for node in range(num_nodes)]
+    """Shard numbers per node (ascending), balanced by ``weights``; see :func:`node_owner`."""
+    owner = node_owner(weights, num_nodes)
+    by_node = np.argsort(owner, kind="stable")
+    cuts = np.searchsorted(owner[by_node], np.arange(1, num_nodes))
+    return np.split(by_node, cuts)
 
 
 def samples_per_rank(total_samples: int | Sequence[int], layout: WorldLayout, even: str) -> int:
@@ -192,13 +207,61 @@ def samples_per_rank(total_samples: int | Sequence[int], layout: WorldLayout, ev
     return int(shares.min() if even == "drop" else shares.max())
 
 
-def _even(order: np.ndarray, target: int) -> np.ndarray:
-    if target <= len(order):
-        return order[:target]
+@dataclass(frozen=True)
+class RankShare:
+    """One rank's share of an epoch: ``per_rank`` consecutive positions of the evened order.
+
+    Holds the epoch's :class:`EpochOrder` (and, for the blocked mode, its per-shard layout once
+    computed), so evaluating the share a chunk at a time pays the O(shards) part once.
+    """
+
+    order: EpochOrder
+    first: int  # the share's first position in the evened order
+    per_rank: int
+
+    def __len__(self) -> int:
+        return self.per_rank
+
+    def indices(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Global sample indices of items ``start:stop`` of the share: O(stop - start)."""
+        stop = self.per_rank if stop is None else min(stop, self.per_rank)
+        start = min(max(start, 0), stop)
+        return evened(self.order, self.first + np.arange(start, stop, dtype=np.int64))
+
+
+def rank_share(
+    counts: Sequence[int] | np.ndarray,
+    layout: WorldLayout,
+    *,
+    epoch: int,
+    options: PlanOptions,
+    per_rank: int | None = None,
+) -> RankShare:
+    """The share of ``layout.rank`` in ``epoch``, evaluated lazily (see :func:`rank_indices`)."""
+    if options.subset == "node":
+        order = plan_order(counts, epoch=epoch, options=options, salt=1 + layout.node_rank)
+        if per_rank is None:
+            if layout.num_nodes != 1:
+                raise ValueError(
+                    "node subsets need per_rank agreed across nodes (samples_per_rank)"
+                )
+            per_rank = samples_per_rank(len(order), layout, options.even)
+        return RankShare(order, layout.rank_of_node * per_rank, per_rank)
+    order = plan_order(counts, epoch=epoch, options=options)
+    if per_rank is None:
+        per_rank = samples_per_rank(len(order), layout, options.even)
+    return RankShare(order, layout.rank * per_rank, per_rank)
+
+
+def evened(order: EpochOrder, positions: np.ndarray) -> np.ndarray:
+    """The samples at ``positions`` of the order evened by padding: position ``p`` reads
+    ``order[p mod len(order)]`` (``"drop"`` never asks past the end)."""
+    positions = np.asarray(positions, dtype=np.int64)
+    if positions.size == 0:
+        return np.zeros(0, np.int64)
     if len(order) == 0:
         raise ValueError("cannot pad an empty dataset; stage or select at least one sample")
-    reps = -(-target // len(order))
-    return np.tile(order, reps)[:target]
+    return order.at(positions % len(order))
 
 
 def rank_indices(
@@ -208,29 +271,43 @@ def rank_indices(
     epoch: int,
     options: PlanOptions,
     per_rank: int | None = None,
+    start: int = 0,
+    stop: int | None = None,
 ) -> np.ndarray:
     """Global sample indices of ``layout.rank`` for ``epoch``, in delivery order.
+
+    O(``stop - start``): only this rank's positions of the order are evaluated. ``start`` and
+    ``stop`` select a part of the rank's share (a batch range, for a lazy sampler).
 
     With ``options.subset == "node"``, ``counts`` are the shards staged on this rank's node
     (indices refer to them) and ``per_rank`` is the figure agreed across nodes (see
     :func:`samples_per_rank`); with ``"all"`` it is derived from ``counts``.
     """
-    if options.subset == "node":
-        order = epoch_order(counts, epoch=epoch, options=options, salt=1 + layout.node_rank)
-        if per_rank is None:
-            if layout.num_nodes != 1:
-                raise ValueError(
-                    "node subsets need per_rank agreed across nodes (samples_per_rank)"
-                )
-            per_rank = samples_per_rank(len(order), layout, options.even)
-        group, position = layout.ranks_per_node, layout.rank_of_node
-    else:
-        order = epoch_order(counts, epoch=epoch, options=options)
-        if per_rank is None:
-            per_rank = samples_per_rank(len(order), layout, options.even)
-        group, position = layout.world_size, layout.rank
-    order = _even(order, per_rank * group)
-    return order[position * per_rank : (position + 1) * per_rank]
+    share = rank_share(counts, layout, epoch=epoch, options=options, per_rank=per_rank)
+    return share.indices(start, stop)
+
+
+def rank_of_sample(
+    counts: Sequence[int] | np.ndarray,
+    layout: WorldLayout,
+    samples: np.ndarray,
+    *,
+    epoch: int,
+    options: PlanOptions,
+    per_rank: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Which rank of the group reads each of ``samples`` first, and at which place in its share.
+
+    The inverse of :func:`rank_indices`: ``(rank slot, index within that rank's share)``; the
+    rank slot is -1 for a sample that ``"drop"`` left out. For checks over huge worlds: coverage
+    by sampling samples instead of materialising every rank.
+    """
+    share = rank_share(counts, layout, epoch=epoch, options=options, per_rank=per_rank)
+    position = share.order.position_of(samples)
+    slot, within = np.divmod(position, max(share.per_rank, 1))
+    group = layout.ranks_per_node if options.subset == "node" else layout.world_size
+    dropped = position >= share.per_rank * group
+    return np.where(dropped, -1, slot), np.where(dropped, -1, within)
 
 
 def world_indices(
@@ -243,48 +320,15 @@ def world_indices(
 ) -> np.ndarray:
     """Row ``r`` is :func:`rank_indices` of rank ``r`` (``subset="all"``), computed in one pass.
 
-    For simulations and checks over whole worlds: one permutation instead of one per rank.
+    O(samples): for simulations and checks over whole (small) worlds.
     """
     if options.subset != "all":
         raise ValueError("world_indices covers subset='all'; simulate node subsets per node")
     world = num_nodes * ranks_per_node
-    order = epoch_order(counts, epoch=epoch, options=options)
+    order = plan_order(counts, epoch=epoch, options=options)
     per_rank = samples_per_rank(len(order), WorldLayout(num_nodes, ranks_per_node), options.even)
-    return _even(order, per_rank * world).reshape(world, per_rank)
-
-
-def remaining_after(
-    counts: Sequence[int] | np.ndarray,
-    num_nodes: int,
-    ranks_per_node: int,
-    *,
-    epoch: int,
-    options: PlanOptions,
-    batches_consumed: int,
-) -> np.ndarray:
-    """The samples an epoch still owes after every rank consumed ``batches_consumed`` batches.
-
-    In rank order, each sample once: padding repeats of samples already delivered are not owed.
-    This is what an elastic resume redistributes over a new world.
-    """
-    rows = world_indices(counts, num_nodes, ranks_per_node, epoch=epoch, options=options)
-    cut = min(batches_consumed * options.batch_size, rows.shape[1])
-    delivered = np.unique(rows[:, :cut])
-    owed = rows.shape[1]
-    if options.even == "drop":  # the old plan never owed the samples it dropped; keep it that way
-        owed = num_batches(owed, options.batch_size, "drop") * options.batch_size
-    rest = rows[:, cut:owed]
-    flat = rest.reshape(-1)
-    flat = flat[~np.isin(flat, delivered)]
-    _, first = np.unique(flat, return_index=True)
-    return flat[np.sort(first)]
-
-
-def elastic_indices(remaining: np.ndarray, layout: WorldLayout, even: str) -> np.ndarray:
-    """This rank's share of ``remaining`` in a new world: contiguous, evened like a normal epoch."""
-    per_rank = samples_per_rank(len(remaining), layout, even)
-    evened = _even(remaining, per_rank * layout.world_size)
-    return evened[layout.rank * per_rank : (layout.rank + 1) * per_rank]
+    positions = np.arange(per_rank * world, dtype=np.int64)
+    return evened(order, positions).reshape(world, per_rank)
 
 
 def num_batches(per_rank: int, batch_size: int, even: str) -> int:
@@ -293,7 +337,7 @@ def num_batches(per_rank: int, batch_size: int, even: str) -> int:
 
 
 def rank_batches(indices: np.ndarray, batch_size: int, even: str) -> list[np.ndarray]:
-    """Cut a rank's indices into batches: full ones only for ``"drop"``, a short tail for ``"pad"``."""
+    """A rank's indices in batches: only full ones for ``"drop"``, a short tail for ``"pad"``."""
     count = num_batches(len(indices), batch_size, even)
     return [indices[i * batch_size : (i + 1) * batch_size] for i in range(count)]
 
@@ -309,7 +353,15 @@ def locate(global_indices: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray,
     return shard, global_indices - offsets[shard]
 
 
-def fingerprint(relpaths: Sequence[str], counts: Sequence[int]) -> str:
-    """A short digest of the shard list and its sample counts, stored with loader states."""
-    payload = json.dumps([[str(p), int(c)] for p, c in zip(relpaths, counts, strict=True)]).encode()
-    return hashlib.sha256(payload).hexdigest()[:16]
+def fingerprint(relpaths: Sequence[str], counts: Sequence[int] | np.ndarray) -> str:
+    """A short digest of the shard list and its sample counts, stored with loader states.
+
+    One join and one hash (no per-shard JSON): ~20 ms at 100k shards. Shard paths never hold
+    NUL (``safe_relpath`` refuses it), so the NUL-joined list is unambiguous.
+    """
+    array = np.asarray(counts, dtype=np.int64)
+    if len(relpaths) != len(array):
+        raise ValueError("one sample count per shard path")
+    digest = hashlib.sha256("\0".join(map(str, relpaths)).encode())
+    digest.update(b"\1" + array.astype("<i8").tobytes())
+    return digest.hexdigest()[:16]

@@ -1,17 +1,20 @@
-"""The streaming path's plan: contiguous sample ranges per rank and per worker over a seeded shard order.
+"""The streaming path's plan: contiguous sample ranges per rank and worker over a keyed shard order.
 
 Random access is impossible on a gzip stream or too slow over a network, so the streaming
 reader (:mod:`stager_loaders.streaming`) reads shards front to back; its plan is coarser than the
 staged path's but still a pure function of (counts, layout, epoch, seed): shards are visited in
-a seeded order and their samples concatenated; the even-ed sequence is cut into one contiguous
-range per rank and one per worker.
+a keyed order (:func:`stager.plan.order.shard_order`, the one the blocked mode uses) and their
+samples concatenated; the even-ed sequence is cut into one contiguous range per rank and one
+per worker. Cost per rank: O(shards) for the shard order (the input is that large already) plus
+O(batches) for :meth:`StreamingPlan.delivery_order`; nothing is O(samples).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from stager.plan.ranks import PlanOptions, WorldLayout, _rng, num_batches, shard_offsets
+from stager.plan.order import shard_offsets, shard_order
+from stager.plan.ranks import PlanOptions, WorldLayout, num_batches
 
 __all__ = ["StreamingPlan"]
 
@@ -43,8 +46,9 @@ class StreamingPlan:
         return sum(self.worker_batches)
 
     def delivery_order(self) -> list[tuple[int, int]]:
-        """(worker, batch number) in the order the loader yields them: round robin, as torch does."""
-        order, cursor = [], [0] * self.workers
+        """(worker, batch number) in the order the loader yields them: round robin, like torch."""
+        order: list[tuple[int, int]] = []
+        cursor = [0] * self.workers
         while len(order) < self.num_batches:
             for w in range(self.workers):
                 if cursor[w] < self.worker_batches[w]:
@@ -54,11 +58,11 @@ class StreamingPlan:
 
     def segments(self, epoch: int, worker: int) -> list[tuple[int, int, int]]:
         """``(shard, first sample, stop sample)`` ranges streamed by ``worker`` this epoch."""
-        shard_order = np.arange(len(self.counts))
+        shards = np.arange(len(self.counts))
         salt = 1 + self.layout.node_rank if self.options.subset == "node" else 0
         if self.options.shuffle != "none":
-            shard_order = _rng(self.options.seed, epoch, salt).permutation(len(self.counts))
-        offsets = shard_offsets(self.counts[shard_order])
+            shards = shard_order(len(self.counts), seed=self.options.seed, epoch=epoch, salt=salt)
+        offsets = shard_offsets(self.counts[shards])
         total = int(offsets[-1])
         position = self.layout.rank_of_node if self.options.subset == "node" else self.layout.rank
         lo = position * self.per_rank + sum(self.worker_samples[:worker])
@@ -71,6 +75,6 @@ class StreamingPlan:
             k = int(np.searchsorted(offsets, base, side="right") - 1)
             take = min(hi - lo, int(offsets[k + 1]) - base)
             first = base - int(offsets[k])
-            out.append((int(shard_order[k]), first, first + take))
+            out.append((int(shards[k]), first, first + take))
             lo += take
         return out

@@ -7,7 +7,7 @@ import argparse
 import threading
 from pathlib import Path
 
-from stager.cli.argtypes import mbps, positive_count, positive_seconds, seconds
+from stager.cli.argtypes import mbps, positive_seconds, seconds
 from stager.errors import NoCheckpoint, UsageError
 from stager.slurm import SlurmEnv
 from stager.stageout.deadline import resolve_deadline

@@ -1,0 +1,60 @@
+"""``LoaderOptions``: the loader's less common settings, in one frozen value.
+
+``ShardedLoader`` keeps a DataLoader-like signature (source, batch size, workers, shuffle, seed,
+decoding, evening, collation, pinning); everything a training script rarely sets lives here, so
+the constructor stays short and the settings can be built once and passed around.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stager.errors import UsageError
+
+__all__ = ["LoaderOptions", "LEGACY_KEYWORDS", "DROP_LAST_HINT"]
+
+#: Constructor keywords of earlier versions that now live in ``LoaderOptions``; still accepted.
+LEGACY_KEYWORDS = ("rank", "world_size", "persistent_workers", "prefetch_factor")
+
+DROP_LAST_HINT = (
+    "ShardedLoader has no drop_last: pass even='drop' (every rank drops the same number of "
+    "samples, so epochs stay equal) or keep even='pad' (the default: a few samples repeat)"
+)
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    """Less common knobs of :class:`stager_loaders.ShardedLoader`."""
+
+    # -- where the data is
+    dest: str | None = None  # stage-in's --dest (default: $STAGER_DEST, /scratch/$SLURM_JOB_ID...)
+    name: str | None = None  # stage-in's --name
+    force_streaming: bool = False  # read local shards through the streaming path (tests, benches)
+    # -- where this process sits (default: torch.distributed, then Slurm, then torchrun)
+    rank: int | None = None
+    world_size: int | None = None
+    ranks_per_node: int | None = None
+    # -- order and failures
+    shuffle_mode: str = "global"  # "global" or "blocked" when shuffle=True
+    block_samples: int = 4096  # window of the blocked shuffle
+    buffer_samples: int = 1000  # shuffle buffer per worker on the streaming path
+    on_error: str = "raise"  # "raise" or "skip" for corrupt/truncated shards
+    # -- workers (as DataLoader's; persistent workers are ignored on the streaming path)
+    persistent_workers: bool = False
+    prefetch_factor: int | None = None
+    log_every: int = 0  # log data-wait time and samples/s every N steps; 0: off
+
+    def __post_init__(self) -> None:
+        if self.on_error not in ("raise", "skip"):
+            raise UsageError(f"on_error must be 'raise' or 'skip', not {self.on_error!r}")
+        if self.shuffle_mode not in ("global", "blocked"):
+            raise UsageError(
+                f"shuffle_mode must be 'global' or 'blocked', not {self.shuffle_mode!r}"
+            )
+        for name in ("block_samples", "prefetch_factor"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise UsageError(f"{name} must be >= 1, got {value}")
+        for name in ("buffer_samples", "log_every"):
+            if getattr(self, name) < 0:
+                raise UsageError(f"{name} must be >= 0, got {getattr(self, name)}")

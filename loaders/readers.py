@@ -1,0 +1,224 @@
+"""The two ways ``ShardedLoader`` reads a dataset, behind one small interface (:class:`Reader`).
+
+* :class:`StagedReader` (every shard a local uncompressed tar): a map-style dataset read by
+  byte offset, plus the rank's batch sampler. Batches arrive in plan order whatever the worker
+  count, so ``len`` is exact and resume is "skip the first k batches"; elastic resume works.
+* :class:`StreamingReader` (a remote source, ``.tgz`` shards, or staged copies missing): a tar
+  stream per worker over a coarser plan, re-ordered in the main process so resume is exact too
+  (:mod:`stager_loaders.streaming`). Workers hold the epoch, so they restart each epoch.
+
+The loader owns what both share (the layout, the epoch and position, the state, metrics); a
+reader owns how batches are formed. Both are built in two steps: opening reads the sample
+counts (from the index, the manifest, or the tar headers), :meth:`Reader.bind` then plans with
+the per-rank figure the loader agreed on (an ``all_reduce`` for node subsets).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import numpy as np
+
+from stager.errors import ResumeMismatch
+from stager.layout import StagedDataset
+from stager.plan.elastic import RemainingSamples
+from stager.plan.ranks import PlanOptions, WorldLayout
+from stager.plan.streaming import StreamingPlan
+from stager.shards.loader_index import build_flat_index
+from stager_loaders.dataset import PackedBatch, StagedTarDataset
+from stager_loaders.options import LoaderOptions
+from stager_loaders.resolve import DatasetShards
+from stager_loaders.sampler import RankBatchSampler
+from stager_loaders.samples import SamplePipeline, collate_samples
+from stager_loaders.streaming import StreamingShards, count_remote_samples, reorder_batches
+
+__all__ = ["Reader", "StagedReader", "StreamingReader", "open_reader"]
+
+Collate = Callable[[list[Any]], Any]
+
+
+class Reader(Protocol):
+    """How the loader's batches are made from one dataset."""
+
+    counts: np.ndarray  # samples per shard (0 for a shard skipped as corrupt)
+    skipped_shards: list[str]
+    restarts_workers: bool  # True: workers hold the epoch, persistent workers are refused
+
+    def bind(self, layout: WorldLayout, options: PlanOptions, per_rank: int) -> dict[str, Any]:
+        """Plan for this rank; the DataLoader arguments that form batches (dataset and co)."""
+        ...
+
+    def num_batches(self, epoch: int) -> int:
+        """Batches of ``epoch`` on this rank; the same on every rank."""
+        ...
+
+    def start(self, epoch: int, first_batch: int) -> None:
+        """Before the DataLoader iterates: which epoch, and how many batches were delivered."""
+        ...
+
+    def deliver(self, batches: Iterator[Any], first_batch: int) -> Iterator[Any]:
+        """The DataLoader's output, in plan order."""
+        ...
+
+    def resume_elsewhere(self, epoch: int, remaining: RemainingSamples) -> None:
+        """Serve ``remaining`` as this rank's share of ``epoch`` (elastic resume)."""
+        ...
+
+    def elastic_epoch(self) -> int | None:
+        """The epoch served by :meth:`resume_elsewhere`, if any."""
+        ...
+
+
+def _passthrough(batch: Any) -> Any:
+    return batch
+
+
+class _Collate:
+    """Picklable collate: packed raw batches pass through, sample lists are collated."""
+
+    def __init__(self, user: Collate | None):
+        self.user = user
+
+    def __call__(self, batch: Any) -> Any:
+        if isinstance(batch, PackedBatch):
+            return batch
+        return (self.user or collate_samples)(batch)
+
+
+class StagedReader:
+    """Local uncompressed tars: read by offset from the mapped dataset index."""
+
+    restarts_workers = False
+
+    def __init__(
+        self,
+        shards: DatasetShards,
+        options: LoaderOptions,
+        pipeline: SamplePipeline | None,
+        collate_fn: Collate | None,
+    ):
+        self.locations = shards.locations  # str: pathlib costs 25 us each
+        staged = shards.staged_dir
+        self.index, self.skipped_shards = build_flat_index(
+            self.locations,
+            relpaths=shards.relpaths,
+            expected_samples=shards.samples,
+            cache_dir=StagedDataset.of(staged).index_dir if staged is not None else None,
+            on_error=options.on_error,
+            stats=shards.stat_list(),
+        )
+        self.counts = self.index.shard_samples
+        self._pipeline = pipeline
+        self._collate = collate_fn
+        self.sampler: RankBatchSampler | None = None
+
+    def _plan(self) -> RankBatchSampler:
+        if self.sampler is None:
+            raise RuntimeError("bind() the reader before reading")
+        return self.sampler
+
+    def bind(self, layout: WorldLayout, options: PlanOptions, per_rank: int) -> dict[str, Any]:
+        self.sampler = RankBatchSampler(self.counts, layout, options, per_rank)
+        dataset = StagedTarDataset(self.locations, self.index, self._pipeline)
+        return {
+            "dataset": dataset,
+            "batch_sampler": self.sampler,
+            "collate_fn": _Collate(self._collate),
+        }
+
+    def num_batches(self, epoch: int) -> int:
+        return self._plan().num_batches_in(epoch)
+
+    def start(self, epoch: int, first_batch: int) -> None:
+        plan = self._plan()
+        plan.epoch, plan.start_batch = epoch, first_batch
+
+    def deliver(self, batches: Iterator[Any], first_batch: int) -> Iterator[Any]:
+        return batches  # the sampler already started at first_batch, in plan order
+
+    def resume_elsewhere(self, epoch: int, remaining: RemainingSamples) -> None:
+        self._plan().override = (epoch, remaining)
+
+    def elastic_epoch(self) -> int | None:
+        override = self._plan().override
+        return override[0] if override is not None else None
+
+
+class StreamingReader:
+    """Shards streamed front to back, one contiguous range per worker (see ``StreamingPlan``)."""
+
+    restarts_workers = True
+
+    def __init__(
+        self,
+        shards: DatasetShards,
+        options: LoaderOptions,
+        pipeline: SamplePipeline,
+        collate_fn: Collate | None,
+        workers: int,
+    ):
+        self.locations = list(shards.locations)
+        self.counts = np.asarray(
+            [
+                n if n is not None else count_remote_samples(location)
+                for n, location in zip(shards.samples, shards.locations, strict=True)
+            ],
+            dtype=np.int64,
+        )
+        self.skipped_shards: list[str] = []
+        self._options = options
+        self._pipeline = pipeline
+        self._collate = collate_fn
+        self._workers = max(1, workers)
+        self.plan: StreamingPlan | None = None
+        self.dataset: StreamingShards | None = None
+
+    def _bound(self) -> tuple[StreamingPlan, StreamingShards]:
+        if self.plan is None or self.dataset is None:
+            raise RuntimeError("bind() the reader before reading")
+        return self.plan, self.dataset
+
+    def bind(self, layout: WorldLayout, options: PlanOptions, per_rank: int) -> dict[str, Any]:
+        self.plan = StreamingPlan(self.counts, layout, options, per_rank, self._workers)
+        self.dataset = StreamingShards(
+            self.locations,
+            self.plan,
+            self._pipeline,
+            self._collate or collate_samples,
+            buffer_samples=self._options.buffer_samples if options.shuffle != "none" else 0,
+            on_error=self._options.on_error,
+        )
+        return {"dataset": self.dataset, "batch_size": None, "collate_fn": _passthrough}
+
+    def num_batches(self, epoch: int) -> int:
+        return self._bound()[0].num_batches
+
+    def start(self, epoch: int, first_batch: int) -> None:
+        self._bound()[1].configure(epoch, first_batch)
+
+    def deliver(self, batches: Iterator[Any], first_batch: int) -> Iterator[Any]:
+        return reorder_batches(batches, self._bound()[0].delivery_order()[first_batch:])
+
+    def resume_elsewhere(self, epoch: int, remaining: RemainingSamples) -> None:
+        raise ResumeMismatch(
+            ["elastic resume needs data staged with --subset all (the random-access path)"]
+        )
+
+    def elastic_epoch(self) -> int | None:
+        return None
+
+
+def open_reader(
+    shards: DatasetShards,
+    options: LoaderOptions,
+    pipeline: SamplePipeline | None,
+    collate_fn: Collate | None,
+    workers: int,
+    to_tuple: tuple[str, ...] | None,
+) -> Reader:
+    """The staged reader when every shard allows random access, else the streaming one."""
+    if shards.random_access and not options.force_streaming:
+        return StagedReader(shards, options, pipeline, collate_fn)
+    pipeline = pipeline or SamplePipeline(None, None, to_tuple)
+    return StreamingReader(shards, options, pipeline, collate_fn, workers)

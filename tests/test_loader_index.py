@@ -1,0 +1,119 @@
+"""The dataset index: one memory-mapped file per dataset, shared by ranks and workers."""
+
+from __future__ import annotations
+
+import mmap
+import pickle
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from stager.shards.arrayfile import map_arrays, write_arrays
+from stager.shards.loader_index import (
+    FlatIndex,
+    build_flat_index,
+    dataset_index_path,
+    open_dataset_index,
+)
+from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
+
+
+def _mapped(array: np.ndarray) -> bool:
+    base: object = array
+    while isinstance(base, np.ndarray):
+        base = base.base
+    return isinstance(base, memoryview) and isinstance(base.obj, mmap.mmap)
+
+
+def _big_index(samples: int) -> FlatIndex:
+    members = 2 * samples
+    return FlatIndex(
+        shard_samples=np.full(samples // 1000, 1000, dtype=np.int64),
+        sample_offsets=np.arange(0, samples + 1, 1000, dtype=np.int64),
+        keys=np.arange(samples).astype("S12"),
+        member_start=np.arange(0, members + 1, 2, dtype=np.int64),
+        member_ext=np.tile(np.asarray([0, 1], np.int16), samples),
+        member_offset=np.arange(members, dtype=np.int64) * 512,
+        member_size=np.full(members, 100, dtype=np.int64),
+        ext_names=("jpg", "cls"),
+    )
+
+
+def test_array_file_round_trip_and_refuses_a_cut_file(tmp_path: Path) -> None:
+    arrays = {
+        "ints": np.arange(10, dtype=np.int64),
+        "keys": np.asarray([b"a", b"bcd"]),
+        "empty": np.zeros(0, np.int16),
+        "grid": np.ones((3, 2), np.float32),
+    }
+    path = tmp_path / "x.arrays"
+    write_arrays(path, arrays, {"note": [1, 2]})
+    got, meta = map_arrays(path)
+    assert meta == {"note": [1, 2]}
+    for name, array in arrays.items():
+        assert got[name].dtype == array.dtype and np.array_equal(got[name], array)
+        assert not got[name].flags.writeable and _mapped(got[name])
+    assert list(tmp_path.iterdir()) == [path], "no partial file left behind"
+    raw = path.read_bytes()
+    path.write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(ValueError):
+        map_arrays(path)
+    path.write_bytes(b"not ours at all, not ours at all")
+    with pytest.raises(ValueError):
+        map_arrays(path)
+
+
+def test_opening_a_large_index_allocates_nothing_per_sample(tmp_path: Path) -> None:
+    """2M samples (~80 MB of index): mapping it allocates kilobytes; np.load would copy it all."""
+    from stager.shards.loader_index import _save_flat
+
+    path = tmp_path / "dataset.index"
+    assert _save_flat(path, b"\x01" * 32, _big_index(2_000_000), [])
+    assert path.stat().st_size > 60 << 20
+    tracemalloc.start()
+    try:
+        flat, skipped, stamp = open_dataset_index(path)
+        reads = flat.member_offset[[5, 1_999_999]].tolist() + [flat.keys[123].decode()]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"opening the index allocated {peak >> 10} KiB"
+    assert reads == [5 * 512, 1_999_999 * 512, "123"] and skipped == [] and stamp == b"\x01" * 32
+    assert all(_mapped(getattr(flat, name)) for name in ("keys", "member_offset", "member_start"))
+
+
+def test_a_mapped_index_pickles_as_its_path_not_its_arrays(tmp_path: Path) -> None:
+    from stager.shards.loader_index import _save_flat
+
+    path = tmp_path / "dataset.index"
+    _save_flat(path, b"\x02" * 32, _big_index(200_000), [])
+    flat, _, _ = open_dataset_index(path)
+    payload = pickle.dumps(flat)
+    assert len(payload) < 1000, "a spawned worker must map the file, not receive a copy"
+    again = pickle.loads(payload)
+    assert _mapped(again.member_offset)
+    assert np.array_equal(again.member_offset[:10], flat.member_offset[:10])
+    in_memory = _big_index(2000)
+    assert pickle.loads(pickle.dumps(in_memory)).keys.tolist() == in_memory.keys.tolist()
+
+
+def test_build_flat_index_maps_what_it_wrote_and_rebuilds_a_damaged_file(tmp_path: Path) -> None:
+    shards = write_synthetic_dataset(
+        tmp_path / "ds", SyntheticSpec(num_shards=3, samples_per_shard=7, uneven=True)
+    )
+    cache = tmp_path / "ds" / ".stager" / "index"
+    built, _ = build_flat_index(shards, cache_dir=cache)
+    keys = built.keys.tolist()
+    assert dataset_index_path(cache).is_file()
+    assert _mapped(built.member_offset), "the process that built it reads the shared file too"
+    raw = dataset_index_path(cache).read_bytes()
+    damaged = cache / "damaged"
+    damaged.write_bytes(raw[:100])
+    damaged.replace(dataset_index_path(cache))  # a new file: `built` keeps its mapping
+    rebuilt, _ = build_flat_index(shards, cache_dir=cache)
+    assert rebuilt.keys.tolist() == keys == built.keys.tolist()
+    assert dataset_index_path(cache).read_bytes() == raw
+    in_memory, _ = build_flat_index(shards)  # no cache directory: arrays in memory
+    assert in_memory.source is None and in_memory.keys.tolist() == built.keys.tolist()
