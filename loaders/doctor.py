@@ -1,45 +1,56 @@
-"""``stager doctor``: is my job data-bound? Measure source, scratch and the loader; say what to
-change.
+"""``stager doctor``: is my job data-bound? Measure the source, scratch and the loader as the
+training script will use it, and say what to change.
 
 Three probes, each short and bounded in bytes and seconds:
 
 * the source: aggregate read MB/s over a sample of shards with several streams, and the time to
   first byte of a file (the per-file latency that NFS metadata round trips add);
 * the scratch: write MB/s of a temporary file (fsync'd), and the free space;
-* the loader: samples/s of ``ShardedLoader`` over the staged copy for a few worker counts.
+* the loader: samples/s of ``ShardedLoader`` for a few worker counts, with the user's own
+  ``decode`` and ``map`` (``--decode``/``--map``): decoding JPEGs costs ~50x reading them, so
+  raw reads alone say nothing about how many workers a job needs.
 
-The verdict compares them: what limits samples/s, how many workers (and so
-``--cpus-per-task``) reach the plateau, and whether staging pays for itself.
-
-The command is the loader's (it needs torch); ``stager doctor`` finds it through the
-``stager.commands`` entry point, so the torch-free ``stager`` package never imports this one.
+The verdict follows from those figures alone: the fewest workers near the best rate, the CPUs
+per rank that takes, the workers a target rate needs, and one statement about staging (it pays
+off after k epochs, or it only spares the shared filesystem). The command is the loader's (it
+needs torch); ``stager doctor`` finds it through the ``stager.commands`` entry point, so the
+torch-free ``stager`` package never imports this one (the CLI half is :mod:`.doctor_cli`).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+import logging
+import math
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
-from stager.errors import UsageError
-from stager.layout import StagedDataset
-from stager.slurm import SlurmEnv
 from stager.stagein.streams import DEFAULT_JOBS
-from stager.storage.dest import resolve_dest_root
 from stager.storage.probe import ScratchProbe, SourceProbe, probe_scratch, probe_source
-from stager.storage.sources import SourceSet, resolve_source
+from stager.storage.sources import SourceSet
 from stager.units import human_bytes
 
-__all__ = ["LoaderProbe", "Diagnosis", "diagnose", "probe_loader", "add_parser", "configure"]
+__all__ = ["LoaderProbe", "Diagnosis", "diagnose", "probe_loader", "usable_cpus"]
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its Slurm allocation, not the whole node)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
 class LoaderProbe:
     samples_per_s: dict[int, float]  # workers -> samples/s
-    bytes_per_sample: float
+    bytes_per_sample: float  # what a sample is in the batch (decoded)
+    decode: str = "none (raw bytes)"  # what each sample went through
+    num_samples: int = 0  # in the dataset, for the bytes a sample costs to read
     error: str = ""
 
     @property
@@ -50,6 +61,18 @@ class LoaderProbe:
         best = max(self.samples_per_s.values())
         return min(w for w, rate in self.samples_per_s.items() if rate >= 0.9 * best)
 
+    @property
+    def per_worker_rate(self) -> float:
+        """Samples/s one process delivers (the main process alone, or one worker)."""
+        rates = [self.samples_per_s.get(w, 0.0) for w in (0, 1)]
+        return max(rates) if any(rates) else 0.0
+
+    @property
+    def ms_per_sample(self) -> float:
+        """CPU cost of one sample through read + decode + map, in one process."""
+        rate = self.per_worker_rate
+        return 1000.0 / rate if rate > 0 else 0.0
+
 
 @dataclass
 class Diagnosis:
@@ -58,140 +81,222 @@ class Diagnosis:
     source: SourceProbe
     scratch: ScratchProbe
     loader: LoaderProbe | None
+    cpus: int
     verdict: list[str] = field(default_factory=list)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["source"]["mb_per_s"] = round(self.source.mb_per_s, 2)
         out["scratch"]["mb_per_s"] = round(self.scratch.mb_per_s, 2)
+        if self.loader is not None:
+            out["loader"]["ms_per_sample"] = round(self.loader.ms_per_sample, 4)
+            out["loader"]["best_workers"] = self.loader.best_workers
         return out
 
     def render(self) -> str:
         s, d = self.source, self.scratch
         lines = [
-            f"stager doctor on {self.node}: dataset {human_bytes(self.dataset_bytes)}",
+            f"stager doctor on {self.node} ({self.cpus} CPUs usable): dataset "
+            f"{human_bytes(self.dataset_bytes)}",
             f"  source   {s.mb_per_s:8.1f} MB/s with {s.streams} streams; first byte "
-            f"{s.first_byte_ms:.1f} ms/file "
-            f"({s.files} files, {human_bytes(s.bytes_read)} read)",
+            f"{s.first_byte_ms:.1f} ms/file ({s.files} files, {human_bytes(s.bytes_read)} read)",
             f"  scratch  {d.mb_per_s:8.1f} MB/s write (fsync'd) at {d.path}; "
             f"{human_bytes(d.free_bytes)} free",
         ]
-        if self.loader is not None and self.loader.samples_per_s:
+        loader = self.loader
+        if loader is not None and loader.samples_per_s:
             rates = ", ".join(
-                f"{w} workers {r:,.0f}/s" for w, r in sorted(self.loader.samples_per_s.items())
+                f"{w} worker{'s' if w != 1 else ''} {r:,.0f}/s"
+                for w, r in sorted(loader.samples_per_s.items())
             )
             lines.append(
-                f"  loader   {rates} (~{human_bytes(self.loader.bytes_per_sample)}/sample)"
+                f"  loader   decode {loader.decode}: {rates} "
+                f"(~{human_bytes(loader.bytes_per_sample)}/sample decoded, "
+                f"{loader.ms_per_sample:.2f} ms per sample in one process)"
             )
-        elif self.loader is not None:
-            lines.append(f"  loader   not measured: {self.loader.error}")
+        elif loader is not None:
+            lines.append(f"  loader   not measured: {loader.error}")
         lines.append("verdict:")
         lines.extend(f"  - {v}" for v in self.verdict)
         return "\n".join(lines)
 
 
-def probe_loader(
-    dataset: str, workers: Sequence[int], *, seconds: float = 3.0, batch_size: int = 64
-) -> LoaderProbe:
-    """samples/s of ShardedLoader for each worker count, nothing decoded."""
+class _Once(logging.Filter):
+    """Lets each distinct message through once: one loader per worker count must not repeat
+    the same warning (e.g. "no staged copy") for every count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message in self.seen:
+            return False
+        self.seen.add(message)
+        return True
+
+
+@contextmanager
+def _warn_once() -> Iterator[None]:
+    logger, once = logging.getLogger("stager_loaders"), _Once()
+    logger.addFilter(once)
     try:
-        from stager_loaders import ShardedLoader
-    except ImportError as exc:
-        return LoaderProbe({}, 0.0, error=f"loaders not importable ({exc})")
+        yield
+    finally:
+        logger.removeFilter(once)
+
+
+def _batch_bytes(batch: Any) -> tuple[int, int]:
+    """(samples, payload bytes) of a batch, whatever shape the user's collate gave it."""
+    import torch
+
+    from stager_loaders.metrics import batch_length
+
+    def size_of(value: Any) -> int:
+        if isinstance(value, torch.Tensor):
+            return int(value.numel() * value.element_size())
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            return len(value)
+        if hasattr(value, "nbytes"):  # numpy arrays
+            return int(value.nbytes)
+        if isinstance(value, (list, tuple)):
+            return sum(size_of(v) for v in value)
+        if isinstance(value, dict):
+            return sum(size_of(v) for k, v in value.items() if not str(k).startswith("__"))
+        return 0
+
+    return batch_length(batch), size_of(batch)
+
+
+def probe_loader(
+    dataset: str,
+    workers: Sequence[int],
+    *,
+    seconds: float = 3.0,
+    batch_size: int = 64,
+    decode: str | None = None,
+    map_fn: Callable[[Any], Any] | None = None,
+    to_tuple: Sequence[str] | None = None,
+    dest: str | None = None,
+    name: str | None = None,
+) -> LoaderProbe:
+    """samples/s of ShardedLoader for each worker count, through the user's decode and map."""
+    from stager_loaders import LoaderOptions, ShardedLoader
+
     rates: dict[int, float] = {}
-    bytes_per_sample = 0.0
-    for count in workers:
-        loader = ShardedLoader(
-            dataset,
-            batch_size=batch_size,
-            num_workers=count,
-            shuffle=True,
-            decode=None,
-            to_tuple=None,
-            persistent_workers=count > 0,
+    bytes_per_sample, num_samples = 0.0, 0
+    label = decode or "none (raw bytes)"
+    if map_fn is not None:
+        label += f" + map {getattr(map_fn, '__qualname__', 'function')}"
+    with _warn_once():
+        for count in workers:
+            loader = ShardedLoader(
+                dataset,
+                batch_size=batch_size,
+                num_workers=count,
+                shuffle=True,
+                decode=decode,
+                map=map_fn,
+                to_tuple=tuple(to_tuple) if to_tuple else None,
+                options=LoaderOptions(persistent_workers=count > 0, dest=dest, name=name),
+            )
+            num_samples = int(loader.shard_samples.sum())
+            samples, nbytes, epoch = 0, 0, 0
+            started = None  # the clock starts at the first batch: worker start is not throughput
+            while started is None or time.perf_counter() - started < seconds:
+                loader.set_epoch(epoch)
+                for batch in loader:
+                    if started is None:
+                        started = time.perf_counter()
+                        continue
+                    got, size = _batch_bytes(batch)
+                    samples, nbytes = samples + got, nbytes + size
+                    if time.perf_counter() - started > seconds:
+                        break
+                epoch += 1
+            elapsed = time.perf_counter() - started
+            rates[count] = samples / elapsed if elapsed > 0 else 0.0
+            bytes_per_sample = nbytes / samples if samples else 0.0
+            del loader
+    return LoaderProbe(rates, bytes_per_sample, label, num_samples)
+
+
+def _plural(count: int, word: str) -> str:
+    return f"{count} {word}{'' if count == 1 else 's'}"
+
+
+def _workers_advice(loader: LoaderProbe, cpus: int, target: float | None) -> list[str]:
+    best = loader.best_workers
+    if best is None:
+        return []
+    rate = loader.samples_per_s[best]
+    out = [
+        f"{_plural(best, 'worker')} reach{'es' if best == 1 else ''} {rate:,.0f} samples/s "
+        f"here ({loader.ms_per_sample:.2f} ms per sample in one process); more measured no "
+        f"faster on these {_plural(cpus, 'CPU')}: num_workers={best}, "
+        f"--cpus-per-task={best + 1} per rank (the workers plus the training process)"
+    ]
+    if target and loader.per_worker_rate > 0:
+        need = max(1, math.ceil(target / loader.per_worker_rate))
+        out.append(
+            f"to feed {target:,.0f} samples/s per rank: num_workers={need}, "
+            f"--cpus-per-task={need + 1} (each worker delivers ~{loader.per_worker_rate:,.0f}/s)"
         )
-        samples, nbytes, epoch = 0, 0, 0
-        started = None  # the clock starts at the first batch: worker start-up is not throughput
-        while started is None or time.perf_counter() - started < seconds:
-            loader.set_epoch(epoch)
-            for batch in loader:
-                if started is None:
-                    started = time.perf_counter()
-                    continue
-                keys = batch["__key__"]
-                samples += len(keys)
-                for name, value in batch.items():
-                    if not name.startswith("__"):
-                        nbytes += (
-                            sum(len(v) for v in value)
-                            if isinstance(value, list)
-                            else int(value.numel())
-                        )
-                if time.perf_counter() - started > seconds:
-                    break
-            epoch += 1
-        elapsed = time.perf_counter() - started
-        rates[count] = samples / elapsed if elapsed > 0 else 0.0
-        bytes_per_sample = nbytes / samples if samples else 0.0
-        del loader
-    return LoaderProbe(rates, bytes_per_sample)
+    elif not target:
+        out.append(
+            "pass --target SAMPLES_PER_S (what one rank's training step consumes) for the "
+            "workers that rate needs"
+        )
+    return out
 
 
-def _verdict(diag: Diagnosis, epochs: int, ranks_per_node: int) -> list[str]:
+def _staging_advice(diag: Diagnosis, epochs: int, nodes: int, loader_mbps: float) -> str:
+    """One statement about staging, from the read rates alone."""
+    src = diag.source.mb_per_s * 1e6
+    node_bytes = diag.dataset_bytes / max(1, nodes)  # what a node's ranks read per epoch
+    stage_s = diag.dataset_bytes / src  # every node copies the whole dataset (--subset all)
+    from_source_s = node_bytes / src
+    local_rate = max(diag.scratch.mb_per_s * 1e6, loader_mbps * 1e6, 1.0)
+    from_scratch_s = node_bytes / local_rate
+    saved = from_source_s - from_scratch_s
+    if saved <= 0 or (loader_mbps and diag.source.mb_per_s >= loader_mbps):
+        return (
+            f"the source ({diag.source.mb_per_s:,.0f} MB/s) keeps up with the loader here: "
+            "staging does not speed an epoch, it spares the shared filesystem the reads of "
+            "every rank of every node (stage-in ~"
+            f"{stage_s:.1f} s)"
+        )
+    payoff = max(1, math.ceil(stage_s / saved))
+    return (
+        f"staging takes ~{stage_s:.1f} s once and saves ~{saved:.1f} s of source reads per "
+        f"epoch per node: it pays off after {_plural(payoff, 'epoch')} (you plan {epochs})"
+    )
+
+
+def _verdict(diag: Diagnosis, *, epochs: int, nodes: int, target: float | None) -> list[str]:
     out = []
-    src, scratch, loader = diag.source.mb_per_s, diag.scratch.mb_per_s, diag.loader
     if diag.source.first_byte_ms > 5:
         out.append(
             f"the source costs {diag.source.first_byte_ms:.0f} ms per file before any byte "
-            "arrives: "
-            f"keep stage-in's adaptive streams (up to --jobs, default {DEFAULT_JOBS}) and prefer "
-            "fewer, larger shards "
-            "(100 MB-1 GB)"
+            f"arrives: keep stage-in's adaptive streams (up to --jobs, default {DEFAULT_JOBS}) "
+            "and prefer fewer, larger shards (100 MB-1 GB)"
         )
+    loader_mbps = 0.0  # what the loader would pull from storage, in shard bytes
+    loader = diag.loader
     if loader is not None and loader.samples_per_s:
-        best_w = loader.best_workers
-        best_rate = loader.samples_per_s[best_w] if best_w is not None else 0.0
-        loader_mbps = best_rate * loader.bytes_per_sample / 1e6
-        out.append(
-            f"num_workers={best_w} reaches {best_rate:,.0f} samples/s from scratch; "
-            f"ask for --cpus-per-task={best_w + 1} per rank (workers + the training process), "
-            "more if you decode images"
-        )
-        shared_mbps = src / max(1, ranks_per_node)
-        if loader_mbps > 0 and shared_mbps < loader_mbps:
-            out.append(
-                f"bottleneck without staging: the source ({src:.0f} MB/s, ~{shared_mbps:.0f} MB/s "
-                "per rank when "
-                f"{ranks_per_node} ranks share it) is slower than the loader ({loader_mbps:.0f} "
-                "MB/s): stage-in pays off"
-            )
-        else:
-            out.append(
-                "the loader, not the storage, limits samples/s: compare it with your training "
-                "step's samples/s"
-            )
-    if src > 0 and diag.dataset_bytes:
-        stage_s = diag.dataset_bytes / (src * 1e6)
-        local_mbps = max(scratch, 1e-9)
-        per_epoch_src = diag.dataset_bytes / (src * 1e6 / max(1, ranks_per_node))
-        per_epoch_local = diag.dataset_bytes / (local_mbps * 1e6)
-        saved = per_epoch_src - per_epoch_local
-        if saved > 0:
-            payoff = max(1, int(stage_s // saved) + 1)
-            out.append(
-                f"staging takes ~{stage_s:.1f} s once and saves ~{saved:.1f} s of reads per epoch: "
-                f"pays off after {payoff} epoch(s) (you plan {epochs})"
-            )
-        else:
-            out.append(
-                f"staging takes ~{stage_s:.1f} s and saves no read time per epoch here: stage "
-                "only to spare the shared filesystem"
-            )
+        out.extend(_workers_advice(loader, diag.cpus, target))
+        best = loader.best_workers or 0
+        if loader.num_samples:
+            stored = diag.dataset_bytes / loader.num_samples
+            loader_mbps = loader.samples_per_s[best] * stored / 1e6
+    if diag.source.mb_per_s > 0 and diag.dataset_bytes:
+        out.append(_staging_advice(diag, epochs, nodes, loader_mbps))
     if diag.scratch.free_bytes < diag.dataset_bytes:
         out.append(
             f"scratch has {human_bytes(diag.scratch.free_bytes)} free for a "
-            f"{human_bytes(diag.dataset_bytes)} dataset: "
-            "use stage-in --subset node, or a larger --dest"
+            f"{human_bytes(diag.dataset_bytes)} dataset: use stage-in --subset node, or a larger "
+            "--dest"
         )
     return out
 
@@ -204,100 +309,37 @@ def diagnose(
     workers: Sequence[int] = (0, 1, 2),
     loader_dataset: str | None = None,
     epochs: int = 10,
-    ranks_per_node: int = 1,
+    nodes: int = 1,
+    target: float | None = None,
     max_source_bytes: int = 256 << 20,
     scratch_bytes: int = 128 << 20,
     loader_seconds: float = 3.0,
+    decode: str | None = None,
+    map_fn: Callable[[Any], Any] | None = None,
+    to_tuple: Sequence[str] | None = None,
+    dest: str | None = None,
+    name: str | None = None,
 ) -> Diagnosis:
     """Run the three probes and write the verdict."""
+    loader = None
+    if loader_dataset:
+        loader = probe_loader(
+            loader_dataset,
+            workers,
+            seconds=loader_seconds,
+            decode=decode,
+            map_fn=map_fn,
+            to_tuple=to_tuple,
+            dest=dest,
+            name=name,
+        )
     diag = Diagnosis(
         node=node,
         dataset_bytes=source.total_bytes,
         source=probe_source(source, max_bytes=max_source_bytes),
         scratch=probe_scratch(dest_root, nbytes=scratch_bytes),
-        loader=probe_loader(loader_dataset, workers, seconds=loader_seconds)
-        if loader_dataset
-        else None,
+        loader=loader,
+        cpus=usable_cpus(),
     )
-    diag.verdict = _verdict(diag, epochs, ranks_per_node)
+    diag.verdict = _verdict(diag, epochs=epochs, nodes=nodes, target=target)
     return diag
-
-
-HELP = "measure source read, scratch write and loader speed, and say what limits the job"
-
-
-def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
-    configure(sub.add_parser(name, help=HELP, description=HELP))
-
-
-def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "source",
-        metavar="SOURCE",
-        help="the dataset as given to stage-in (directory, pattern, URL)",
-    )
-    parser.add_argument(
-        "--dest", metavar="DIR", help="scratch root to probe (default: as stage-in resolves it)"
-    )
-    parser.add_argument(
-        "--name", help="dataset name under the destination (default: source basename)"
-    )
-    parser.add_argument(
-        "--workers",
-        default="0,1,2",
-        metavar="LIST",
-        help="loader worker counts to try (default 0,1,2)",
-    )
-    parser.add_argument(
-        "--epochs", type=int, default=10, help="epochs you plan, for the staging pay-off estimate"
-    )
-    parser.add_argument(
-        "--ranks-per-node",
-        type=int,
-        default=1,
-        metavar="N",
-        help="ranks sharing the source per node",
-    )
-    parser.add_argument(
-        "--max-source-mb", type=int, default=256, metavar="MB", help="bytes to read from the source"
-    )
-    parser.add_argument(
-        "--scratch-mb", type=int, default=128, metavar="MB", help="bytes to write to scratch"
-    )
-    parser.add_argument(
-        "--loader-seconds", type=float, default=3.0, metavar="S", help="seconds per worker count"
-    )
-    parser.add_argument("--no-loader", action="store_true", help="skip the loader probe")
-    parser.add_argument("--json", metavar="PATH", help="also write the measurements as JSON")
-    parser.set_defaults(handler=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        workers = [int(w) for w in args.workers.split(",") if w.strip()]
-    except ValueError as exc:
-        raise UsageError(
-            f"--workers must be a comma-separated list of integers, not {args.workers!r}"
-        ) from exc
-    slurm = SlurmEnv.from_environ()
-    source = resolve_source(args.source, name=args.name)
-    dest_root = resolve_dest_root(args.dest, slurm=slurm)
-    staged = StagedDataset(dest_root, args.name or source.name).dir
-    loader_dataset = None if args.no_loader else (str(staged) if staged.is_dir() else args.source)
-    diag = diagnose(
-        source,
-        dest_root,
-        node=slurm.node_name,
-        workers=workers,
-        loader_dataset=loader_dataset,
-        epochs=args.epochs,
-        ranks_per_node=args.ranks_per_node,
-        max_source_bytes=args.max_source_mb << 20,
-        scratch_bytes=args.scratch_mb << 20,
-        loader_seconds=args.loader_seconds,
-    )
-    print(diag.render())
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(diag.to_json(), handle, indent=1)
-    return 0

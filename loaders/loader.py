@@ -26,7 +26,7 @@ from stager_loaders.metrics import LoaderMetrics, batch_length
 from stager_loaders.options import DROP_LAST_HINT, LEGACY_KEYWORDS, LoaderOptions
 from stager_loaders.readers import Reader, open_reader
 from stager_loaders.resolve import DatasetShards, resolve_dataset
-from stager_loaders.samples import DecodeSpec, SamplePipeline, make_decoder
+from stager_loaders.samples import DecodeSpec, SamplePipeline, make_decoder, unpack_ragged
 from stager_loaders.state import LoaderState
 from stager_loaders.world import agree_per_rank, detect_layout
 
@@ -120,6 +120,7 @@ class ShardedLoader(DataLoader):
             source, dest=options.dest, name=options.name, on_error=options.on_error
         )
         self._to_tuple = tuple(to_tuple) if to_tuple is not None else None
+        self._own_collate = collate_fn is None
         self._epoch, self._skip, self._consumed = 0, 0, 0
         self._elastic_origin: dict[str, int] | None = None
         self.metrics = LoaderMetrics(log_every=options.log_every)
@@ -180,7 +181,12 @@ class ShardedLoader(DataLoader):
         asked = time.perf_counter()  # from the loop asking for a batch to its arrival: the wait
         for batch in inner:
             self._consumed += 1  # before the caller sees it: a checkpoint in the step includes it
-            out = batch.unpack(self._to_tuple) if isinstance(batch, PackedBatch) else batch
+            if isinstance(batch, PackedBatch):
+                out = batch.unpack(self._to_tuple)
+            elif self._own_collate:  # collate_samples packed ragged tensors for the trip
+                out = unpack_ragged(batch)
+            else:
+                out = batch
             self.metrics.record(time.perf_counter() - asked, batch_length(out))
             yield out
             asked = time.perf_counter()

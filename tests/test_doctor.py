@@ -1,0 +1,124 @@
+"""``stager doctor``: the user's real per-sample cost (decode, map), advice that follows from it,
+each warning once, and one statement about staging, never two that contradict."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stager.storage.probe import ScratchProbe, SourceProbe
+from stager_loaders.doctor import Diagnosis, LoaderProbe, _verdict
+from stager_loaders.doctor_cli import default_workers
+
+from .conftest import BIN, REPO, clean_env
+from .imagedata import write_image_dataset
+
+
+def tag_map(sample: dict[str, Any]) -> dict[str, Any]:
+    """A user's map: adds a member, as a training script's augmentation would."""
+    sample["tagged"] = 1
+    return sample
+
+
+@pytest.fixture(scope="module")
+def jpg_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("doctor") / "jpgs"
+    write_image_dataset(root, num_samples=200, max_shard_bytes=40_000)
+    return root
+
+
+def _doctor(*argv: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(BIN / "stager"), "doctor", *argv],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=cwd,
+    )
+
+
+def test_doctor_measures_the_decode_and_map_the_training_script_uses(
+    jpg_dataset: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "d.json"
+    result = _doctor(
+        str(jpg_dataset),
+        "--dest", str(tmp_path / "scratch"),
+        "--decode", "rgb8",
+        "--map", "tests.test_doctor:tag_map",
+        "--to-tuple", "jpg,cls",
+        "--workers", "0,1",
+        "--loader-seconds", "0.3",
+        "--max-source", "1M",
+        "--scratch-bytes", "1M",
+        "--target", "5000",
+        "--json", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    loader_line = next(line for line in text.splitlines() if line.strip().startswith("loader"))
+    assert "decode rgb8 + map tag_map" in loader_line
+    assert "0 workers" in loader_line and "1 worker " in loader_line
+    assert " ranks" not in text and "1 workers" not in text
+    verdict = text.split("verdict:", 1)[1]
+    assert "num_workers=" in verdict and "--cpus-per-task=" in verdict
+    assert "to feed 5,000 samples/s per rank" in verdict
+    staging = [line for line in verdict.splitlines() if "staging" in line]
+    assert len(staging) == 1, verdict  # one statement about staging, never two that disagree
+    # Not staged yet: the loader reads the source, and says so once, not once per worker count.
+    assert result.stderr.count("no staged copy") == 1, result.stderr
+    report = json.loads(out.read_text())
+    assert report["loader"]["ms_per_sample"] > 0 and report["loader"]["best_workers"] in (0, 1)
+    assert report["loader"]["num_samples"] == 200
+
+
+def test_a_map_that_cannot_be_imported_is_one_usage_line(jpg_dataset: Path) -> None:
+    result = _doctor(str(jpg_dataset), "--map", "nowhere:nothing", "--no-loader")
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1 and "--map" in result.stderr
+
+
+def _diagnosis(source_mbps: float, loader_rate: float, dataset_bytes: int = 10**9) -> Diagnosis:
+    return Diagnosis(
+        node="n1",
+        dataset_bytes=dataset_bytes,
+        source=SourceProbe(
+            files=4, bytes_read=int(source_mbps * 1e6), seconds=1.0, streams=8, first_byte_ms=1.0
+        ),
+        scratch=ScratchProbe(
+            path="/scratch", bytes_written=2 * 10**9, seconds=1.0, free_bytes=10**12
+        ),
+        loader=LoaderProbe(
+            {0: loader_rate / 2, 1: loader_rate}, 150_000.0, "rgb8", num_samples=10**5
+        ),
+        cpus=8,
+    )
+
+
+def test_the_staging_verdict_follows_from_the_rates() -> None:
+    # 10 KB per stored sample; a loader at 20k samples/s pulls 200 MB/s; the source gives 50.
+    slow_source = _verdict(_diagnosis(50.0, 20_000.0), epochs=10, nodes=1, target=None)
+    (line,) = [v for v in slow_source if "staging" in v]
+    assert "pays off after" in line and "20.0 s" in line  # 1 GB at 50 MB/s, staged once
+    fast_source = _verdict(_diagnosis(5_000.0, 20_000.0), epochs=10, nodes=1, target=None)
+    (line,) = [v for v in fast_source if "staging" in v]
+    assert "keeps up" in line and "pays off" not in line
+
+
+def test_worker_advice_follows_from_the_measured_rates() -> None:
+    verdict = _verdict(_diagnosis(50.0, 1_000.0), epochs=1, nodes=1, target=3_000.0)
+    assert any("num_workers=1, --cpus-per-task=2 per rank" in v for v in verdict)
+    assert any(
+        "to feed 3,000 samples/s per rank: num_workers=3, --cpus-per-task=4" in v for v in verdict
+    )
+
+
+def test_default_worker_counts_follow_the_cpus() -> None:
+    assert default_workers(1) == [0, 1]
+    assert default_workers(2) == [0, 1]
+    assert default_workers(16) == [0, 1, 2, 4, 8]
