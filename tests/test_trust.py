@@ -464,6 +464,19 @@ def test_9_a_source_directory_named_like_a_partial_file(tmp_path: Path, capsys) 
 
 
 # -- 10. smaller --------------------------------------------------------------------------------
+def test_10_a_loader_index_that_does_not_fit_leaves_no_partial(tmp_path: Path) -> None:
+    import numpy as np
+
+    from stager.shards.arrayfile import write_arrays
+
+    with mount_tmpfs(tmp_path / "tmpfs", "256k") as scratch:
+        with pytest.raises(OSError):
+            write_arrays(
+                scratch / "index" / "dataset.index", {"a": np.zeros(1 << 20, np.uint8)}, {}
+            )
+        assert [p.name for p in scratch.rglob("*") if p.is_file()] == []
+
+
 def test_10_a_destination_inside_the_source_is_refused_before_anything_is_created(
     tmp_path: Path, capsys
 ) -> None:

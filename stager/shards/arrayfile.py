@@ -25,6 +25,9 @@ from typing import Any
 
 import numpy as np
 
+from stager.layout import PARTIAL_SUFFIX
+from stager.storage.paths import discard
+
 __all__ = ["MAGIC", "write_arrays", "map_arrays"]
 
 MAGIC = b"STGARR01"
@@ -38,7 +41,7 @@ def _aligned(offset: int) -> int:
 def write_arrays(path: Path, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
     """Publish ``arrays`` and ``meta`` (JSON-able) at ``path``, atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}{PARTIAL_SUFFIX}")
     table: dict[str, dict[str, Any]] = {}
     try:
         with open(tmp, "wb") as handle:
@@ -56,7 +59,7 @@ def write_arrays(path: Path, arrays: Mapping[str, np.ndarray], meta: Mapping[str
             handle.write(footer + len(footer).to_bytes(8, "little"))
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        discard(tmp)  # a full scratch must not keep half an index either
         raise
 
 
