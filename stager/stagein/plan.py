@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -171,6 +172,7 @@ def sized_while_copying(
 def _kept_entry(
     shard: SourceShard,
     final: Path,
+    st: os.stat_result | None,
     want: ManifestEntry | None,
     before: ManifestEntry | None,
     options: StageInOptions,
@@ -184,11 +186,10 @@ def _kept_entry(
     that reports no version at all is trusted by size alone.
     """
     size = want.size if want is not None else shard.size
-    try:
-        have_size = final.stat().st_size if final.is_file() else None
-    except OSError:
+    if st is None or not stat.S_ISREG(st.st_mode):  # absent, or a symlink: copy it (again)
         return None
-    if have_size is None or (size is not None and have_size != size):
+    have_size = st.st_size
+    if size is not None and have_size != size:
         return None
     want_hash = want.hash if want is not None else None
     previous_hash = before.hash if before is not None and before.size == have_size else None
@@ -227,9 +228,10 @@ def plan_local(
     kept: dict[str, ManifestEntry] = {}
     join = SafeJoiner(staged.dir)
     for shard in shards:
-        final = join(shard.relpath)
+        target, st = join.lstat(shard.relpath)
+        final = Path(target)
         want = expected.get(shard.relpath)
-        entry = _kept_entry(shard, final, want, previous.get(shard.relpath), options, log)
+        entry = _kept_entry(shard, final, st, want, previous.get(shard.relpath), options, log)
         heartbeat()  # hashing staged copies against a manifest can take a while
         if entry is not None:
             kept[shard.relpath] = entry

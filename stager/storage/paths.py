@@ -8,6 +8,7 @@ name in a hostile manifest is refused instead of written.
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 from stager.errors import UnsafePath
@@ -71,19 +72,31 @@ class SafeJoiner:
         self._resolved_dirs: dict[str, str] = {}
 
     def __call__(self, relpath: str) -> Path:
+        target, st = self.lstat(relpath)
+        return Path(target)
+
+    def lstat(self, relpath: str) -> tuple[str, os.stat_result | None]:
+        """``(path, lstat of it or None)``, refusing a path that resolves outside the root.
+
+        One ``lstat`` per shard: the caller gets it too, so planning a million shards makes
+        one metadata call each rather than three.
+        """
         rel = safe_relpath(relpath)
-        target = os.path.join(self._root, rel)
-        parent, name = os.path.split(target)
+        target = self._root + "/" + rel
+        parent, name = target.rsplit("/", 1)
         resolved_parent = self._resolved_dirs.get(parent)
         if resolved_parent is None:
             resolved_parent = self._resolved_dirs[parent] = os.path.realpath(parent)
-        resolved = (
-            os.path.realpath(target)
-            if os.path.islink(target)
-            else os.path.join(resolved_parent, name)
-        )
+        try:
+            st: os.stat_result | None = os.lstat(target)
+        except (FileNotFoundError, NotADirectoryError):
+            st = None
+        if st is not None and stat.S_ISLNK(st.st_mode):
+            resolved = os.path.realpath(target)
+        else:
+            resolved = resolved_parent + "/" + name
         if not resolved.startswith(self._inside):
             raise UnsafePath(
                 f"shard path {relpath!r} resolves outside {self.root} (a symlink?); refused"
             )
-        return Path(target)
+        return target, st
