@@ -34,6 +34,7 @@ from stager.cache.records import DatasetRecord, ObjectRecord
 from stager.layout import PARTIAL_SUFFIX
 from stager.node.jobs import JobStates, query_job_states
 from stager.storage.paths import discard
+from stager.units import human_duration
 
 __all__ = ["ShardCache", "Registration", "CacheSweep"]
 
@@ -53,10 +54,10 @@ class Registration:
 
 @dataclass(frozen=True)
 class CacheSweep:
-    """What :meth:`ShardCache.sweep` removed, or would remove (``dry_run``)."""
+    """What :meth:`ShardCache.sweep` removed (or would, ``dry_run``), and what it kept and why."""
 
     evicted: tuple[DatasetRecord, ...]
-    kept_in_use: tuple[DatasetRecord, ...]
+    kept: tuple[tuple[DatasetRecord, str], ...]
     objects_removed: int
     bytes_removed: int
 
@@ -165,9 +166,7 @@ class ShardCache:
 
     def in_use(self, record: DatasetRecord, states: JobStates) -> bool:
         """A stage-in holds the dataset's lock, or a job that used it may still run."""
-        if lock_is_held(self.layout.dataset_lock(record.key)):
-            return True
-        return any(states.may_run(job) for job in record.jobs)
+        return self.keep_reason(record, states) is not None
 
     def _cache_lock(self) -> FileLock:
         return FileLock(
@@ -272,29 +271,52 @@ class ShardCache:
     ) -> CacheSweep:
         """Evict every dataset not in use (and unused for ``older_than_s``), then orphans.
 
+        A dataset a job used is kept while Slurm lists the job, or cannot be asked and no
+        ``older_than_s`` was given (see :meth:`keep_reason`).
+
         Orphans are objects no dataset names and what a killed filler left (``.partial``
         files, objects without a record); each is removed only while its fill lock is free.
         """
         now = time.time() if now is None else now
         with self._cache_lock():
-            records = self.datasets()
-            kept, victims = [], []
-            for record in records:
-                if older_than_s is not None and now - record.last_used < older_than_s:
-                    kept.append(record)
-                elif self.in_use(record, states):
-                    kept.append(record)
-                else:
+            kept: list[tuple[DatasetRecord, str]] = []
+            victims: list[DatasetRecord] = []
+            for record in self.datasets():
+                age_s = now - record.last_used
+                reason = self.keep_reason(record, states, unknown_ok=older_than_s is not None)
+                if reason is None and older_than_s is not None and age_s < older_than_s:
+                    reason = f"used {human_duration(age_s)} ago"
+                if reason is None:
                     victims.append(record)
-            in_use = tuple(r for r in kept if older_than_s is None or self.in_use(r, states))
-            named = {k for r in kept for k in r.objects}
-            if dry_run:
-                count, nbytes = self._orphans(named, remove=False)
-                return CacheSweep(tuple(victims), in_use, count, nbytes)
-            for record in victims:
-                self._forget_dataset(record.key)
-            count, nbytes = self._orphans(named, remove=True)
-        return CacheSweep(tuple(victims), in_use, count, nbytes)
+                else:
+                    kept.append((record, reason))
+            named = {k for record, _ in kept for k in record.objects}
+            if not dry_run:
+                for record in victims:
+                    self._forget_dataset(record.key)
+            count, nbytes = self._orphans(named, remove=not dry_run)
+        return CacheSweep(tuple(victims), tuple(kept), count, nbytes)
+
+    def keep_reason(
+        self, record: DatasetRecord, states: JobStates, *, unknown_ok: bool = False
+    ) -> str | None:
+        """Why eviction must keep ``record`` (a stage-in holds it, a job may run), or None.
+
+        ``unknown_ok``: a job Slurm cannot be asked about does not keep it (``--older-than``
+        was given: the user's word that what was unused that long is not in use).
+        """
+        if lock_is_held(self.layout.dataset_lock(record.key)):
+            return "a stage-in is using it now"
+        for job in record.jobs:
+            running = states.running(job)
+            if running:
+                return f"job {job}, which staged it, is still running"
+            if running is None and not unknown_ok:
+                return (
+                    f"cannot ask Slurm whether job {job}, which staged it, still runs "
+                    f"({states.error}); pass --older-than to evict what was unused that long"
+                )
+        return None
 
     def _orphans(self, named: set[str], *, remove: bool) -> tuple[int, int]:
         """Remove (or count) object files no kept dataset names; returns (count, bytes)."""

@@ -100,6 +100,7 @@ def query_job_states(
     except (OSError, subprocess.TimeoutExpired) as exc:
         return JobStates(None, f"squeue failed: {exc}")
     if done.returncode != 0:
-        detail = " ".join((done.stderr or done.stdout).split())[:200]
+        lines = [line.strip() for line in (done.stderr or done.stdout).splitlines() if line.strip()]
+        detail = lines[-1][:160] if lines else "no message"  # the last line says why
         return JobStates(None, f"squeue exited {done.returncode}: {detail}")
     return JobStates(parse_squeue(done.stdout))
