@@ -113,10 +113,9 @@ class ShardCache:
         )
 
     def object_path(self, key: str) -> Path:
-        """Where shard ``key``'s bytes go (its directory created); written only under its lock."""
-        path = self.layout.object_path(key)
-        path.parent.mkdir(exist_ok=True, mode=0o700)
-        return path
+        """Where shard ``key``'s bytes go; written only under its lock (the copy that writes
+        there creates its directory when missing)."""
+        return self.layout.object_path(key)
 
     def keep(
         self,

@@ -7,6 +7,7 @@ JSON object per line, with sizes in bytes and ages in seconds.
 
 from __future__ import annotations
 
+import os
 import pwd
 import shutil
 from collections.abc import Iterable, Sequence
@@ -93,7 +94,7 @@ def ls_rows(inventory: NodeInventory) -> list[dict[str, Any]]:
             rows.append(common | row)
     cache = inventory.cache
     if cache is not None:
-        for dataset in cache.datasets:
+        for dataset in sorted(cache.datasets, key=lambda d: (d.record.name, d.record.spec)):
             record = dataset.record
             jobs = ", ".join(dataset.jobs_running)
             detail = f"{record.source or record.spec} ({len(record.shards)} shards"
@@ -119,11 +120,19 @@ def ls_rows(inventory: NodeInventory) -> list[dict[str, Any]]:
     return rows
 
 
-def _free(path: Path) -> str:
-    try:
-        return f"{human_bytes(shutil.disk_usage(path).free)} free on {path}"
-    except OSError:
-        return ""
+def _free(places: Sequence[Path]) -> str:
+    """Free space on each filesystem among ``places`` (one mention per filesystem)."""
+    seen, out = set(), []
+    for path in places:
+        try:
+            device = os.stat(path).st_dev
+            free = shutil.disk_usage(path).free
+        except OSError:
+            continue
+        if device not in seen:
+            seen.add(device)
+            out.append(f"{human_bytes(free)} free on {path}")
+    return "; ".join(out)
 
 
 def du_rows(inventory: NodeInventory, *, limit_bytes: int | None = None) -> list[dict[str, Any]]:
@@ -167,8 +176,7 @@ def du_rows(inventory: NodeInventory, *, limit_bytes: int | None = None) -> list
                 "detail": detail,
             }
         )
-    places = [inventory.scratch_root] + ([cache.root] if cache is not None else [])
-    free = "; ".join(f for f in dict.fromkeys(_free(p) for p in places) if f)
+    free = _free([inventory.scratch_root] + ([cache.root] if cache is not None else []))
     rows.append(
         {
             "node": inventory.node,

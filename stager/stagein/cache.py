@@ -221,7 +221,7 @@ class StageCache:
         key = self.keys.get(item.shard.relpath)
         if key is None:
             return Claim(item)
-        record = self.present.get(key) or self.store.lookup(key)
+        record = self.present.get(key)  # a miss at registration goes straight to the lock
         served = self._serve(item, record) if record is not None else None
         if served is not None:
             return served
