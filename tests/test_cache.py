@@ -425,3 +425,31 @@ def test_locks_shared_exclusive_and_held(tmp_path: Path) -> None:
     assert fresh.acquire(blocking=False)
     fresh.release()
     held.release()
+
+
+# -- a cache that cannot take more never fails a staging -----------------------------------
+def test_a_cache_disk_too_small_stages_uncached(capsys, tmp_path: Path, counted: Path) -> None:
+    src = tmp_path / "nfs" / "ds"
+    write_synthetic_dataset(src, SPEC)
+    with mount_tmpfs(tmp_path / "cachefs", "64k") as cachefs:
+        report = _stage(capsys, f"countfile://{src}", tmp_path / "job1", cachefs / "cache")
+        assert "not enough free space on the cache's filesystem" in report["stderr"]
+        assert _read_bytes(counted) == report["bytes_read_source"] == _total(src)
+        _assert_identical(src, tmp_path / "job1" / "ds")
+
+
+def test_a_cache_that_fails_is_left_aside_with_a_warning(
+    capsys, tmp_path: Path, counted: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    src = tmp_path / "nfs" / "ds"
+    write_synthetic_dataset(src, SPEC)
+    monkeypatch.setattr(ShardCache, "register", full)
+    report = _stage(capsys, f"countfile://{src}", tmp_path / "job1", tmp_path / "cache")
+    assert "cannot be used (No space left on device): copying without it" in report["stderr"]
+    assert report["files_copied"] == 6 and report["files_from_cache"] == 0
+    _assert_identical(src, tmp_path / "job1" / "ds")

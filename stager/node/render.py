@@ -72,8 +72,10 @@ def ls_rows(inventory: NodeInventory) -> list[dict[str, Any]]:
             "owner": owner_name(job.owner_uid),
         }
         for item in job.items or [None]:
+            row: dict[str, Any]
             if item is None:
-                row = {"name": "-", "kind": "empty", "path": str(job.path), "size_bytes": 0}
+                size = 0 if job.readable else None
+                row = {"name": "-", "kind": "empty", "path": str(job.path), "size_bytes": size}
                 row |= {"age_s": job.age_s(now), "detail": "" if job.readable else "not readable"}
             else:
                 detail = ""

@@ -22,8 +22,10 @@ current version; the staged manifest and the loader index are written by
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TextIO
 
 from stager.cache.keys import dataset_key, shard_key
@@ -76,14 +78,22 @@ class Claim:
             finally:
                 discard(self.target)
             return result
-        record = cache.store.keep(
-            key,
-            url=item.shard.url,
-            size=result.size,
-            digest=result.hash,
-            samples=samples,
-            version=listed,
-        )
+        try:
+            record = cache.store.keep(
+                key,
+                url=item.shard.url,
+                size=result.size,
+                digest=result.hash,
+                samples=samples,
+                version=listed,
+            )
+        except OSError as exc:  # the record cannot be written: stage the bytes, uncached
+            cache._warn(f"{item.shard.url} not cached: {exc.strerror or one_line(exc)}")
+            try:
+                cache.store.place(_unrecorded(key, result), item.final)
+            finally:
+                cache.store.drop(key)
+            return result
         cache.count_placed(cache.store.place(record, item.final), filled=True, size=result.size)
         return result
 
@@ -94,6 +104,32 @@ class Claim:
 
 def _unrecorded(key: str, result: CopyResult) -> ObjectRecord:
     return ObjectRecord(key, "", result.size, result.hash, None, None, 0, 0, 0.0)
+
+
+def _same_fs(a: Path, b: Path) -> bool:
+    try:
+        return os.stat(a).st_dev == os.stat(b).st_dev
+    except OSError:
+        return False
+
+
+def _free_bytes(path: Path) -> int:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return 0
+
+
+def _unfit(missing: list[tuple[str, int]], free_bytes: int) -> set[str]:
+    """Keys to leave out, from the end, so that the rest fits in ``free_bytes``."""
+    need = sum(size for _key, size in missing)
+    out: set[str] = set()
+    for key, size in reversed(missing):
+        if need <= free_bytes:
+            break
+        out.add(key)
+        need -= size
+    return out
 
 
 @dataclass
@@ -123,6 +159,7 @@ class StageCache:
         self.dkey = dataset_key(source.spec or source.root_url)
         self.keys: dict[str, str] = {}  # relpath -> object key, for the shards to cache
         self.present: dict[str, ObjectRecord] = {}  # object key -> record, as registered
+        self.same_fs = False  # the cache and scratch share a filesystem (hard links)
         self._lock = self.store.dataset_lock(self.dkey)
         self._count_lock = threading.Lock()
         self.counts = _Counts(methods={})
@@ -175,15 +212,33 @@ class StageCache:
             if record is not None:
                 self.present[key] = record
         missing = [(key, size) for key, size in shards.values() if key not in self.present]
-        registration = self.store.register(
-            self.dkey,
-            spec=self.source.spec,
-            name=self.staged.name,
-            source=self.source.root_url,
-            shards=shards,
-            missing=missing,
-            job_id=self.job_id,
-        )
+        self.same_fs = _same_fs(self.store.layout.root, self.staged.dir)
+        if not self.same_fs:  # scratch gets copies; the cache's own disk must hold the fills
+            unfit = _unfit(missing, _free_bytes(self.store.layout.root))
+            if unfit:
+                self._warn(
+                    f"not enough free space on the cache's filesystem for {len(unfit)} shard(s): "
+                    "they are copied to scratch without being cached"
+                )
+                shards = {r: (k, s) for r, (k, s) in shards.items() if k not in unfit}
+                missing = [(k, s) for k, s in missing if k not in unfit]
+        try:
+            registration = self.store.register(
+                self.dkey,
+                spec=self.source.spec,
+                name=self.staged.name,
+                source=self.source.root_url,
+                shards=shards,
+                missing=missing,
+                job_id=self.job_id,
+            )
+        except OSError as exc:  # a full or read-only cache disk: stage as without a cache
+            self._warn(
+                f"the cache at {self.store.layout.root} cannot be used "
+                f"({exc.strerror or one_line(exc)}): copying without it"
+            )
+            self.keys, self.present = {}, {}
+            return plan.bytes_to_copy
         for evicted in registration.evicted:
             self._warn(
                 f"cache over its limit: evicted {evicted.name or evicted.spec!r} "
@@ -200,11 +255,7 @@ class StageCache:
 
     def _scratch_bytes(self, plan: LocalPlan) -> int:
         """Bytes the plan needs free in scratch: only the new ones when links share them."""
-        try:
-            same_fs = os.stat(self.store.layout.root).st_dev == os.stat(self.staged.dir).st_dev
-        except OSError:
-            same_fs = False
-        if not same_fs:
+        if not self.same_fs:
             return plan.bytes_to_copy
         return sum(
             item.size or 0
