@@ -453,3 +453,34 @@ def test_a_cache_that_fails_is_left_aside_with_a_warning(
     assert "cannot be used (No space left on device): copying without it" in report["stderr"]
     assert report["files_copied"] == 6 and report["files_from_cache"] == 0
     _assert_identical(src, tmp_path / "job1" / "ds")
+
+
+@pytest.mark.parametrize("seed", [21, 22, 23])
+def test_kill_9_while_filling_the_cache_then_a_new_job(
+    capsys, tmp_path: Path, counted: Path, seed: int
+) -> None:
+    """SIGKILL a filling stage-in at a random moment: whatever the cache then serves is whole."""
+    import random
+    import signal
+
+    src = tmp_path / "nfs" / "ds"
+    write_synthetic_dataset(src, SPEC)
+    cache = tmp_path / "cache"
+    argv = [str(BIN / "stage-in"), str(src), "--dest", str(tmp_path / "killed"), "--quiet"]
+    argv += ["--cache", str(cache), "--bw-limit", "0.5", "--jobs", "3", "--jitter-max", "0"]
+    proc = subprocess.Popen(argv, env=clean_env(), stderr=subprocess.DEVNULL)
+    time.sleep(random.Random(seed).uniform(0.05, 1.2))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    # Every object the cache would serve (a record that matches it) holds its source's bytes.
+    served = {}
+    for record_path in (cache / "objects").rglob("*.json") if cache.exists() else []:
+        record = json.loads(record_path.read_text())
+        obj = record_path.with_suffix("")
+        if obj.exists() and obj.stat().st_ino == record["ino"]:
+            assert obj.read_bytes() == Path(record["url"]).read_bytes(), f"seed {seed}"
+            served[record["url"]] = record["size"]
+    report = _stage(capsys, src, tmp_path / "next", cache)
+    _assert_identical(src, tmp_path / "next" / "ds")
+    assert report["files_from_cache"] == len(served), f"seed {seed}"
+    assert report["bytes_read_source"] == _total(src) - sum(served.values()), f"seed {seed}"
