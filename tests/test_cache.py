@@ -183,6 +183,12 @@ def test_what_a_killed_filler_left_is_never_served(capsys, tmp_path: Path, count
     with open(changed, "r+b") as handle:
         handle.seek(700)
         handle.write(b"garbage")
+    # A run killed while filling never got to copy its records into the dataset's record.
+    [dataset] = (cache / "datasets").glob("*.json")
+    record = json.loads(dataset.read_text())
+    for obj in (no_record, half):
+        del record["known"][obj.name]
+    dataset.write_text(json.dumps(record))
     counted.write_text("")
 
     report = _stage(capsys, f"countfile://{src}", tmp_path / "job2", cache)
@@ -484,3 +490,22 @@ def test_kill_9_while_filling_the_cache_then_a_new_job(
     _assert_identical(src, tmp_path / "next" / "ds")
     assert report["files_from_cache"] == len(served), f"seed {seed}"
     assert report["bytes_read_source"] == _total(src) - sum(served.values()), f"seed {seed}"
+
+
+def test_a_cached_dataset_is_checked_with_a_stat_per_shard_not_a_record_read(
+    capsys, tmp_path: Path, counted: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """1,000 small record reads from a cold disk cost more than the rest of a cached staging."""
+    from stager.cache.records import ObjectRecord
+
+    src = tmp_path / "nfs" / "ds"
+    write_synthetic_dataset(src, SPEC)
+    cache = tmp_path / "cache"
+    _stage(capsys, f"countfile://{src}", tmp_path / "job1", cache)
+    reads = []
+    real = ObjectRecord.read.__func__  # type: ignore[attr-defined]
+    monkeypatch.setattr(
+        ObjectRecord, "read", classmethod(lambda cls, p: reads.append(p) or real(cls, p))
+    )
+    second = _stage(capsys, f"countfile://{src}", tmp_path / "job2", cache)
+    assert second["files_from_cache"] == 6 and reads == []

@@ -73,6 +73,20 @@ class ObjectRecord:
         except TypeError:
             return None  # missing, cut by a kill, or from another version: not a record
 
+    def compact(self) -> list[Any]:
+        """The record without its key and URL, as a dataset record keeps a copy of it."""
+        return [self.size, self.hash, self.samples, self.version, self.ino, self.mtime_ns]
+
+    @classmethod
+    def from_compact(cls, key: str, url: str, values: Any) -> ObjectRecord | None:
+        try:
+            size, digest, samples, version, ino, mtime_ns = values
+            return cls(
+                key, url, int(size), str(digest), samples, version, int(ino), int(mtime_ns), 0.0
+            )
+        except (TypeError, ValueError):
+            return None
+
 
 @dataclass
 class DatasetRecord:
@@ -87,6 +101,10 @@ class DatasetRecord:
     last_used: float = 0.0
     #: Slurm job id -> when it first used the dataset; a running one keeps it from eviction.
     jobs: dict[str, float] = field(default_factory=dict)
+    #: Object key -> :meth:`ObjectRecord.compact` of the records the last runs used: a run then
+    #: checks a hit with one stat of the object instead of reading a record file per shard (a
+    #: thousand small reads from a cold disk cost more than the rest of a cached staging).
+    known: dict[str, list[Any]] = field(default_factory=dict)
 
     @property
     def objects(self) -> dict[str, int]:
@@ -98,7 +116,7 @@ class DatasetRecord:
         return sum(self.objects.values())
 
     def write(self, path: Path) -> None:
-        write_json(path, asdict(self))
+        write_json(path, dict(vars(self)))  # not asdict(): it deep-copies thousands of entries
 
     @classmethod
     def read(cls, path: Path) -> DatasetRecord | None:
@@ -107,6 +125,6 @@ class DatasetRecord:
             record = cls(**payload)
         except TypeError:
             return None
-        if not isinstance(record.shards, dict) or not isinstance(record.jobs, dict):
+        if not all(isinstance(x, dict) for x in (record.shards, record.jobs, record.known)):
             return None
         return record

@@ -104,6 +104,41 @@ class ShardCache:
             return None
         return record if record.describes(st) else None
 
+    def lookup_many(self, dkey: str, urls: Mapping[str, str]) -> dict[str, ObjectRecord]:
+        """:meth:`lookup` of each key in ``urls`` (key -> source URL) that is cached.
+
+        The copies dataset ``dkey``'s record keeps (:attr:`DatasetRecord.known`) are checked
+        with one stat of each object; only keys without one cost a record file read.
+        """
+        record = DatasetRecord.read(self.layout.dataset_path(dkey))
+        known = record.known if record is not None else {}
+        out = {}
+        for key, url in urls.items():
+            found = None
+            if key in known:
+                found = ObjectRecord.from_compact(key, url, known[key])
+                try:
+                    st = os.stat(self.layout.object_path(key))
+                except OSError:
+                    found = None
+                else:
+                    found = found if found is not None and found.describes(st) else None
+            found = found or self.lookup(key)
+            if found is not None:
+                out[key] = found
+        return out
+
+    def remember(self, dkey: str, used: Sequence[ObjectRecord]) -> None:
+        """Keep copies of the records a run used in its dataset's record (:meth:`lookup_many`)."""
+        with self._cache_lock():
+            record = DatasetRecord.read(self.layout.dataset_path(dkey))
+            if record is None:
+                return  # evicted meanwhile
+            named = set(record.objects)
+            record.known.update({r.key: r.compact() for r in used if r.key in named})
+            record.known = {k: v for k, v in record.known.items() if k in named}
+            record.write(self.layout.dataset_path(dkey))
+
     def fill_lock(self, key: str) -> FileLock:
         """The lock a process holds while it copies shard ``key`` into the cache."""
         return FileLock(
@@ -201,6 +236,8 @@ class ShardCache:
                 own.shards[relpath] = [key, size]
             if job_id:
                 own.jobs.setdefault(job_id, now)
+            named_now = own.objects
+            own.known = {k: v for k, v in own.known.items() if k in named_now}
             records[dkey] = own
             total = cache_bytes(_usage(r) for r in records.values())
             states: JobStates | None = None

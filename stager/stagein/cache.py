@@ -94,7 +94,8 @@ class Claim:
             finally:
                 cache.store.drop(key)
             return result
-        cache.count_placed(cache.store.place(record, item.final), filled=True, size=result.size)
+        method = cache.store.place(record, item.final)
+        cache.count_placed(method, filled=True, size=result.size, record=record)
         return result
 
     def release(self) -> None:
@@ -104,6 +105,11 @@ class Claim:
 
 def _unrecorded(key: str, result: CopyResult) -> ObjectRecord:
     return ObjectRecord(key, "", result.size, result.hash, None, None, 0, 0, 0.0)
+
+
+def _by_url(plan: LocalPlan, shards: dict[str, tuple[str, int]]) -> dict[str, tuple[str, int]]:
+    """The planned shards' (key, size) by their source URL."""
+    return {i.shard.url: shards[i.shard.relpath] for i in plan.to_copy if i.shard.relpath in shards}
 
 
 def _same_fs(a: Path, b: Path) -> bool:
@@ -163,6 +169,7 @@ class StageCache:
         self._lock = self.store.dataset_lock(self.dkey)
         self._count_lock = threading.Lock()
         self.counts = _Counts(methods={})
+        self.used: list[ObjectRecord] = []  # records of what this run served or filled
 
     @classmethod
     def start(
@@ -207,10 +214,8 @@ class StageCache:
                 "manifest, so a change could not be told: they are copied, not cached. Run "
                 "`stager index` on the source to cache them"
             )
-        for key, _size in shards.values():
-            record = self.store.lookup(key)
-            if record is not None:
-                self.present[key] = record
+        urls = {key: url for url, (key, _size) in _by_url(plan, shards).items()}
+        self.present = self.store.lookup_many(self.dkey, urls)
         missing = [(key, size) for key, size in shards.values() if key not in self.present]
         self.same_fs = _same_fs(self.store.layout.root, self.staged.dir)
         if not self.same_fs:  # scratch gets copies; the cache's own disk must hold the fills
@@ -299,14 +304,18 @@ class StageCache:
             self._warn(one_line(exc))
             self.store.drop(record.key)
             return None
-        self.count_placed(method, filled=False, size=record.size)
+        self.count_placed(method, filled=False, size=record.size, record=record)
         result = CopyResult(
             size=record.size, hash=record.hash, bytes_read=0, version=record.version
         )
         return Claim(item, served=result, samples=record.samples)
 
-    def count_placed(self, method: str, *, filled: bool, size: int) -> None:
+    def count_placed(
+        self, method: str, *, filled: bool, size: int, record: ObjectRecord | None = None
+    ) -> None:
         with self._count_lock:
+            if record is not None:
+                self.used.append(record)
             assert self.counts.methods is not None
             self.counts.methods[method] = self.counts.methods.get(method, 0) + 1
             if filled:
@@ -322,6 +331,11 @@ class StageCache:
         """Before the run's ending: the index kept by the last staging, if the copy lacks one."""
         self.store.restore_index(self.dkey, self.staged.index_dir)
 
-    def keep_index(self) -> None:
-        """After a successful ending: keep the index it wrote for the next staging."""
+    def keep(self) -> None:
+        """After a successful ending: keep the index it wrote, and the records it used, for the
+        next staging (best effort: without them it only costs that staging more reads)."""
         self.store.keep_index(self.dkey, self.staged.index_dir)
+        try:
+            self.store.remember(self.dkey, self.used)
+        except OSError as exc:
+            self._warn(f"the cache's dataset record was not updated ({one_line(exc)})")

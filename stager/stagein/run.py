@@ -223,7 +223,7 @@ def copy_per_node(
             cache.restore_index()
         finish(run)
         if cache is not None:
-            cache.keep_index()
+            cache.keep()
     finally:
         if cache is not None:
             cache.close()
