@@ -12,8 +12,8 @@ outlives jobs. Under its root::
     CACHE/locks/cache.lock          exclusive, for a moment: accounting and eviction
     CACHE/locks/<dkey>.lock         shared by every stage-in using the dataset; eviction takes it
                                     exclusive, so it never removes what a stage-in is placing
-    CACHE/locks/fill/abc.lock       exclusive while one process copies a shard whose key starts
-                                    ``abc`` into the cache; others wanting it wait, then use it
+    CACHE/locks/fill/ab.lock        exclusive while one process copies a shard whose key starts
+                                    ``ab`` into the cache; others wanting it wait, then use it
 
 Shard keys and dataset keys are hex (:mod:`stager.cache.keys`), so no name here can collide
 with another or escape the root.
@@ -43,8 +43,10 @@ __all__ = [
 #: The environment variables that stand for ``--cache`` and ``--cache-limit``.
 CACHE_ENV = "STAGER_CACHE"
 CACHE_LIMIT_ENV = "STAGER_CACHE_LIMIT"
-#: Shard keys share fill locks by their first characters: at most 16**3 lock files, ever.
-FILL_LOCK_CHARS = 3
+#: Shard keys share fill locks by their first two characters: at most 256 lock files, ever
+#: (each is a file to create on a fresh cache; with 64 streams about 1 in 5 waits on a stripe
+#: another shard holds, a wait without a stream slot held).
+FILL_LOCK_CHARS = 2
 RECORD_SUFFIX = ".json"
 _TAG = (
     "Signature: 8a477f597d28d172789f06886806bc55\n"

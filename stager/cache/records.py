@@ -63,7 +63,19 @@ class ObjectRecord:
         return (st.st_ino, st.st_size, st.st_mtime_ns) == (self.ino, self.size, self.mtime_ns)
 
     def write(self, path: Path) -> None:
-        write_json(path, asdict(self))
+        """Write in place, in one ``write`` (its writer holds the shard's fill lock).
+
+        Not through a temp file and a rename: that would be one more file created per shard
+        filled. A kill mid-write leaves JSON that does not parse, which :meth:`read` takes for
+        no record: the shard is then copied again, never served.
+        """
+        data = json.dumps(asdict(self), separators=(",", ":")).encode()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            if os.write(fd, data) != len(data):
+                raise OSError(f"short write of {path}")
+        finally:
+            os.close(fd)
 
     @classmethod
     def read(cls, path: Path) -> ObjectRecord | None:
