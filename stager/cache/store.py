@@ -34,9 +34,8 @@ from stager.cache.records import DatasetRecord, ObjectRecord
 from stager.layout import PARTIAL_SUFFIX
 from stager.node.jobs import JobStates, query_job_states
 from stager.storage.paths import discard
-from stager.units import human_duration
 
-__all__ = ["ShardCache", "Registration", "CacheSweep"]
+__all__ = ["ShardCache", "Registration"]
 
 #: A dataset record keeps at most this many job leases before ended jobs are pruned from it.
 _MAX_LEASES = 32
@@ -50,16 +49,6 @@ class Registration:
     evicted: tuple[DatasetRecord, ...]
     total_bytes: int
     limit_bytes: int
-
-
-@dataclass(frozen=True)
-class CacheSweep:
-    """What :meth:`ShardCache.sweep` removed (or would, ``dry_run``), and what it kept and why."""
-
-    evicted: tuple[DatasetRecord, ...]
-    kept: tuple[tuple[DatasetRecord, str], ...]
-    objects_removed: int
-    bytes_removed: int
 
 
 class ShardCache:
@@ -130,7 +119,7 @@ class ShardCache:
 
     def remember(self, dkey: str, used: Sequence[ObjectRecord]) -> None:
         """Keep copies of the records a run used in its dataset's record (:meth:`lookup_many`)."""
-        with self._cache_lock():
+        with self.cache_lock():
             record = DatasetRecord.read(self.layout.dataset_path(dkey))
             if record is None:
                 return  # evicted meanwhile
@@ -202,7 +191,8 @@ class ShardCache:
         """A stage-in holds the dataset's lock, or a job that used it may still run."""
         return self.keep_reason(record, states) is not None
 
-    def _cache_lock(self) -> FileLock:
+    def cache_lock(self) -> FileLock:
+        """Held, briefly, by whatever changes dataset records: registration, eviction, sweeps."""
         return FileLock(
             self.layout.cache_lock, timeout_s=self.lock_timeout_s, what=str(self.layout.cache_lock)
         )
@@ -227,7 +217,7 @@ class ShardCache:
         :func:`stager.cache.evict.shards_over_limit`). Call with the dataset's lock held.
         """
         now = time.time()
-        with self._cache_lock():
+        with self.cache_lock():
             records = {r.key: r for r in self.datasets()}
             own = records.get(dkey) or DatasetRecord(dkey, spec)
             before = set(own.objects)
@@ -272,14 +262,15 @@ class ShardCache:
                         record.write(self.layout.dataset_path(record.key))
             own.write(self.layout.dataset_path(dkey))
             for record in evicted:
-                self._forget_dataset(record.key)
+                self.forget_dataset(record.key)
             named = {k for r in records.values() for k in r.objects}
             for key in freed | (before - named):
                 if key not in named:
                     self.drop(key)
         return Registration(frozenset(bypassed), tuple(evicted), total, self.limit_bytes)
 
-    def _forget_dataset(self, dkey: str) -> None:
+    def forget_dataset(self, dkey: str) -> None:
+        """Drop a dataset's record and kept index (the caller drops objects no one names)."""
         discard(self.layout.dataset_path(dkey))
         shutil.rmtree(self.layout.index_dir(dkey), ignore_errors=True)
 
@@ -295,43 +286,6 @@ class ShardCache:
     def restore_index(self, dkey: str, index_dir: Path) -> None:
         """Put the kept index beside a staged copy made from the cache (files it lacks only)."""
         _mirror(self.layout.index_dir(dkey), index_dir, replace=False)
-
-    # -- clean ------------------------------------------------------------------------------
-    def sweep(
-        self,
-        *,
-        states: JobStates,
-        older_than_s: float | None = None,
-        dry_run: bool = False,
-        now: float | None = None,
-    ) -> CacheSweep:
-        """Evict every dataset not in use (and unused for ``older_than_s``), then orphans.
-
-        A dataset a job used is kept while Slurm lists the job, or cannot be asked and no
-        ``older_than_s`` was given (see :meth:`keep_reason`).
-
-        Orphans are objects no dataset names and what a killed filler left (``.partial``
-        files, objects without a record); each is removed only while its fill lock is free.
-        """
-        now = time.time() if now is None else now
-        with self._cache_lock():
-            kept: list[tuple[DatasetRecord, str]] = []
-            victims: list[DatasetRecord] = []
-            for record in self.datasets():
-                age_s = now - record.last_used
-                reason = self.keep_reason(record, states, unknown_ok=older_than_s is not None)
-                if reason is None and older_than_s is not None and age_s < older_than_s:
-                    reason = f"used {human_duration(age_s)} ago"
-                if reason is None:
-                    victims.append(record)
-                else:
-                    kept.append((record, reason))
-            named = {k for record, _ in kept for k in record.objects}
-            if not dry_run:
-                for record in victims:
-                    self._forget_dataset(record.key)
-            count, nbytes = self._orphans(named, remove=not dry_run)
-        return CacheSweep(tuple(victims), tuple(kept), count, nbytes)
 
     def keep_reason(
         self, record: DatasetRecord, states: JobStates, *, unknown_ok: bool = False
@@ -353,32 +307,6 @@ class ShardCache:
                     f"({states.error}); pass --older-than to evict what was unused that long"
                 )
         return None
-
-    def _orphans(self, named: set[str], *, remove: bool) -> tuple[int, int]:
-        """Remove (or count) object files no kept dataset names; returns (count, bytes)."""
-        count = nbytes = 0
-        for directory in sorted(self.layout.objects_dir.glob("*")):
-            if not directory.is_dir():
-                continue
-            for path in sorted(directory.iterdir()):
-                key = path.name.split(".", 1)[0]
-                if key in named and path.name in (key, f"{key}{RECORD_SUFFIX}"):
-                    continue
-                lock = self.fill_lock(key)
-                if not lock.acquire(blocking=False):
-                    continue  # a filler is at work on it (or on a key sharing its lock)
-                try:
-                    size = path.stat().st_size
-                    if remove:
-                        discard(path)
-                    if path.name == key:
-                        count += 1
-                    nbytes += size
-                except OSError:
-                    continue
-                finally:
-                    lock.release()
-        return count, nbytes
 
 
 def _usage(record: DatasetRecord, *, in_use: bool = False) -> DatasetUsage:

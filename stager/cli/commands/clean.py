@@ -10,6 +10,7 @@ from pathlib import Path
 
 from stager.cache.paths import resolve_cache_dir
 from stager.cache.store import ShardCache
+from stager.cache.sweep import sweep
 from stager.cli.argtypes import duration
 from stager.cli.commands.ls import add_node_arguments
 from stager.errors import DestinationError, UsageError, one_line
@@ -132,23 +133,23 @@ def _clean_cache(args: argparse.Namespace) -> int:
         _say(f"[{node}] nothing to clean: no cache at {root}")
         return 0
     cache = ShardCache.open(root, limit_bytes=0)
-    sweep = cache.sweep(
-        states=query_job_states(), older_than_s=args.older_than, dry_run=args.dry_run
+    swept = sweep(
+        cache, states=query_job_states(), older_than_s=args.older_than, dry_run=args.dry_run
     )
     verb = "would evict" if args.dry_run else "evicted"
     now = time.time()
-    for record in sweep.evicted:
+    for record in swept.evicted:
         age = human_duration(now - record.last_used)
         _say(
             f"[{node}] {verb} {record.name or record.spec!r} from the cache "
             f"({human_bytes(record.total_bytes)}, last used {age} ago)"
         )
-    for record, reason in sweep.kept:
+    for record, reason in swept.kept:
         _say(f"[{node}] kept {record.name or record.spec!r} in the cache: {reason}")
-    if sweep.objects_removed or sweep.bytes_removed:
+    if swept.objects_removed or swept.bytes_removed:
         verb = "would remove" if args.dry_run else "removed"
         _say(
-            f"[{node}] {verb} {sweep.objects_removed} cached shard(s) that no kept dataset "
-            f"names ({human_bytes(sweep.bytes_removed)} with their records)"
+            f"[{node}] {verb} {swept.objects_removed} cached shard(s) that no kept dataset "
+            f"names ({human_bytes(swept.bytes_removed)} with their records)"
         )
     return 0
