@@ -42,6 +42,7 @@ __all__ = [
     "canonical_root",
     "source_root",
     "is_shard_name",
+    "is_bookkeeping",
     "RESTORED_DIR",
     "RESTORE_LOCK",
     "RESTORE_STAGING_PREFIX",
@@ -70,6 +71,12 @@ _GLOB_CHARS = "*?["
 def is_shard_name(name: str) -> bool:
     """True for the file names stage-in treats as shards in a directory source."""
     return name.endswith(SHARD_SUFFIXES)
+
+
+def is_bookkeeping(name: str) -> bool:
+    """True for the names stager keeps beside staged datasets (locks, results, restores...):
+    ``stager ls`` counts them in a job's size but lists only datasets and the user's files."""
+    return name.startswith(_RESERVED_PREFIX)
 
 
 def _path_of(url: str) -> str:

@@ -78,8 +78,15 @@ def jobs(slurm_cluster) -> dict[str, Job]:
         data, SyntheticSpec(num_shards=4, samples_per_shard=40, image_bytes=300, seed=5)
     )
     return {
+        # Its scratch is kept (CLEAN_SCRATCH=0): the tests read it after the job.
         "reference": _submit(
-            slurm_cluster, "reference", "train-multi-node.sbatch", data, TWO_NODES, TRAIN
+            slurm_cluster,
+            "reference",
+            "train-multi-node.sbatch",
+            data,
+            TWO_NODES,
+            TRAIN,
+            CLEAN_SCRATCH="0",
         ),
         # Slowed down so that USR1 lands mid-training.
         "signalled": _submit(
@@ -89,6 +96,7 @@ def jobs(slurm_cluster) -> dict[str, Job]:
             data,
             TWO_NODES,
             f"{TRAIN} --step-sleep-s 0.3",
+            STAGER_CACHE="/scratch/cache-templates",  # passed through to stage-in
         ),
         "torchrun": _submit(
             slurm_cluster,
@@ -189,6 +197,10 @@ def test_usr1_stages_out_requeues_and_resumes_exactly(slurm_cluster, jobs) -> No
         assert interrupted == _key_log(reference, rank)
     final = f"step-{STEPS:08d}/state.pt"
     _assert_same_model(job.ckpt_dest / final, reference.ckpt_dest / final)
+    # STAGER_CACHE reached stage-in; both runs cleaned their scratch once stage-out committed.
+    assert text.count("[cache: ") >= 2, text
+    for node in slurm_cluster.node_names:
+        assert not (slurm_cluster.scratch(node) / job.job_id).exists()
 
 
 def test_single_node_template_with_torchrun(slurm_cluster, jobs) -> None:
@@ -203,6 +215,8 @@ def test_single_node_template_with_torchrun(slurm_cluster, jobs) -> None:
     )
     assert "done at step 20" in text
     assert (job.ckpt_dest / "step-00000020" / "state.pt").is_file()
+    for node in slurm_cluster.node_names:  # CLEAN_SCRATCH=1, the default: nothing left behind
+        assert not (slurm_cluster.scratch(node) / job.job_id).exists()
     # Same world size, data and seed as the srun-launched reference: the same batches on each
     # rank for the 20 steps, and so the same model up to summation order.
     _wait_done(slurm_cluster, reference)

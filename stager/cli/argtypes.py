@@ -13,9 +13,18 @@ from collections.abc import Callable
 from dataclasses import MISSING, fields
 from typing import Any
 
-from stager.units import parse_size
+from stager.units import parse_duration, parse_size
 
-__all__ = ["seconds", "positive_seconds", "count", "positive_count", "mbps", "size", "default_of"]
+__all__ = [
+    "seconds",
+    "positive_seconds",
+    "count",
+    "positive_count",
+    "mbps",
+    "size",
+    "duration",
+    "default_of",
+]
 
 #: Rates below 1 byte/s are typos (and overflow timers); above 1 PB/s no link exists.
 _MIN_MBPS, _MAX_MBPS = 1e-6, 1e9
@@ -82,6 +91,18 @@ def size(text: str) -> int:
         return parse_size(text)
     except ValueError as exc:  # UsageError is a ValueError
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def duration(text: str) -> float:
+    """Seconds, written ``90s``, ``30m``, ``12h``, ``2d`` or ``1w`` (see
+    :func:`stager.units.parse_duration`)."""
+    try:
+        value = parse_duration(text)
+    except ValueError as exc:  # UsageError is a ValueError
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value > _MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"{text!r}: at most ten years")
+    return value
 
 
 def default_of(cls: type, name: str) -> Any:

@@ -23,6 +23,10 @@ _ENVIRONMENT = """\
 | variable | used by | meaning |
 |---|---|---|
 | `STAGER_DEST` | stage-in, doctor, loader | destination root when `--dest` is not given |
+| `STAGER_SCRATCH_ROOT` | stage-in, ls, du, clean | \
+where jobs' scratch directories are (`/scratch` by default) |
+| `STAGER_CACHE`, `STAGER_CACHE_LIMIT` | stage-in, ls, du, clean | \
+the node cache and its cap, when `--cache` / `--cache-limit` are not given (docs/cache.md) |
 | `SLURM_JOB_ID` | all | inside a job, the destination defaults to `/scratch/$SLURM_JOB_ID` |
 | `SLURM_NODEID`, `SLURM_JOB_NUM_NODES`, `SLURM_JOB_NODELIST` | stage-in | \
 node index (start jitter, subset, fan-out) and layout |

@@ -33,6 +33,9 @@ BUILTIN_COMMANDS = {
     "stage-out": "stager.cli.commands.stage_out",
     "index": "stager.cli.commands.index",
     "make-dataset": "stager.cli.commands.make_dataset",
+    "ls": "stager.cli.commands.ls",
+    "du": "stager.cli.commands.du",
+    "clean": "stager.cli.commands.clean",
 }
 #: Entry-point group through which other packages add commands.
 COMMAND_GROUP = "stager.commands"

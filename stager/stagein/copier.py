@@ -18,7 +18,7 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from stager.errors import (
     DestinationError,
@@ -43,6 +43,9 @@ from stager.storage.retry import call_with_retries
 from stager.storage.sources import SourceSet
 from stager.storage.throttle import Throttle
 from stager.storage.workers import run_in_threads
+
+if TYPE_CHECKING:
+    from stager.stagein.cache import Claim, StageCache
 
 __all__ = ["Copier", "CopyOutcome", "failure_kind"]
 
@@ -79,11 +82,13 @@ class Copier:
         log: TextIO,
         journal: Journal | None = None,
         heartbeat: Callable[[], None] = lambda: None,
+        cache: StageCache | None = None,
     ):
         self.source, self.plan, self.options = source, plan, options
         self.report, self.known_samples, self.log = report, known_samples, log
         self.journal = journal
         self.heartbeat = heartbeat  # tells tasks waiting on the node lock that we progress
+        self.cache = cache  # the node cache (--cache): serves hits, is filled by misses
         self.outcome = CopyOutcome()
         self.progress = Progress(
             plan.bytes_to_copy,
@@ -114,7 +119,9 @@ class Copier:
                 min_free_bytes=options.min_free_bytes,
                 on_sized=lambda nbytes, gone: self.progress.add_totals(nbytes, -gone),
             )
-        ceiling = max(1, min(options.jobs, len(plan.to_copy)))
+        # Shards the cache serves need no stream: a full hit runs on this thread alone.
+        pending = len(plan.to_copy) if cache is None else cache.misses(plan)
+        ceiling = max(1, min(options.jobs, pending))
         self.streams = StreamController(ceiling, floor=options.min_jobs, adaptive=options.adaptive)
 
     def run(self) -> CopyOutcome:
@@ -179,6 +186,19 @@ class Copier:
         if self.full.is_set():
             self._fail(item, "not attempted: the destination is full or not writable", "full")
             return
+        claim: Claim | None = None
+        if self.cache is not None:
+            try:
+                claim = self.cache.claim(item)  # may wait while another job fills the shard
+            except Exception as exc:  # noqa: BLE001 - one report line, as for a copy
+                self._fail(item, one_line(exc), failure_kind(exc))
+                return
+            if claim.served is not None:
+                if claim.samples is not None:
+                    self.known_samples[item.shard.relpath] = claim.samples
+                self._staged(item, claim.served, None, True)
+                return
+        target = claim.target if claim is not None else item.final
         published = [True]
         count_in_flight = self.options.count_samples and item.final.name.endswith(".tar")
         counters: list[TarSampleCounter] = []
@@ -203,7 +223,7 @@ class Copier:
             return copy_file(
                 self.source.remote_fs,
                 item.shard.path,
-                item.final,
+                target,
                 url=item.shard.url,
                 expected_size=item.size,
                 expected_hash=item.want_hash,
@@ -220,6 +240,8 @@ class Copier:
         result = None
         try:
             result = call_with_retries(attempt, self.options.retry, on_retry=self._on_retry)
+            if claim is not None:  # copied into the cache: record it, place it in scratch
+                result = claim.publish(result, counters[0].samples if counters else None)
         except Exception as exc:  # noqa: BLE001 - every failure becomes one report line
             kind = failure_kind(exc)
             if kind in ("full", "dest"):
@@ -230,6 +252,8 @@ class Copier:
             self.streams.release(
                 result.first_byte_s if result else None, result.last_byte_s if result else None
             )
+            if claim is not None:
+                claim.release()
         self._staged(item, result, counters[0] if counters else None, published[0])
 
     def _staged(

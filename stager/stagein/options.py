@@ -39,3 +39,5 @@ class StageInOptions:
     min_free_bytes: int = 0  # keep this much free on scratch
     subset: str = "all"  # one of SUBSETS
     log: TextIO | None = None  # where progress and warnings go (default: stderr)
+    cache_dir: Path | None = None  # the node cache (stager.stagein.cache); None: no cache
+    cache_limit_bytes: int | None = None  # the cache's cap; None: half its filesystem

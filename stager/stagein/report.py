@@ -33,6 +33,9 @@ class StageInReport:
     bytes_copied: int = 0
     bytes_read_source: int = 0
     bytes_received_peers: int = 0
+    cache_dir: str = ""  # the node cache used (--cache), else ""
+    files_from_cache: int = 0  # of files_copied: placed from the node cache
+    bytes_from_cache: int = 0
     seconds: float = 0.0
     retries: int = 0
     streams: int = 0
@@ -62,6 +65,12 @@ class StageInReport:
                 f" [fan-out {self.fanout}: {human_bytes(self.bytes_read_source)} from the source, "
                 f"{human_bytes(self.bytes_received_peers)} from peers]"
                 if self.fanout != "off"
+                else ""
+            )
+            + (
+                f" [cache: {self.files_from_cache} from the cache, "
+                f"{human_bytes(self.bytes_read_source)} read from the source]"
+                if self.cache_dir
                 else ""
             )
             + f" -> {self.dataset_dir}"

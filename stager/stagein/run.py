@@ -26,6 +26,7 @@ from stager.errors import ShardFailure, one_line
 from stager.layout import StagedDataset
 from stager.shards.manifest import ManifestEntry
 from stager.slurm import SlurmEnv
+from stager.stagein.cache import StageCache
 from stager.stagein.copier import Copier
 from stager.stagein.finish import Staging, finish
 from stager.stagein.node import attach_report, run_once_per_node
@@ -155,7 +156,9 @@ def prepare(
     # run for those not staged yet.
     hashed = {relpath for relpath, entry in expected.items() if entry.hash}
     skipped = list(source.skipped)
-    shards = fill_sizes(source, shards, options.jobs, known=hashed | sized_later, skipped=skipped)
+    # With a cache every shard's version is needed: a cached copy is served by identity.
+    known = hashed | sized_later if options.cache_dir is None else set()
+    shards = fill_sizes(source, shards, options.jobs, known=known, skipped=skipped)
     for url in skipped:
         warn(log, node, f"skipped {one_line(url)!r}: not a regular file (a FIFO or device?)")
     if manifest is not None:
@@ -203,28 +206,51 @@ def copy_per_node(
 ) -> None:
     """Steps 2-6 of the module doc: this node reads all its shards from the source itself."""
     shards = list(select(source) if select is not None else source.shards)
+    cached = options.cache_dir is not None
     run, plan, expected = prepare(
-        source, options, slurm, shards, staged, report, log, size_later=True, heartbeat=heartbeat
+        source,
+        options,
+        slurm,
+        shards,
+        staged,
+        report,
+        log,
+        size_later=not cached,
+        heartbeat=heartbeat,
     )
-    plan.free_bytes = preflight(staged.dir, plan.bytes_to_copy, options, slurm.node_name)
-    if plan.to_copy:
-        time.sleep(jitter_s(slurm.node, slurm.num_nodes, options.jitter_max_s))
-        if options.count_samples:
-            _import_in_background("stager.shards.loader_index")  # numpy: ~0.2 s, overlapped
-        known_samples = {k: e.samples for k, e in expected.items()}
-        outcome = Copier(
-            source,
-            plan,
-            options,
-            report,
-            known_samples,
-            log,
-            journal=run.journal,
-            heartbeat=heartbeat,
-        ).run()
-        run.entries.update(outcome.entries)
-        run.parsed.update(outcome.parsed)
-    finish(run)
+    job_id = slurm.job_id if slurm.in_slurm else None
+    cache = StageCache.start(options, source, staged, report, log, job_id=job_id)
+    try:
+        needed = cache.register(plan) if cache is not None else plan.bytes_to_copy
+        plan.free_bytes = preflight(staged.dir, needed, options, slurm.node_name)
+        if plan.to_copy:
+            if cache is None or cache.misses(plan):  # a full hit spares the source
+                time.sleep(jitter_s(slurm.node, slurm.num_nodes, options.jitter_max_s))
+            if options.count_samples:
+                _import_in_background("stager.shards.loader_index")  # numpy: ~0.2 s, overlapped
+            known_samples = {k: e.samples for k, e in expected.items()}
+            outcome = Copier(
+                source,
+                plan,
+                options,
+                report,
+                known_samples,
+                log,
+                journal=run.journal,
+                heartbeat=heartbeat,
+                cache=cache,
+            ).run()
+            run.entries.update(outcome.entries)
+            run.parsed.update(outcome.parsed)
+        if cache is not None:
+            report.cache_dir = str(cache.store.layout.root)
+            cache.restore_index()
+        finish(run)
+        if cache is not None:
+            cache.keep()
+    finally:
+        if cache is not None:
+            cache.close()
 
 
 def _import_in_background(module: str) -> None:

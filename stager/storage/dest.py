@@ -17,7 +17,7 @@ from pathlib import Path
 from stager.errors import DestinationError, UnsafePath
 from stager.slurm import SlurmEnv
 
-__all__ = ["resolve_dest_root", "ensure_private_dir", "SCRATCH_ROOT"]
+__all__ = ["resolve_dest_root", "ensure_private_dir", "scratch_root", "SCRATCH_ROOT"]
 
 SCRATCH_ROOT = "/scratch"
 
@@ -32,6 +32,13 @@ def _user(env: Mapping[str, str]) -> str:
         return str(os.getuid())
 
 
+def scratch_root(env: Mapping[str, str] | None = None) -> Path:
+    """Where jobs' scratch directories live (``ROOT/<job id>``): ``$STAGER_SCRATCH_ROOT`` or
+    ``/scratch``. stage-in stages under ``ROOT/$SLURM_JOB_ID``; ``stager ls/du/clean`` look here."""
+    env = os.environ if env is None else env
+    return Path(env.get("STAGER_SCRATCH_ROOT") or SCRATCH_ROOT)
+
+
 def resolve_dest_root(
     dest: str | None = None, *, env: Mapping[str, str] | None = None, slurm: SlurmEnv | None = None
 ) -> Path:
@@ -43,7 +50,7 @@ def resolve_dest_root(
         return Path(env["STAGER_DEST"])
     slurm = slurm or SlurmEnv.from_environ(env)
     if slurm.in_slurm:
-        return Path(env.get("STAGER_SCRATCH_ROOT", SCRATCH_ROOT)) / slurm.job_id
+        return scratch_root(env) / slurm.job_id
     tmp = env.get("TMPDIR") or "/tmp"
     return Path(tmp) / f"stager-{_user(env)}" / "local"
 

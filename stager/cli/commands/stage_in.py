@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import sys
 
+from stager.cache.paths import resolve_cache_dir, resolve_cache_limit
 from stager.cli.argtypes import (
     count,
     default_of,
@@ -49,7 +51,8 @@ with --checkpoint: {EXIT_OK} restored (its local path is the only line on stdout
 {EXIT_NO_CHECKPOINT} no committed checkpoint at DEST yet (start from scratch); \
 {EXIT_CHECKPOINT} checkpoints committed but none restorable whole.
 sizes take units: 4096, 500M, 10G, 2GiB.
-environment: STAGER_DEST (destination root), SLURM_JOB_ID/SLURM_NODEID/... (job layout)."""
+environment: STAGER_DEST (destination root), STAGER_CACHE and STAGER_CACHE_LIMIT (--cache and \
+--cache-limit), SLURM_JOB_ID/SLURM_NODEID/... (job layout)."""
 
 
 def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
@@ -157,6 +160,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="max wait for another stage-in of this dataset on the node "
         f"(default {_d('lock_timeout_s'):g})",
     )
+    add(
+        "--cache",
+        metavar="DIR",
+        help="node-local cache that outlives the job (default: $STAGER_CACHE): shards are "
+        "served from it by identity (hard link, reflink or copy) and copied into it once per "
+        "node; private to you. See docs/cache.md",
+    )
+    add(
+        "--cache-limit",
+        type=size,
+        metavar="SIZE",
+        help="cap on the cache, e.g. 500G; least recently used datasets no running job uses are "
+        "evicted (default: $STAGER_CACHE_LIMIT, else half the cache's filesystem)",
+    )
+    add("--no-cache", action="store_true", help="ignore $STAGER_CACHE: copy from the source")
     add_fanout_arguments(parser)
     add(
         "--subset",
@@ -186,6 +204,8 @@ def options_from_args(args: argparse.Namespace, slurm: SlurmEnv) -> StageInOptio
         lock_timeout_s=args.lock_timeout,
         min_free_bytes=args.min_free,
         subset=args.subset,
+        cache_dir=None if args.no_cache else resolve_cache_dir(args.cache),
+        cache_limit_bytes=resolve_cache_limit(args.cache_limit),
     )
 
 
@@ -208,6 +228,11 @@ def run(args: argparse.Namespace) -> int:
         stat_listed=not defer_stats,
     )
     options = options_from_args(args, slurm)
+    if args.fanout and options.cache_dir is not None:
+        if args.cache:
+            raise UsageError("--cache does not combine with --fanout yet; drop one of them")
+        print("stage-in: warning: --fanout ignores $STAGER_CACHE", file=sys.stderr, flush=True)
+        options = dataclasses.replace(options, cache_dir=None)
     select = None
     if args.subset == "node":
         from stager.plan.nodes import select_node_shards

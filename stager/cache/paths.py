@@ -1,0 +1,139 @@
+"""Where a node cache keeps everything, and opening its root safely.
+
+A cache is one user's (``--cache DIR`` or ``$STAGER_CACHE``) on a node-local disk that
+outlives jobs. Under its root::
+
+    CACHE/                          mode 0700; refused when a symlink or another user's
+    CACHE/CACHEDIR.TAG              marks it as a cache for backup tools
+    CACHE/objects/ab/<key>          a shard's bytes, read-only, published by rename once verified
+    CACHE/objects/ab/<key>.json     its record; an object without a matching record is never used
+    CACHE/datasets/<dkey>.json      a source spec: its shards' keys, last use, jobs that use it
+    CACHE/datasets/<dkey>.index/    the loader index of its last staging, reused while current
+    CACHE/locks/cache.lock          exclusive, for a moment: accounting and eviction
+    CACHE/locks/<dkey>.lock         shared by every stage-in using the dataset; eviction takes it
+                                    exclusive, so it never removes what a stage-in is placing
+    CACHE/locks/fill/ab.lock        exclusive while one process copies a shard whose key starts
+                                    ``ab`` into the cache; others wanting it wait, then use it
+
+Shard keys and dataset keys are hex (:mod:`stager.cache.keys`), so no name here can collide
+with another or escape the root.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from stager.errors import UsageError
+from stager.storage.dest import ensure_private_dir
+from stager.units import parse_size
+
+__all__ = [
+    "CacheLayout",
+    "CACHE_ENV",
+    "CACHE_LIMIT_ENV",
+    "resolve_cache_dir",
+    "resolve_cache_limit",
+    "default_limit_bytes",
+]
+
+#: The environment variables that stand for ``--cache`` and ``--cache-limit``.
+CACHE_ENV = "STAGER_CACHE"
+CACHE_LIMIT_ENV = "STAGER_CACHE_LIMIT"
+#: Shard keys share fill locks by their first two characters: at most 256 lock files, ever
+#: (each is a file to create on a fresh cache; with 64 streams about 1 in 5 waits on a stripe
+#: another shard holds, a wait without a stream slot held).
+FILL_LOCK_CHARS = 2
+RECORD_SUFFIX = ".json"
+_TAG = (
+    "Signature: 8a477f597d28d172789f06886806bc55\n"
+    "# A stager node cache (stager stage-in --cache); `stager clean --cache` empties it.\n"
+)
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """The paths of the cache rooted at ``root`` (see the module doc)."""
+
+    root: Path
+
+    @property
+    def objects_dir(self) -> Path:
+        return self.root / "objects"
+
+    @property
+    def datasets_dir(self) -> Path:
+        return self.root / "datasets"
+
+    @property
+    def locks_dir(self) -> Path:
+        return self.root / "locks"
+
+    @property
+    def cache_lock(self) -> Path:
+        return self.locks_dir / "cache.lock"
+
+    def object_path(self, key: str) -> Path:
+        return self.objects_dir / key[:2] / key
+
+    def record_path(self, key: str) -> Path:
+        return self.objects_dir / key[:2] / f"{key}{RECORD_SUFFIX}"
+
+    def fill_lock(self, key: str) -> Path:
+        return self.locks_dir / "fill" / f"{key[:FILL_LOCK_CHARS]}.lock"
+
+    def dataset_path(self, dkey: str) -> Path:
+        return self.datasets_dir / f"{dkey}{RECORD_SUFFIX}"
+
+    def dataset_lock(self, dkey: str) -> Path:
+        return self.locks_dir / f"{dkey}.lock"
+
+    def index_dir(self, dkey: str) -> Path:
+        return self.datasets_dir / f"{dkey}.index"
+
+    def open(self) -> CacheLayout:
+        """Create the root (0700) and its directories; refuse a root that is not safely ours.
+
+        The root must be empty or a cache already (its ``CACHEDIR.TAG``): ``--cache $HOME`` or
+        ``--cache /tmp`` is refused rather than filled, or made private, by mistake. An existing
+        cache that others could enter is made private again: it holds the user's data.
+        """
+        root = ensure_private_dir(self.root)
+        tag = root / "CACHEDIR.TAG"
+        if not tag.is_file():
+            with os.scandir(root) as entries:
+                if next(entries, None) is not None:
+                    raise UsageError(
+                        f"--cache {root} is not empty and not a stager cache; give the cache a "
+                        "directory of its own, e.g. /local/$USER/stager-cache"
+                    )
+            tag.write_text(_TAG)
+        if os.stat(root).st_mode & 0o077:
+            os.chmod(root, 0o700)
+        for sub in (self.objects_dir, self.datasets_dir, self.locks_dir / "fill"):
+            sub.mkdir(parents=True, exist_ok=True, mode=0o700)
+        return self
+
+
+def resolve_cache_dir(flag: str | None, env: Mapping[str, str] | None = None) -> Path | None:
+    """``--cache DIR``, else ``$STAGER_CACHE``, else None (no cache)."""
+    env = os.environ if env is None else env
+    chosen = flag or env.get(CACHE_ENV) or None
+    return Path(os.path.expanduser(chosen)) if chosen else None
+
+
+def resolve_cache_limit(flag: int | None, env: Mapping[str, str] | None = None) -> int | None:
+    """``--cache-limit`` in bytes, else ``$STAGER_CACHE_LIMIT``, else None (the default)."""
+    env = os.environ if env is None else env
+    if flag is not None:
+        return flag
+    text = env.get(CACHE_LIMIT_ENV)
+    return parse_size(text, flag=CACHE_LIMIT_ENV) if text else None
+
+
+def default_limit_bytes(root: Path) -> int:
+    """Without ``--cache-limit``: half the cache's filesystem, so jobs keep room beside it."""
+    return shutil.disk_usage(root).total // 2
