@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from stager.errors import DestinationError, HashMismatch, ScratchFull, SizeMismatch, SourceError
 from stager.storage.hashing import DEFAULT_ALGORITHM, new_hasher, split_digest
@@ -35,6 +35,7 @@ __all__ = [
     "SizeMismatch",
     "HashMismatch",
     "DEFAULT_BLOCK_BYTES",
+    "Inspector",
 ]
 
 DEFAULT_BLOCK_BYTES = 4 << 20
@@ -131,7 +132,7 @@ def _open_source(fs: fsspec.AbstractFileSystem | None, path: str, url: str, bloc
         raise SourceError(f"source shard is a directory, not a file: {url}") from exc
 
 
-_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+_WRITE_FLAGS = os.O_RDWR | os.O_CREAT | os.O_TRUNC  # read too: the copy is hashed and indexed
 
 
 def _open_partial(partial: str) -> _Fd:
@@ -155,6 +156,19 @@ def _open_partial(partial: str) -> _Fd:
         raise
 
 
+class Inspector(Protocol):
+    """Something that looks at a file's bytes as they are copied (the in-flight tar indexer).
+
+    ``feed`` gets every chunk once, in order, while it is in the CPU cache; it must not keep
+    the view. ``finish`` runs after the last byte, before publication, with ``read_at(offset,
+    nbytes)`` to re-read a few bytes of the copy.
+    """
+
+    def feed(self, chunk: memoryview, /) -> None: ...
+
+    def finish(self, read_at: Callable[[int, int], bytes], /) -> None: ...
+
+
 def copy_file(
     fs: fsspec.AbstractFileSystem | None,
     src_path: str,
@@ -166,7 +180,7 @@ def copy_file(
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     throttle: Throttle | None = None,
     on_bytes: Callable[[int], None] | None = None,
-    inspect: Callable[[memoryview], None] | None = None,
+    inspect: Inspector | None = None,
     fsync: bool = False,
     size_from_manifest: bool = False,
     publish: Callable[[str, str], object] | None = None,
@@ -179,50 +193,38 @@ def copy_file(
     ``size_from_manifest``: ``expected_size`` is the manifest's, so a different size means the
     source changed (an integrity error), not a file still being written (worth a retry).
     ``publish(partial, final)`` replaces the final rename (e.g. to hold it until a check passes).
+
+    A local source (NFS and Lustre mounts included) is copied by the kernel
+    (:func:`_copy_kernel`); the hash and ``inspect`` read each block of the copy once, from the
+    page cache, right after the kernel wrote it. Other sources are read into a buffer that the
+    hash and ``inspect`` read before it is written.
     """
     url = url or src_path
     algorithm = split_digest(expected_hash)[0] if expected_hash else DEFAULT_ALGORITHM
     hasher = new_hasher(algorithm)
     partial = os.fspath(final) + PARTIAL_SUFFIX  # a str: pathlib costs microseconds per call
-    copied = 0
     started = time.perf_counter()
-    first_byte_s = last_byte_s = 0.0
+    progress = _Progress(started, throttle, on_bytes)
     try:
         with _open_source(fs, src_path, url, block_bytes) as src, _open_partial(partial) as dst:
             opened = _opened_stat(src, url)
-            view = _buffer(block_bytes)
-            want = min(FIRST_READ_BYTES, block_bytes)
-            while True:
-                target = view[:want]
-                n = src.readinto(target) if hasattr(src, "readinto") else _read_into(src, target)
-                want = block_bytes
-                now = time.perf_counter() - started
-                if not first_byte_s:
-                    first_byte_s = now
-                if not n:
-                    break
-                last_byte_s = now
-                chunk = view[:n]
-                hasher.update(chunk)
-                if inspect is not None:
-                    inspect(chunk)
-                written = 0
-                while written < n:
-                    written += dst.write(chunk[written:])
-                copied += n
-                if throttle is not None:
-                    throttle.consume(n)
-                if on_bytes is not None:
-                    on_bytes(n)
+            if isinstance(src, _Fd) and _KERNEL_COPY:
+                _copy_kernel(src, dst, hasher, inspect, block_bytes, progress)
+            else:
+                _copy_buffered(src, dst, hasher, inspect, block_bytes, progress)
             if opened is not None:
-                _check_unchanged(src, opened, copied, url)
+                _check_unchanged(src, opened, progress.copied, url)
+            if inspect is not None:
+                inspect.finish(lambda offset, nbytes: os.pread(dst.fd, nbytes, offset))
             if fsync:
                 os.fsync(dst.fileno())
+        copied = progress.copied
         if expected_size is not None and copied != expected_size:
             if size_from_manifest:  # the source changed since `stager index`: retrying cannot help
                 raise HashMismatch(
-                    f"{url}: copied {copied} bytes but the manifest lists {expected_size}; the source changed "
-                    "or is truncated (re-run stager index if the change is intended)"
+                    f"{url}: copied {copied} bytes but the manifest lists {expected_size}; "
+                    "the source changed or is truncated (re-run stager index if the change is "
+                    "intended)"
                 )
             raise SizeMismatch(
                 f"{url}: copied {copied} bytes but the source listed {expected_size}; "
@@ -240,7 +242,7 @@ def copy_file(
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise ScratchFull(
                 f"no space left on {final.parent} while writing {final.name} from {url} "
-                f"({copied} bytes written); free space or pass --dest elsewhere",
+                f"({progress.copied} bytes written); free space or pass --dest elsewhere",
                 where=str(final.parent),
             ) from exc
         raise
@@ -251,9 +253,9 @@ def copy_file(
         size=copied,
         hash=digest,
         bytes_read=copied,
-        first_byte_s=first_byte_s,
+        first_byte_s=progress.first_byte_s,
         seconds=time.perf_counter() - started,
-        last_byte_s=last_byte_s or first_byte_s,
+        last_byte_s=progress.last_byte_s or progress.first_byte_s,
         version=local_version(opened) if opened is not None else None,
     )
 
@@ -280,6 +282,112 @@ def _check_unchanged(src: _Fd, opened: os.stat_result, copied: int, url: str) ->
             f"{url}: the source changed while it was copied ({copied} bytes read, now "
             f"{now.st_size}); retrying"
         )
+
+
+class _Progress:
+    """Bytes copied so far, the first- and last-byte times the stream controller needs, and
+    the per-block duties shared by both byte paths (throttle, progress callback)."""
+
+    __slots__ = ("started", "throttle", "on_bytes", "copied", "first_byte_s", "last_byte_s")
+
+    def __init__(self, started: float, throttle: Throttle | None, on_bytes) -> None:
+        self.started, self.throttle, self.on_bytes = started, throttle, on_bytes
+        self.copied = 0
+        self.first_byte_s = self.last_byte_s = 0.0
+
+    def read(self, nbytes: int) -> None:
+        """A read (or kernel copy) returned ``nbytes`` (0: the end of the file)."""
+        now = time.perf_counter() - self.started
+        if not self.first_byte_s:
+            self.first_byte_s = now
+        if nbytes:
+            self.last_byte_s = now
+
+    def done(self, nbytes: int) -> None:
+        """``nbytes`` are written, hashed and inspected."""
+        self.copied += nbytes
+        if self.throttle is not None:
+            self.throttle.consume(nbytes)
+        if self.on_bytes is not None:
+            self.on_bytes(nbytes)
+
+
+def _copy_buffered(src, dst: _Fd, hasher, inspect, block_bytes: int, progress: _Progress) -> None:
+    """Read into this thread's buffer; hash and inspect it while it is in cache; write it."""
+    view = _buffer(block_bytes)
+    want = min(FIRST_READ_BYTES, block_bytes)
+    while True:
+        target = view[:want]
+        n = src.readinto(target) if hasattr(src, "readinto") else _read_into(src, target)
+        want = block_bytes
+        progress.read(n)
+        if not n:
+            return
+        chunk = view[:n]
+        hasher.update(chunk)
+        if inspect is not None:
+            inspect.feed(chunk)
+        written = 0
+        while written < n:
+            written += dst.write(chunk[written:])
+        progress.done(n)
+
+
+#: Set False to send local copies through the buffered path too (for measurements).
+_KERNEL_COPY = True
+_NO_KERNEL_COPY = frozenset({errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP})
+
+
+def _copy_kernel(src: _Fd, dst: _Fd, hasher, inspect, block_bytes: int, progress) -> None:
+    """Copy in the kernel, a block at a time, and hash and inspect each block from the page
+    cache right after: one pass over the bytes in user space, none of them a copy.
+
+    ``copy_file_range`` within one filesystem (which may clone or copy server-side); across
+    filesystems (NFS to local scratch) ``sendfile``; where neither applies (a FUSE mount without
+    splice, an old kernel), the rest of the file goes through the buffered path. Both calls
+    move the descriptors' offsets, so switching path mid-file loses nothing.
+    """
+    use_range = True
+    want = min(FIRST_READ_BYTES, block_bytes)
+    while True:
+        try:
+            if use_range:
+                n = os.copy_file_range(src.fd, dst.fd, want)
+            else:
+                n = os.sendfile(dst.fd, src.fd, None, want)
+        except OSError as exc:
+            if exc.errno not in _NO_KERNEL_COPY:
+                raise
+            if use_range:
+                use_range = False
+                continue
+            _copy_buffered(src, dst, hasher, inspect, block_bytes, progress)
+            return
+        progress.read(n)
+        if not n:
+            return
+        want = block_bytes
+        _look(dst.fd, progress.copied, n, hasher, inspect)
+        progress.done(n)
+
+
+def _look(fd: int, offset: int, nbytes: int, hasher, inspect) -> None:
+    """Hash (and inspect) ``nbytes`` of ``fd`` at ``offset`` through a mapping of the page
+    cache: no copy into user space. The mapping starts at the page boundary below ``offset``."""
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    with (
+        mmap.mmap(
+            fd, offset + nbytes - start, prot=mmap.PROT_READ, offset=start, flags=_MAP_FLAGS
+        ) as mapped,
+        memoryview(mapped) as view,
+        view[offset - start :] as chunk,
+    ):
+        hasher.update(chunk)
+        if inspect is not None:
+            inspect.feed(chunk)
+
+
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
 def _read_into(src, view: memoryview) -> int:
