@@ -24,7 +24,7 @@ import os
 import re
 import tarfile
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
@@ -60,6 +60,13 @@ def is_compressed(path: str | Path) -> bool:
 
 
 @dataclass(frozen=True)
+class TarColumns:
+    key_bytes: np.ndarray  # "S", one per sample
+    ext_codes: np.ndarray  # int16, one per member
+    ext_names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class TarIndex:
     """Offsets of every sample member of one shard.
 
@@ -72,6 +79,10 @@ class TarIndex:
     exts: list[str]
     offsets: np.ndarray  # int64, one per member
     sizes: np.ndarray  # int64, one per member
+    #: The same keys and extensions as arrays, where the indexer had them (the vectorised
+    #: scanner): ``keys`` UTF-8 encoded (numpy ``S``), ``exts`` as codes into ``ext_names``.
+    #: Lets the loader index be flattened without a Python loop over members.
+    columns: TarColumns | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_samples(self) -> int:

@@ -19,10 +19,13 @@ import io
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from stager.errors import IntegrityError
 from stager.shards.tarindex import TarIndex, _index_tarfile
-from stager.shards.tarscan import TarScanner
+
+if TYPE_CHECKING:
+    from stager.shards.tarscan import TarScanner
 
 __all__ = ["TarSampleCounter"]
 
@@ -32,6 +35,10 @@ class TarSampleCounter:
     :attr:`samples` and :meth:`index`."""
 
     def __init__(self, name: str = "<tar stream>") -> None:
+        # Deferred: numpy costs ~0.2 s to import, which stage-in starts on a background thread
+        # while it lists and plans, and which a stage-in with --no-count never pays.
+        from stager.shards.tarscan import TarScanner
+
         self.name = name
         self._scanner: TarScanner | None = TarScanner()
         self._index: TarIndex | None = None

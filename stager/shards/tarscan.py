@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from stager.shards.tarindex import TarIndex, split_key
+from stager.shards.tarindex import TarColumns, TarIndex, split_key
 
 __all__ = ["scan_tar", "TarScanner"]
 
@@ -218,10 +218,8 @@ def _vouch(hdr: np.ndarray):
     devminor = (shifted[1] >> _U64(8)) | ((shifted[2] & _U64(0xFF)) << _U64(56))
     others = np.concatenate([_word(words, 100), _word(words, 108), _word(words, 116)])
     ok &= _octal8(np.concatenate([others, devmajor, devminor]))[1].reshape(5, count).all(axis=0)
-    twelve = np.concatenate([_word(words, 124), _word(words, 136)])  # size, mtime
-    values, twelve_ok = _octal12(twelve, np.concatenate([words[:, 33], words[:, 36]]))
-    size = values[:count]
-    ok &= twelve_ok.reshape(2, count).all(axis=0)
+    size, size_ok = _octal12(_word(words, 124), words[:, 33])
+    ok &= size_ok & _octal12(_word(words, 136), words[:, 36], value=False)[1]  # mtime
     for row in np.flatnonzero(~ok).tolist():  # rare: numbers spaced unusually, or base-256
         ok[row], chksum[row], size[row] = _numbers_general(hdr[row].tobytes())
     # The checksum counts its own field as eight spaces; tarfile accepts the sum of the bytes
@@ -260,17 +258,28 @@ def _name_len(hdr: np.ndarray) -> np.ndarray:
     """Length of each name field up to its first NUL (``tarfile.nts``), eight bytes at a time.
 
     ``(w - 0x01..) & ~w & 0x80..`` flags the zero bytes of a word; its lowest flag is exact.
-    The last word holds bytes 96-103, of which 100-103 (the mode) are masked as NUL.
+    Words are looked at in order until every name has ended (names are mostly short). The
+    last word holds bytes 96-103, of which 100-103 (the mode) count as the end.
     """
-    words = hdr.view("<u8")[:, :13].copy()
-    words[:, 12] &= _U64(0xFFFFFFFF)
+    words = hdr.view("<u8")
+    length = np.full(len(hdr), -1, dtype=np.int64)
     ones, highs = _U64(0x0101010101010101), _U64(0x8080808080808080)
-    flags = (words - ones) & ~words & highs
-    first_word = (flags != 0).argmax(axis=1)
-    lowest = flags[np.arange(len(hdr)), first_word]
-    lowest &= ~lowest + _U64(1)  # the lowest set bit: 0x80 << 8 * (byte within the word)
-    byte = (np.log2(lowest.astype(np.float64)).astype(np.int64) - 7) // 8
-    return first_word * 8 + byte
+    open_rows = np.arange(len(hdr))
+    for k in range(13):
+        w = words[open_rows, k]
+        if k == 12:
+            w &= _U64(0xFFFFFFFF)
+        flags = (w - ones) & ~w & highs
+        ended = flags != 0
+        if ended.any():
+            lowest = flags[ended]
+            lowest &= ~lowest + _U64(1)  # the lowest set bit: 0x80 << 8 * (byte in the word)
+            byte = (np.log2(lowest.astype(np.float64)).astype(np.int64) - 7) // 8
+            length[open_rows[ended]] = 8 * k + byte
+            open_rows = open_rows[~ended]
+            if not open_rows.size:
+                break
+    return length
 
 
 def _word_byte_sum(x: np.ndarray) -> np.ndarray:
@@ -312,8 +321,25 @@ def _octal8(x: np.ndarray, checksum: bool = False) -> tuple[np.ndarray, np.ndarr
     Usual forms, read as tarfile's ``nti`` reads them: seven digits then NUL or space; six
     digits then NUL (the checksum's form), or then a space and NUL or space (libarchive's);
     an empty field (0). Base-256 counts as valid for the fields other than the checksum,
-    whose value this scanner does not need.
+    whose value this scanner does not need. The form tarfile and GNU tar write is checked
+    first, with few operations; only the other rows are tried against every form.
     """
+    if checksum:  # six digits, NUL
+        fast = _are_digits(x, 6) & (_byte(x, 6) == 0)
+        values = np.where(fast, _digits_value(x, 6), 0)
+    else:  # seven digits, NUL or space; or empty (devmajor and devminor of most members)
+        seven = _are_digits(x, 7) & (((x >> _U64(56)) | _U64(32)) == _U64(32))
+        values = np.where(seven, _digits_value(x, 7), 0)
+        fast = seven | ((x & _U64(0xFF)) == _U64(0))
+    if fast.all():
+        return values, fast
+    rest = np.flatnonzero(~fast)
+    values[rest], ok_rest = _octal8_forms(x[rest], checksum)
+    fast[rest] = ok_rest
+    return values, fast
+
+
+def _octal8_forms(x: np.ndarray, checksum: bool) -> tuple[np.ndarray, np.ndarray]:
     b6, b7 = _byte(x, 6), _byte(x, 7)
     seven = _are_digits(x, 7) & ((b7 == 0) | (b7 == 32))
     six = _are_digits(x, 6) & ((b6 == 0) | ((b6 == 32) & ((b7 == 0) | (b7 == 32))))
@@ -325,19 +351,23 @@ def _octal8(x: np.ndarray, checksum: bool = False) -> tuple[np.ndarray, np.ndarr
     return values, ok
 
 
-def _octal12(x: np.ndarray, tail: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _octal12(
+    x: np.ndarray, tail: np.ndarray, value: bool = True
+) -> tuple[np.ndarray | None, np.ndarray]:
     """Value and usual-form flag of 12-byte number fields (size, mtime): eleven digits then
     NUL or space, or empty. ``x`` holds the first eight bytes, ``tail`` (uint32) the last four."""
     y = tail.astype(_U64)
-    last = y >> _U64(24)
-    eleven = _are_digits(x, 8) & _are_digits(y, 3) & ((last == 0) | (last == 32))
+    eleven = _are_digits(x, 8) & _are_digits(y, 3) & (((y >> _U64(24)) | _U64(32)) == _U64(32))
+    ok = eleven | ((x & _U64(0xFF)) == _U64(0))
+    if not value:
+        return None, ok
     low = (
         ((y & _U64(7)) << _U64(6))
         + (((y >> _U64(8)) & _U64(7)) << _U64(3))
         + ((y >> _U64(16)) & _U64(7))
     )
     values = np.where(eleven, _digits_value(x, 8) * 512 + low.astype(np.int64), 0)
-    return values, eleven | (_byte(x, 0) == 0)
+    return values, ok
 
 
 def _nti(field: bytes, *, base256: bool = True) -> int | None:
@@ -404,15 +434,19 @@ def _index(rows: _Batch, read_at: Callable[[int, int], bytes]) -> TarIndex | Non
             return _empty()
         keys, exts = split.keys[files][matched], split.exts[files][matched]
         starts = _starts(keys)
-        key_list = keys[starts].astype(np.str_).tolist()
-        ext_list = _ext_list(exts)
+        key_bytes = keys[starts]
+        uniq, codes = np.unique(exts, return_inverse=True)
+        ext_names = tuple(u.decode("ascii") for u in uniq.tolist())
+        key_list = key_bytes.astype(np.str_).tolist()
+        ext_list = np.asarray(ext_names, dtype=object)[codes.ravel()].tolist()
+        columns = TarColumns(key_bytes, codes.ravel().astype(np.int16), ext_names)
     else:
         keys, exts, matched = _split_any(rows, files, plain, meta_names[files])
         if not matched.any():
             return _empty()
         keys, exts = keys[matched], exts[matched]
         starts = _starts(keys)
-        key_list, ext_list = keys[starts].tolist(), exts.tolist()
+        key_list, ext_list, columns = keys[starts].tolist(), exts.tolist(), None
     members = files[matched]
     return TarIndex(
         keys=key_list,
@@ -420,6 +454,7 @@ def _index(rows: _Batch, read_at: Callable[[int, int], bytes]) -> TarIndex | Non
         exts=ext_list,
         offsets=((rows.blocks[members] + 1) * _BLOCK).astype(np.int64),
         sizes=rows.size[members].astype(np.int64),
+        columns=columns,
     )
 
 

@@ -194,10 +194,11 @@ def copy_file(
     source changed (an integrity error), not a file still being written (worth a retry).
     ``publish(partial, final)`` replaces the final rename (e.g. to hold it until a check passes).
 
-    A local source (NFS and Lustre mounts included) is copied by the kernel
-    (:func:`_copy_kernel`); the hash and ``inspect`` read each block of the copy once, from the
-    page cache, right after the kernel wrote it. Other sources are read into a buffer that the
-    hash and ``inspect`` read before it is written.
+    Every byte is read once, into this thread's buffer (a few MiB, in the CPU cache), where the
+    hash and ``inspect`` (the tar indexer) read it before it is written: no second pass over
+    the file. :func:`_copy_kernel` (``copy_file_range``/``sendfile``, then hash and index
+    through a mapping of the page cache) is the other byte path for local sources; it is off
+    (``_KERNEL_COPY``) because on the machines measured it was slower (docs/tuning.md).
     """
     url = url or src_path
     algorithm = split_digest(expected_hash)[0] if expected_hash else DEFAULT_ALGORITHM
@@ -333,8 +334,12 @@ def _copy_buffered(src, dst: _Fd, hasher, inspect, block_bytes: int, progress: _
         progress.done(n)
 
 
-#: Set False to send local copies through the buffered path too (for measurements).
-_KERNEL_COPY = True
+#: Copy local sources in the kernel (:func:`_copy_kernel`) rather than through the buffer.
+#: Off: on the 2-core VMs measured (docs/tuning.md), mapping page-cache pages to hash and index
+#: them cost ~1.5 us per 4 KiB page, more than the user-space copy the kernel copy saves, and
+#: 1 GB staged ~10-25% slower. Where mappings are cheap (bare metal) it may win: measure with
+#: benchmarks/bench_stage_in.py before turning it on.
+_KERNEL_COPY = False
 _NO_KERNEL_COPY = frozenset({errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP})
 
 
