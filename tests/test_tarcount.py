@@ -135,3 +135,31 @@ def test_fast_index_leaves_what_it_does_not_vouch_for_to_tarfile(tmp_path: Path)
     assert tarindex._index_fast(cut) is None
     with pytest.raises(IntegrityError, match="cut.tar"):
         tarindex.index_tar(cut)
+
+
+def test_a_counter_made_while_numpy_imports_reads_the_copy_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first copies of a stage-in run before the scanner's import is done: they skip the
+    bytes in flight and index the copy from the page cache at finish(), with the same result."""
+    import threading
+
+    import stager.shards.tarparse as tarparse
+
+    path = _tar(tmp_path / "s.tar", tarfile.PAX_FORMAT, long_names=True)
+    data = path.read_bytes()
+    pending = threading.Event()
+    monkeypatch.setattr(tarparse, "_imported", pending)
+    late = TarSampleCounter()
+    for start in range(0, len(data), 1000):
+        late.feed(data[start : start + 1000])
+    reads: list[int] = []
+
+    def read_at(offset: int, nbytes: int) -> bytes:
+        reads.append(nbytes)
+        return data[offset : offset + nbytes]
+
+    threading.Timer(0.05, pending.set).start()  # the import finishes while finish() waits
+    late.finish(read_at)
+    assert sum(reads) >= len(data)  # the whole copy was read back
+    _same_index(late.index(), _counted(data, 1000).index())

@@ -7,6 +7,12 @@ no Python runs per member. :meth:`TarSampleCounter.finish` then needs random acc
 blocks of the copy (the end of the archive, metadata payloads), which the copy gives it by
 ``pread`` on the file it wrote.
 
+The scanner needs numpy, whose import takes ~0.15 s: far more than copying a small dataset.
+So the first counters do not wait for it: they start the import on a thread and, if it is not
+done when their copy starts, skip looking at the bytes in flight and read the copy back from
+the page cache in :meth:`TarSampleCounter.finish` (once the import is done). The import then
+overlaps the first copies instead of delaying them.
+
 A tar the scanner does not vouch for (a v7 header, base-256 numbers, global PAX headers, or
 damage) is read once more by ``tarfile`` from the copy; a damaged one gives ``samples`` None,
 and stage-in then counts the final file the slow way, which reports the error with the
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import io
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,26 +36,54 @@ if TYPE_CHECKING:
 
 __all__ = ["TarSampleCounter"]
 
+_REREAD_BYTES = 1 << 20
+_imported = threading.Event()  # set once stager.shards.tarscan (and numpy) can be used
+_import_started = threading.Lock()
+
+
+def _start_import() -> None:
+    """Import the scanner on a daemon thread, once; :data:`_imported` says when it is done."""
+    if _imported.is_set() or not _import_started.acquire(blocking=False):
+        return
+
+    def load() -> None:
+        try:
+            import stager.shards.tarscan  # noqa: F401 - numpy, ~0.15 s
+        finally:
+            _imported.set()  # an import error surfaces in _new_scanner
+
+    threading.Thread(target=load, name="tarscan-import", daemon=True).start()
+
+
+def _new_scanner() -> TarScanner | None:
+    """A scanner; None where numpy cannot be imported (the shard is counted the slow way)."""
+    try:
+        from stager.shards.tarscan import TarScanner
+    except ImportError:
+        return None
+    return TarScanner()
+
 
 class TarSampleCounter:
     """Feed it the tar's bytes in order (any chunking), then :meth:`finish`; read
     :attr:`samples` and :meth:`index`."""
 
     def __init__(self, name: str = "<tar stream>") -> None:
-        # Deferred: numpy costs ~0.2 s to import, which stage-in starts on a background thread
-        # while it lists and plans, and which a stage-in with --no-count never pays.
-        from stager.shards.tarscan import TarScanner
-
         self.name = name
-        self._scanner: TarScanner | None = TarScanner()
+        self._scanner: TarScanner | None = None
+        self._late = False  # the scanner was not importable when the bytes passed
         self._index: TarIndex | None = None
         self._fed = 0
+        _start_import()
 
     def feed(self, chunk: bytes | bytearray | memoryview) -> None:
         """Look at the next bytes of the tar (not kept: the caller may reuse its buffer)."""
+        if self._scanner is None and not self._late:
+            self._scanner = _new_scanner() if _imported.is_set() else None
+            self._late = self._scanner is None  # then finish() reads the copy back
         if self._scanner is not None:
             self._scanner.feed(chunk)
-            self._fed += len(chunk)
+        self._fed += len(chunk)
 
     def finish(self, read_at: Callable[[int, int], bytes]) -> None:
         """Build the index; ``read_at(offset, nbytes)`` re-reads bytes that were fed.
@@ -58,7 +93,12 @@ class TarSampleCounter:
         """
         scanner, self._scanner = self._scanner, None
         if scanner is None:
-            return
+            _imported.wait()
+            scanner = _new_scanner()
+            if scanner is None:
+                return
+            for offset in range(0, self._fed, _REREAD_BYTES):  # from the page cache
+                scanner.feed(read_at(offset, min(_REREAD_BYTES, self._fed - offset)))
         self._index = scanner.finish(read_at)
         if self._index is None:  # odd or damaged: tarfile decides, reading the copy
             try:
