@@ -211,22 +211,23 @@ def _vouch(hdr: np.ndarray):
     """Per candidate header: whether tarfile would accept it and this scanner handles it, its
     payload size, type byte, name length and whether tarfile skips a payload after it."""
     count = len(hdr)
-    words = hdr.view("<u4")  # the numeric fields start at multiples of 4 bytes, but two
-    chksum, ok = _octal8(_word(words, 148), checksum=True)
-    shifted = _word(words, 328) >> _U64(8), _word(words, 336), _word(words, 344)  # bytes 329-345
-    devmajor = shifted[0] | ((shifted[1] & _U64(0xFF)) << _U64(56))
-    devminor = (shifted[1] >> _U64(8)) | ((shifted[2] & _U64(0xFF)) << _U64(56))
-    others = np.concatenate([_word(words, 100), _word(words, 108), _word(words, 116)])
-    ok &= _octal8(np.concatenate([others, devmajor, devminor]))[1].reshape(5, count).all(axis=0)
-    size, size_ok = _octal12(_word(words, 124), words[:, 33])
-    ok &= size_ok & _octal12(_word(words, 136), words[:, 36], value=False)[1]  # mtime
+    # Bytes 100-163 as eight little-endian words: mode, uid, gid, size (8 + 4 bytes), mtime
+    # (4 + 8), checksum, type...; and the device numbers (bytes 329-344) as two more.
+    words = np.ascontiguousarray(hdr[:, 100:164]).view("<u8")
+    devices = np.ascontiguousarray(hdr[:, 329:345]).view("<u8")
+    chksum, ok = _octal8(words[:, 6], checksum=True)
+    ok &= _octal8(words[:, 0:3], value=False)[1].all(axis=1)  # mode, uid, gid
+    ok &= _octal8(devices, value=False)[1].all(axis=1)
+    thirty_two = _U64(32)
+    size, size_ok = _octal12(words[:, 3], words[:, 4] & _U64(0xFFFFFFFF))
+    mtime = (words[:, 4] >> thirty_two) | (words[:, 5] << thirty_two)
+    ok &= size_ok & _octal12(mtime, words[:, 5] >> thirty_two, value=False)[1]
     for row in np.flatnonzero(~ok).tolist():  # rare: numbers spaced unusually, or base-256
         ok[row], chksum[row], size[row] = _numbers_general(hdr[row].tobytes())
     # The checksum counts its own field as eight spaces; tarfile accepts the sum of the bytes
     # as unsigned or as signed chars. Halves of 256 bytes sum in uint16 without overflow.
     halves = hdr.reshape(count, 2, 256).sum(axis=2, dtype=np.uint16)
-    field = _word(words, 148)
-    unsigned = halves.sum(axis=1, dtype=np.int64) - _word_byte_sum(field) + 8 * 32
+    unsigned = halves.sum(axis=1, dtype=np.int64) - _word_byte_sum(words[:, 6]) + 8 * 32
     good_sum = unsigned == chksum
     if not good_sum.all():
         high = (hdr >= 0x80).sum(axis=1, dtype=np.int64) - (hdr[:, 148:156] >= 0x80).sum(
@@ -289,12 +290,6 @@ def _word_byte_sum(x: np.ndarray) -> np.ndarray:
     return ((pairs * _U64(0x0001000100010001)) >> _U64(48)).astype(np.int64)
 
 
-def _word(words: np.ndarray, offset: int) -> np.ndarray:
-    """The eight header bytes at ``offset`` (a multiple of 4) as little-endian uint64s."""
-    k = offset // 4
-    return words[:, k].astype(_U64) | (words[:, k + 1].astype(_U64) << _U64(32))
-
-
 def _digits_value(x: np.ndarray, ndigits: int) -> np.ndarray:
     """Value of the ``ndigits`` octal digits at the start of each word (most significant
     first), eight bytes combined at once (SWAR): pairs, then quads, then the whole word."""
@@ -315,7 +310,9 @@ def _byte(x: np.ndarray, i: int) -> np.ndarray:
     return (x >> _U64(8 * i)) & _U64(0xFF)
 
 
-def _octal8(x: np.ndarray, checksum: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def _octal8(
+    x: np.ndarray, checksum: bool = False, value: bool = True
+) -> tuple[np.ndarray | None, np.ndarray]:
     """Value and usual-form flag of 8-byte number fields (``x``: the field as a word).
 
     Usual forms, read as tarfile's ``nti`` reads them: seven digits then NUL or space; six
@@ -329,13 +326,14 @@ def _octal8(x: np.ndarray, checksum: bool = False) -> tuple[np.ndarray, np.ndarr
         values = np.where(fast, _digits_value(x, 6), 0)
     else:  # seven digits, NUL or space; or empty (devmajor and devminor of most members)
         seven = _are_digits(x, 7) & (((x >> _U64(56)) | _U64(32)) == _U64(32))
-        values = np.where(seven, _digits_value(x, 7), 0)
+        values = np.where(seven, _digits_value(x, 7), 0) if value else None
         fast = seven | ((x & _U64(0xFF)) == _U64(0))
     if fast.all():
         return values, fast
-    rest = np.flatnonzero(~fast)
-    values[rest], ok_rest = _octal8_forms(x[rest], checksum)
-    fast[rest] = ok_rest
+    rest = np.nonzero(~fast)
+    rest_values, fast[rest] = _octal8_forms(x[rest], checksum)
+    if values is not None:
+        values[rest] = rest_values
     return values, fast
 
 
@@ -435,8 +433,7 @@ def _index(rows: _Batch, read_at: Callable[[int, int], bytes]) -> TarIndex | Non
         keys, exts = split.keys[files][matched], split.exts[files][matched]
         starts = _starts(keys)
         key_bytes = keys[starts]
-        uniq, codes = np.unique(exts, return_inverse=True)
-        ext_names = tuple(u.decode("ascii") for u in uniq.tolist())
+        ext_names, codes = _ext_codes(exts)
         key_list = key_bytes.astype(np.str_).tolist()
         ext_list = np.asarray(ext_names, dtype=object)[codes.ravel()].tolist()
         columns = TarColumns(key_bytes, codes.ravel().astype(np.int16), ext_names)
@@ -463,6 +460,21 @@ def _starts(keys: np.ndarray) -> np.ndarray:
     new = np.ones(len(keys), dtype=bool)
     new[1:] = keys[1:] != keys[:-1]
     return np.flatnonzero(new)
+
+
+def _ext_codes(exts: np.ndarray) -> tuple[tuple[str, ...], np.ndarray]:
+    """The distinct extensions (ASCII bytes) as str, and each member's code into them.
+
+    Up to 8 bytes (nearly always) they are sorted as integers, several times faster than
+    as strings; numpy's ``unique`` sorts either way, and the codes only need to be consistent.
+    """
+    if exts.size and int(np.strings.str_len(exts).max()) <= 8:
+        words = np.ascontiguousarray(exts.astype("S8")).view("<u8")
+        uniq, codes = np.unique(words, return_inverse=True)
+        names = uniq.view("S8")
+    else:
+        names, codes = np.unique(exts, return_inverse=True)
+    return tuple(u.decode("ascii") for u in names.tolist()), codes.ravel()
 
 
 def _ext_list(exts: np.ndarray) -> list[str]:
@@ -550,38 +562,36 @@ def _split_plain(hdr: np.ndarray, name_len: np.ndarray) -> _Split:
 
     The pattern takes the key up to the first dot of the base name, which must not start with
     a dot, and the extension to the end; ``.`` in ``(?:.*/|)`` does not match a newline, hence
-    names with one are left to the pattern itself.
+    names with one are left to the pattern itself. The searches are numpy's string functions
+    (one C loop over all names each), on the names cut at their first NUL.
     """
     count = len(hdr)
     width = max(1, int(name_len.max())) if count else 1
     name = np.ascontiguousarray(hdr[:, :width])
-    cols = np.arange(width)
-    in_name = cols < name_len[:, None]
-    plain = ~(((name >= 0x80) | (name == ord("\n"))) & in_name).any(axis=1)
+    names = name.view(f"S{width}").ravel()
+    if count and (np.strings.str_len(names) != name_len).any():  # bytes after a NUL: cut
+        name = np.ascontiguousarray(np.where(np.arange(width) < name_len[:, None], name, 0))
+        names = name.view(f"S{width}").ravel()
+    plain = np.ones(count, dtype=bool)
+    if (name >= 0x80).any() or (name == ord("\n")).any():  # per row only where needed
+        plain = ~((name >= 0x80) | (name == ord("\n"))).any(axis=1)
     prefix_len = _field_len(hdr, 345, 500) if hdr[:, 345].any() else np.zeros(count, np.int64)
     pwidth = int(prefix_len.max()) if count else 0
     if pwidth:
         prefix = np.ascontiguousarray(hdr[:, 345 : 345 + pwidth])
         in_prefix = np.arange(pwidth) < prefix_len[:, None]
         plain &= ~(((prefix >= 0x80) | (prefix == ord("\n"))) & in_prefix).any(axis=1)
-    slash = (name == ord("/")) & in_name
-    base = np.where(slash.any(axis=1), width - slash[:, ::-1].argmax(axis=1), 0)
-    dot = (name == ord(".")) & in_name & (cols > base[:, None])
-    has_dot = dot.any(axis=1)
-    first_dot = np.where(has_dot, dot.argmax(axis=1), 0)
-    base_char = name[np.arange(count), np.minimum(base, width - 1)]
-    matched = plain & has_dot & (base < name_len) & (base_char != ord("."))
-    keys = np.ascontiguousarray(np.where(cols < first_dot[:, None], name, 0)).view(f"S{width}")
-    keys = keys.ravel()
+    base = np.strings.rfind(names, b"/") + 1  # where the base name starts (0: no slash)
+    dot = np.strings.find(names, b".", base)  # -1: none; == base: the base name starts with "."
+    matched = plain & (dot > base)
+    cut = np.where(matched, dot, 0)
+    keys = np.strings.slice(names, 0, cut)
     if pwidth:
         pre = np.ascontiguousarray(np.where(np.arange(pwidth) < prefix_len[:, None], prefix, 0))
         joined = np.strings.add(np.strings.add(pre.view(f"S{pwidth}").ravel(), b"/"), keys)
         keys = np.where(prefix_len > 0, joined, keys.astype(joined.dtype))
-    ext_width = max(1, int(np.where(matched, name_len - first_dot - 1, 0).max()) if count else 1)
-    take = first_dot[:, None] + 1 + np.arange(ext_width)
-    ext = np.take_along_axis(name, np.minimum(take, width - 1), axis=1)
-    ext = np.ascontiguousarray(np.where(take < name_len[:, None], ext, 0))
-    return _Split(keys, ext.view(f"S{ext_width}").ravel(), matched, plain)
+    exts = np.strings.slice(names, cut + 1, None)
+    return _Split(keys, exts, matched, plain)
 
 
 def _field_len(hdr: np.ndarray, lo: int, hi: int) -> np.ndarray:
