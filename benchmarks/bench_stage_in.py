@@ -20,6 +20,9 @@ blocks, one after the other: the ceiling a single sequential reader sees. "CPU s
 hypervisor's share during each tool's runs (:func:`benchmarks.common.stolen_fraction`), and the
 load average at the start of the row says how busy the 2 cores were with other work.
 
+``--sample-sizes`` measures only issue 22's second goal head to head: stage-in (and ``cp -r``)
+on the shards of ~100 KB samples and of ~1 KB samples, alternating.
+
 ``--sweep`` adds stage-in on one core (``taskset -c 0``) and with ``--jobs 1``: how it scales
 with the cores a job gives it (there is no 16-core machine here; 1 vs 2 cores is what can be
 swept). :func:`bench` keeps the older single-condition entry point for ``benchmarks.run_all``.
@@ -300,6 +303,81 @@ def _bench_condition(
             shutil.rmtree(src_root, ignore_errors=True)
 
 
+def bench_sample_sizes(
+    conditions: list[str], repeats: int, jobs: int, scale: float, data_dir: Path
+) -> list[dict]:
+    """Issue 22's second goal, measured head to head: stage-in on the shards of ~100 KB samples
+    and on those of ~1 KB samples, alternating within each repeat (with ``cp -r`` on both for
+    reference), so that the MB/s ratio is not two rows measured minutes apart."""
+    pair = [ROWS[0], ROWS[2]]
+    stored = [
+        _dataset(data_dir, label, max(2, round(shards * scale)), samples, sample_bytes)
+        for label, shards, samples, sample_bytes in pair
+    ]
+    sizes = [sum(f.stat().st_size for f in ds.iterdir()) for ds in stored]
+    tools = {"cp -r": ["cp", "-r", "SRC", "DST"]}
+    tools[f"stage-in --jobs {jobs}"] = [
+        *[str(BIN / "stage-in"), "SRC", "--dest", "DST", "--quiet"],
+        *["--jobs", str(jobs)],
+    ]
+    rows = []
+    for condition in conditions:
+        warm = condition == "warm"
+        if not warm and os.geteuid() != 0:
+            continue
+        src_root = Path(tempfile.mkdtemp(prefix="bench-src-", dir=WARM_SRC)) if warm else None
+        dst_root = Path(tempfile.mkdtemp(prefix="bench-dst-", dir=DISK if warm else WARM_SRC))
+        try:
+            sources = []
+            for i, ds in enumerate(stored):
+                if src_root is None:
+                    sources.append(ds)
+                else:
+                    shutil.copytree(ds, src_root / f"{i}" / "ds")
+                    sources.append(src_root / f"{i}" / "ds")
+            times = {(t, i): [] for t in tools for i in range(len(pair))}
+            for _ in range(repeats):
+                for name, cmd in tools.items():
+                    for i, src in enumerate(sources):
+                        dst = dst_root / "run"
+                        shutil.rmtree(dst, ignore_errors=True)
+                        dst.mkdir()
+                        subprocess.run(["sync"], check=True)
+                        if not warm:
+                            drop_caches()
+                        times[name, i].append(_run(cmd, src, target_for(name, dst, "ds")))
+            for name in tools:
+                rates = [sizes[i] / statistics.median(times[name, i]) / 1e6 for i in range(2)]
+                rows.append(
+                    {
+                        "condition": condition,
+                        "tool": name,
+                        "large_samples_mb_per_s": round(rates[0], 1),
+                        "small_samples_mb_per_s": round(rates[1], 1),
+                        "ratio": round(rates[1] / rates[0], 2),
+                        "runs_s": {pair[i][0]: times[name, i] for i in range(2)},
+                    }
+                )
+        finally:
+            shutil.rmtree(dst_root, ignore_errors=True)
+            if src_root is not None:
+                shutil.rmtree(src_root, ignore_errors=True)
+    return rows
+
+
+def sample_sizes_markdown(rows: list[dict]) -> str:
+    lines = [
+        "| condition | tool | MB/s, ~100 KB samples | MB/s, ~1 KB samples | ratio |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {_CONDITION_TEXT[r['condition']]} | {r['tool']} | {r['large_samples_mb_per_s']} "
+            f"| {r['small_samples_mb_per_s']} | {r['ratio']}x |"
+        )
+    return "\n".join(lines)
+
+
 _CONDITION_TEXT = {
     "warm": "warm: source on tmpfs, destination ext4",
     "cold": "cold: source ext4, page cache dropped, destination tmpfs",
@@ -342,6 +420,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale", type=float, default=1.0, help="fraction of each row's shards")
     parser.add_argument("--sweep", action="store_true", help="add 1-core and --jobs 1 runs")
     parser.add_argument(
+        "--sample-sizes",
+        action="store_true",
+        help="only compare ~100 KB with ~1 KB samples, alternating (issue 22's second goal)",
+    )
+    parser.add_argument(
         "--data", type=Path, help="keep the generated shards here and reuse them (on disk)"
     )
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
@@ -350,12 +433,16 @@ def main(argv: list[str] | None = None) -> int:
     conditions = [c for c in args.conditions.split(",") if c]
 
     def run(workdir: Path) -> list[dict]:
+        if args.sample_sizes:
+            return bench_sample_sizes(
+                conditions, args.repeats, args.jobs, args.scale, args.data or workdir
+            )
         return bench_matrix(
             conditions, args.repeats, args.jobs, args.scale, args.data or workdir, args.sweep
         )
 
     rows = in_workdir(None, "bench-stage-in-", run, parent=str(DISK))
-    report(rows, to_markdown, args.json)
+    report(rows, sample_sizes_markdown if args.sample_sizes else to_markdown, args.json)
     return 0
 
 
