@@ -22,6 +22,7 @@ shard's name. It never guesses.
 from __future__ import annotations
 
 import io
+import mmap
 import os
 import threading
 from collections.abc import Callable
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TarSampleCounter"]
 
-_REREAD_BYTES = 1 << 20
+_REREAD_BYTES = 4 << 20
 _imported = threading.Event()  # set once stager.shards.tarscan (and numpy) can be used
 _import_started = threading.Lock()
 
@@ -53,6 +54,33 @@ def _start_import() -> None:
             _imported.set()  # an import error surfaces in _new_scanner
 
     threading.Thread(target=load, name="tarscan-import", daemon=True).start()
+
+
+_buffers = threading.local()
+
+
+def _read_back(read_at: Callable[[int, int], bytes], nbytes: int, scanner: TarScanner) -> None:
+    """Feed ``scanner`` the first ``nbytes`` of the copy again, from the page cache.
+
+    Through this thread's reused buffer where ``read_at`` can fill one (the copy's
+    ``readinto``): a fresh bytes object per read would fault its pages in on every call.
+    """
+    readinto = getattr(read_at, "readinto", None)
+    if readinto is None:
+        for offset in range(0, nbytes, _REREAD_BYTES):
+            scanner.feed(read_at(offset, min(_REREAD_BYTES, nbytes - offset)))
+        return
+    buffer = getattr(_buffers, "buffer", None)
+    if buffer is None:
+        buffer = _buffers.buffer = mmap.mmap(-1, _REREAD_BYTES)
+    with memoryview(buffer) as view:
+        offset = 0
+        while offset < nbytes:
+            got = readinto(offset, view[: min(_REREAD_BYTES, nbytes - offset)])
+            if not got:
+                break
+            scanner.feed(view[:got])
+            offset += got
 
 
 def _new_scanner() -> TarScanner | None:
@@ -97,8 +125,7 @@ class TarSampleCounter:
             scanner = _new_scanner()
             if scanner is None:
                 return
-            for offset in range(0, self._fed, _REREAD_BYTES):  # from the page cache
-                scanner.feed(read_at(offset, min(_REREAD_BYTES, self._fed - offset)))
+            _read_back(read_at, self._fed, scanner)
         self._index = scanner.finish(read_at)
         if self._index is None:  # odd or damaged: tarfile decides, reading the copy
             try:
