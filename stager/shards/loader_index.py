@@ -28,6 +28,7 @@ import numpy as np
 from stager.errors import IntegrityError
 from stager.shards.arrayfile import map_arrays, write_arrays
 from stager.shards.tarindex import TarIndex, index_tar
+from stager.shards.tarscan import scan_tar  # noqa: F401 - loaded with numpy, not on first use
 
 __all__ = [
     "DATASET_INDEX_NAME",
@@ -321,7 +322,7 @@ def _narrow_strings(strings: np.ndarray) -> np.ndarray:
 def _flatten(per_shard: list[TarIndex | None]) -> FlatIndex:
     ext_codes: dict[str, int] = {}
     counts: list[int] = []
-    keys: list[bytes] = []
+    keys: list[np.ndarray] = []
     starts: list[np.ndarray] = []
     exts: list[np.ndarray] = []
     offsets: list[np.ndarray] = []
