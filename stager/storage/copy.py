@@ -352,10 +352,12 @@ def _copy_buffered(src, dst: _Fd, hasher, inspect, block_bytes: int, progress: _
 
 
 #: The most one ``write`` hands the kernel. A 4 MiB write into ext4's page cache (kernel 6.18,
-#: large folios) now and then cost ~2 CPU-s per GB in the kernel instead of ~0.35, in 2 of 3
-#: runs of 1 GB; in 256 KiB pieces it cost 0.33-0.38 every time, as ``cp``'s 128 KiB writes do
-#: (docs/tuning.md). On tmpfs the piece size made no difference.
-_WRITE_BYTES = 256 << 10
+#: large folios) now and then cost 1-3 CPU-s per GB in the kernel instead of ~0.35, in 5 of 6
+#: runs of 1 GB; in 1 MiB or 256 KiB pieces it cost 0.29-0.47 (``cp`` writes 128 KiB), while
+#: one ``writev`` of 256 KiB pieces did not help (the size of the call is what matters). 1 MiB:
+#: each piece is a release and re-acquisition of the interpreter lock (docs/tuning.md). On tmpfs
+#: the piece size made no difference.
+_WRITE_BYTES = 1 << 20
 
 #: Copy local sources in the kernel (:func:`_copy_kernel`) rather than through the buffer.
 #: Off: on the 2-core VMs measured (docs/tuning.md), mapping page-cache pages to hash and index
