@@ -287,3 +287,61 @@ def test_empty_archive_and_short_files(tmp_path: Path) -> None:
     _check(bytes(1024), tmp_path / "empty.tar", must_vouch=True)
     for data in (b"", b"\0" * 100, b"x" * 600):
         _check(data, tmp_path / "short.tar")
+
+
+_RECORD_KEYS = st.sampled_from(
+    [b"mtime", b"path", b"size", b"GNU.sparse.map", b"uname", b"", b"a=b"]
+)
+
+
+@st.composite
+def pax_payloads(draw) -> bytes:
+    """PAX record sets, mostly well formed, with every way of being malformed mixed in."""
+    out = b""
+    for _ in range(draw(st.integers(0, 5))):
+        key = draw(_RECORD_KEYS)
+        value = draw(st.binary(max_size=30))
+        body = b" " + key + b"=" + value + b"\n"
+        length = len(body) + len(str(len(body) + 3))
+        length = len(body) + len(str(length))
+        field = str(length).encode()
+        fault = draw(st.sampled_from(["none"] * 6 + ["short", "long", "zeros", "no_nl"]))
+        if fault == "short":
+            field = str(length - 1).encode()
+        elif fault == "long":
+            field = str(length + 2).encode()
+        elif fault == "zeros":  # leading zeros: still well formed, if the length says so
+            field = b"000000" + field
+            body = body  # the length now counts the zeros too, unless corrected below
+            field = str(len(body) + len(field)).encode().rjust(len(field), b"0")
+        elif fault == "no_nl":
+            body = body[:-1] + b"x"
+        out += field + body
+    if draw(st.booleans()):
+        out += draw(st.binary(max_size=4))  # trailing garbage
+    return out[:512]
+
+
+@PROPERTY
+@given(payloads=st.lists(pax_payloads(), min_size=1, max_size=8))
+def test_pax_records_checked_as_arrays_as_one_by_one(payloads: list[bytes]) -> None:
+    """_pax_check (all rows at once) against _pax_records (one payload at a time)."""
+    import numpy as np
+
+    from stager.shards.tarscan import _pax_check, _pax_records
+
+    rows = np.zeros((len(payloads), 512), dtype=np.uint8)
+    for i, payload in enumerate(payloads):
+        rows[i, : len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+    sizes = np.asarray([len(p) for p in payloads], dtype=np.int64)
+    ok, plain = _pax_check(rows, sizes)
+    for i, payload in enumerate(payloads):
+        records = _pax_records(payload)
+        usable = records is not None and b"size" not in records
+        usable = usable and not any(k.startswith(b"GNU.sparse.") for k in records or {})
+        if plain[i]:  # vouched without Python: must be usable and set no name
+            assert usable and b"path" not in records, payload
+        elif ok[i]:  # left to _pax_records, which decides
+            pass
+        else:  # refused: _pax_records must refuse too
+            assert not usable, payload

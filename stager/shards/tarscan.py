@@ -73,6 +73,10 @@ class TarScanner:
         self._row_blocks: list[np.ndarray] = []  # their block numbers
         self._pending = 0
         self._batches: list[_Batch] = []
+        # The block after each PAX header seen in a chunk (its records, when they fit in one
+        # block): read while the chunk is in cache rather than again at the end.
+        self._pax_blocks: list[np.ndarray] = []
+        self._pax_payloads: list[np.ndarray] = []
 
     def feed(self, chunk: bytes | bytearray | memoryview) -> None:
         """Look at the next ``chunk`` of the tar; nothing of it is kept past the call but the
@@ -110,8 +114,14 @@ class TarScanner:
         words = blocks.view("<u8")[:, 32]  # bytes 256-263 of every block
         cand = np.flatnonzero(((words >> _U64(8)) & _U64(0xFF_FFFF_FFFF)) == _USTAR)
         if cand.size:
+            numbered = cand + numbers if isinstance(numbers, int) else numbers[cand]
             self._rows.append(blocks[cand])
-            self._row_blocks.append(cand + numbers if isinstance(numbers, int) else numbers[cand])
+            self._row_blocks.append(numbered)
+            if isinstance(numbers, int):  # consecutive blocks: keep PAX payloads seen here
+                pax = cand[np.isin(blocks[cand, 156], _PAX_TYPES) & (cand + 1 < len(blocks))]
+                if pax.size:
+                    self._pax_blocks.append(pax + numbers)
+                    self._pax_payloads.append(blocks[pax + 1])
             self._pending += cand.size
             if self._pending >= self._BATCH:
                 self._check()
@@ -151,7 +161,8 @@ class TarScanner:
         end = read_at(int(nxt[chain[-1]]) * _BLOCK, _BLOCK)
         if len(end) < _BLOCK or any(end):
             return None  # no end-of-archive block where tarfile looks for the next header
-        return _index(rows.take(chain), read_at)
+        pax = _PaxPayloads(self._pax_blocks, self._pax_payloads)
+        return _index(rows.take(chain), read_at, pax)
 
 
 class _Batch:
@@ -415,13 +426,15 @@ def _chain(cand: np.ndarray, nxt: np.ndarray) -> np.ndarray:
     return np.flatnonzero(reached[:count])
 
 
-def _index(rows: _Batch, read_at: Callable[[int, int], bytes]) -> TarIndex | None:
+def _index(
+    rows: _Batch, read_at: Callable[[int, int], bytes], pax: _PaxPayloads | None = None
+) -> TarIndex | None:
     """The sample index from the headers of the chain (``rows``), in archive order."""
     is_meta = np.isin(rows.kind, _META_TYPES)
     if is_meta[-1]:
         return None  # a metadata header right before the end block: tarfile raises
     meta_names = np.full(len(rows.kind), None, dtype=object)  # names set by metadata headers
-    if is_meta.any() and not _apply_meta(rows, is_meta, meta_names, read_at):
+    if is_meta.any() and not _apply_meta(rows, is_meta, meta_names, read_at, pax):
         return None
     files = np.flatnonzero(np.isin(rows.kind, _FILE_TYPES))
     split = rows.split
@@ -489,15 +502,35 @@ def _apply_meta(
     is_meta: np.ndarray,
     names: np.ndarray,
     read_at: Callable[[int, int], bytes],
+    pax: _PaxPayloads | None = None,
 ) -> bool:
     """Read GNU long names and PAX paths into ``names`` (by chain position); False: left to
     tarfile.
 
     A metadata header applies to the next header, and in a run of them the first one that sets
     a name wins: tarfile processes each by reading the next header recursively and patching it
-    afterwards, so the outermost patch is the last applied.
+    afterwards, so the outermost patch is the last applied. PAX headers whose records fit in
+    one block and set no path (a float mtime on every member, as webdataset writes them) are
+    checked as arrays (:func:`_pax_check`); the rest run :func:`_pax_records` one by one.
     """
-    for pos in np.flatnonzero(is_meta)[::-1].tolist():  # last first: the first of a run wins
+    positions = np.flatnonzero(is_meta)
+    is_pax = np.isin(rows.kind[positions], _PAX_TYPES)
+    if is_pax.any() and not _UTF8:
+        return False
+    one_by_one = ~is_pax
+    if is_pax.any():
+        pax_positions = positions[is_pax]
+        sizes = rows.size[pax_positions]
+        payloads, found = (pax or _PaxPayloads([], [])).lookup(rows.blocks[pax_positions])
+        small = found & (sizes <= _BLOCK)
+        checked = np.zeros(len(pax_positions), dtype=bool)
+        if small.any():
+            ok, plain = _pax_check(payloads[small], sizes[small])
+            if not ok.all():
+                return False  # malformed, or a size / sparse record: tarfile decides
+            checked[np.flatnonzero(small)[plain]] = True  # no path, nothing to apply
+        one_by_one[np.flatnonzero(is_pax)[~checked]] = True
+    for pos in positions[one_by_one][::-1].tolist():  # last first: the first of a run wins
         start = (int(rows.blocks[pos]) + 1) * _BLOCK
         nbytes = int(rows.size[pos])
         target = pos + 1
@@ -508,9 +541,7 @@ def _apply_meta(
             padded = read_at(start, -(-nbytes // _BLOCK) * _BLOCK)
             name = padded.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
             names[target] = name.removesuffix("/") if rows.kind[target] == ord("5") else name
-        elif code in (ord("x"), ord("X")):
-            if not _UTF8:
-                return False
+        elif code in _PAX_TYPES:
             records = _pax_records(read_at(start, nbytes))
             if records is None or b"size" in records:
                 return False
@@ -520,6 +551,97 @@ def _apply_meta(
                 names[target] = records[b"path"].decode("utf-8", "surrogateescape").rstrip("/")
         # "K" (GNU long link name) only sets the link target, which the index does not use.
     return True
+
+
+class _PaxPayloads:
+    """The first payload block of PAX headers, by the header's block number."""
+
+    def __init__(self, blocks: list[np.ndarray], payloads: list[np.ndarray]) -> None:
+        self.blocks = np.concatenate(blocks) if blocks else np.zeros(0, np.int64)
+        self.payloads = np.concatenate(payloads) if payloads else np.zeros((0, _BLOCK), np.uint8)
+
+    def lookup(self, headers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(payload rows, found) for these header block numbers (rows of zeros where absent)."""
+        if not self.blocks.size:
+            return np.zeros((len(headers), _BLOCK), np.uint8), np.zeros(len(headers), bool)
+        at = np.minimum(np.searchsorted(self.blocks, headers), len(self.blocks) - 1)
+        found = self.blocks[at] == headers
+        return self.payloads[at], found
+
+
+_PAX_TYPES = (ord("x"), ord("X"))
+_MAX_RECORDS = 16  # more records than this in one block: checked one by one
+
+
+def _pax_check(payloads: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Check PAX record sets as :func:`_pax_records` would, a record at a time for all rows.
+
+    Returns ``ok`` (well formed, without ``size`` or ``GNU.sparse.*`` records) and ``plain``
+    (ok, and without a ``path`` record nor anything this check leaves to
+    :func:`_pax_records`: length fields of more than 6 digits, more than ``_MAX_RECORDS``
+    records). Rows that are ok but not plain go through :func:`_pax_records`.
+    """
+    count = len(sizes)
+    rows = np.arange(count)
+    pos = np.zeros(count, dtype=np.int64)
+    ok = np.ones(count, dtype=bool)
+    plain = np.ones(count, dtype=bool)
+    cols = np.arange(21)
+    for _ in range(_MAX_RECORDS):
+        active = ok & plain & (pos < sizes)
+        if not active.any():
+            break
+        at = pos[:, None] + cols
+        window = np.where(at < sizes[:, None], _gather(payloads, pos, 21), 0)
+        is_space = window == ord(" ")
+        has_space = is_space.any(axis=1)
+        space = np.where(has_space, is_space.argmax(axis=1), 0)  # digits before the space
+        is_digit = (window >= ord("0")) & (window <= ord("9"))
+        digits_ok = has_space & (space >= 1) & (is_digit | (cols >= space[:, None])).all(axis=1)
+        long_field = digits_ok & (space > 6)
+        plain &= ~(active & long_field)
+        weights = np.where(cols < space[:, None], 10 ** np.clip(space[:, None] - 1 - cols, 0, 6), 0)
+        length = ((window.astype(np.int64) - ord("0")) * weights).sum(axis=1)
+        end = pos + length
+        key_at = pos + space + 1
+        good = digits_ok & ~long_field & (end > key_at) & (end <= sizes)
+        last = payloads[rows, np.clip(end - 1, 0, 511)]
+        good &= last == ord("\n")
+        width = int(np.where(active & good, end - 1 - key_at, 0).max())
+        key_cols = np.arange(max(width, 11))
+        at = key_at[:, None] + key_cols
+        inside = at < (end - 1)[:, None]
+        key_bytes = np.where(inside, _gather(payloads, key_at, len(key_cols)), 0)
+        is_equals = (key_bytes == ord("=")) & inside
+        has_equals = is_equals.any(axis=1)
+        key_len = np.where(has_equals, is_equals.argmax(axis=1), 0)
+        good &= has_equals & (key_len >= 1)
+        head = key_bytes[:, :11]
+        is_size = (key_len == 4) & (head[:, :4] == _SIZE).all(axis=1)
+        is_path = (key_len == 4) & (head[:, :4] == _PATH).all(axis=1)
+        is_sparse = (key_len >= 11) & (head == _SPARSE).all(axis=1)
+        ok &= ~active | long_field | (good & ~is_size & ~is_sparse)
+        plain &= ~(active & is_path)
+        pos = np.where(active, end, pos)
+    leftover = ok & plain & (pos < sizes)  # more records than checked here
+    plain &= ~leftover
+    ok &= ~(plain & (pos != sizes))
+    return ok, plain & ok
+
+
+def _gather(rows: np.ndarray, start: np.ndarray, width: int) -> np.ndarray:
+    """``rows[i, start[i] : start[i] + width]`` for every row (clipped to the row's end): a
+    slice when every row starts at the same place (the first record of most PAX headers)."""
+    first = int(start[0]) if len(start) else 0
+    if (start == first).all() and 0 <= first and first + width <= rows.shape[1]:
+        return rows[:, first : first + width]
+    at = np.clip(start[:, None] + np.arange(width), 0, rows.shape[1] - 1)
+    return np.take_along_axis(rows, at, axis=1)
+
+
+_SIZE = np.frombuffer(b"size", dtype=np.uint8)
+_PATH = np.frombuffer(b"path", dtype=np.uint8)
+_SPARSE = np.frombuffer(b"GNU.sparse.", dtype=np.uint8)
 
 
 def _pax_records(payload: bytes) -> dict[bytes, bytes] | None:
