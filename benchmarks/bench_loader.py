@@ -1,13 +1,16 @@
-"""Loader throughput on staged shards: ShardedLoader vs webdataset's WebLoader vs a raw tarfile loop.
+"""Loader throughput on staged shards: ShardedLoader vs webdataset's WebLoader vs a raw tarfile
+loop.
 
-Run: ``.venv/bin/python -m benchmarks.bench_loader [--small-samples N] [--large-samples N] [--reps R]``
+Run: ``.venv/bin/python -m benchmarks.bench_loader [--small-samples N] [--large-samples N]
+[--reps R]``
 
 Conditions: the same synthetic shards (``.npy`` + ``.cls`` per sample) written to a tmpfs
 (``/dev/shm``) when there is one, so figures measure the loaders, not the virtio disk, whose
 page cache is evicted ~2 s after use on this machine (see /work/shared/BENCHMARKING.md).
 Batch 256, nothing decoded; 0/1/2 workers; ~1 KB and ~100 KB samples. Each configuration runs
 ``--reps`` times, alternating loaders (A B C A B C), and the median is printed with the ratio
-of ShardedLoader to WebLoader. Time is a full epoch including worker start-up and, for ShardedLoader, its construction
+of ShardedLoader to WebLoader. Time is a full epoch including worker start-up and, for
+ShardedLoader, its construction
 (reading the staged manifest and the cached index; the index itself is built once in a
 warm-up, as a first epoch after stage-in would). ShardedLoader runs with its default seeded
 global shuffle; the others read sequentially.
@@ -149,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(root, ignore_errors=True)
     print()
     print(
-        "| samples | workers | raw tarfile (k/s) | WebLoader (k/s) | ShardedLoader (k/s) | Sharded / WebLoader | Sharded / raw |"
+        "| samples | workers | raw tarfile (k/s) | WebLoader (k/s) | ShardedLoader (k/s) "
+        "| Sharded / WebLoader | Sharded / raw |"
     )
     print("|---|---|---|---|---|---|---|")
     for label, workers, medians in rows:

@@ -95,9 +95,13 @@ def rank_main(rank: int, job: dict[str, Any]) -> None:
 
 
 def run_world(job: dict[str, Any], timeout_s: float = 180) -> list[dict[str, Any]]:
-    """Start WORLD fresh interpreters running ``rank_main``; a hang fails the test, never blocks it."""
+    """Start WORLD fresh interpreters running ``rank_main``; a hang fails the test, never blocks
+    it."""
     Path(job["out"]).mkdir(parents=True)
-    code = "import json, sys; from tests.test_loader_ddp import rank_main; rank_main(int(sys.argv[1]), json.loads(sys.argv[2]))"
+    code = (
+        "import json, sys; from tests.test_loader_ddp import rank_main; "
+        "rank_main(int(sys.argv[1]), json.loads(sys.argv[2]))"
+    )
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", code, str(rank), json.dumps(job)], cwd=REPO, env=clean_env()

@@ -11,7 +11,8 @@ import pytest
 
 from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 from stager.stagein.streams import StreamController
-from stager.storage.copy import FIRST_READ_BYTES, copy_file
+from stager.storage.bytepath import FIRST_READ_BYTES
+from stager.storage.copy import copy_file
 
 from .inproc import clean_process_env, run_main
 

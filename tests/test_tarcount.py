@@ -1,4 +1,8 @@
-"""The in-flight sample counter agrees with tarfile on every format and chunking, or says None."""
+"""The in-flight sample counter agrees with tarfile on every format and chunking, or says None.
+
+Random tars, damaged ones and embedded tars are in tests/test_tarscan.py (hypothesis); these
+are the counter's own contract: chunking, ``finish`` with random access, ``index_tar``'s paths.
+"""
 
 from __future__ import annotations
 
@@ -35,10 +39,16 @@ def _tar(path: Path, fmt: int, long_names: bool) -> Path:
 def test_counts_like_tarfile_for_any_chunking(tmp_path: Path, fmt: int, chunk: int) -> None:
     path = _tar(tmp_path / "s.tar", fmt, long_names=fmt != tarfile.USTAR_FORMAT)
     data = path.read_bytes()
+    counter = _counted(data, chunk)
+    assert counter.samples == count_samples(path) == 9
+
+
+def _counted(data: bytes, chunk: int) -> TarSampleCounter:
     counter = TarSampleCounter()
     for start in range(0, len(data), chunk):
         counter.feed(data[start : start + chunk])
-    assert counter.samples == count_samples(path) == 9
+    counter.finish(lambda offset, nbytes: data[offset : offset + nbytes])
+    return counter
 
 
 def test_truncated_or_corrupt_streams_give_none(tmp_path: Path) -> None:
@@ -46,15 +56,13 @@ def test_truncated_or_corrupt_streams_give_none(tmp_path: Path) -> None:
     data = path.read_bytes()
     with tarfile.open(path) as tar:
         header_at = tar.getmembers()[5].offset
-    cut = TarSampleCounter()
-    cut.feed(data[: len(data) // 2])
-    assert cut.samples is None
+    cut = _counted(data[: len(data) // 2], 4096)
+    assert cut.samples is None and cut.index() is None
     garbled = bytearray(data)
     garbled[header_at + 130] ^= (
         0x01  # a size digit of a later header: its checksum no longer matches
     )
-    bad = TarSampleCounter()
-    bad.feed(bytes(garbled))
+    bad = _counted(bytes(garbled), 4096)
     assert bad.samples is None
 
 
@@ -66,9 +74,7 @@ def test_index_from_the_stream_equals_index_tar(tmp_path: Path, fmt: int) -> Non
 
     path = _tar(tmp_path / "s.tar", fmt, long_names=fmt != tarfile.USTAR_FORMAT)
     data = path.read_bytes()
-    counter = TarSampleCounter()
-    for start in range(0, len(data), 777):
-        counter.feed(data[start : start + 777])
+    counter = _counted(data, 777)
     got, want = counter.index(), index_tar(path)
     assert got is not None
     assert got.keys == want.keys and got.exts == want.exts
@@ -87,18 +93,25 @@ def _same_index(got, want) -> None:
 
 
 @pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
-@pytest.mark.parametrize("read", ["whole", "walk"])
+@pytest.mark.parametrize("read", ["whole", "walk", "map"])
 def test_index_tar_fast_path_agrees_with_tarfile(
     tmp_path: Path, fmt: int, read: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import stager.shards.tarindex as tarindex
 
-    if read == "walk":  # header by header, seeking over payloads, in reads smaller than members
+    if read != "whole":  # past WHOLE_READ_BYTES: header by header (large members), or mapped
         monkeypatch.setattr(tarindex, "WHOLE_READ_BYTES", 0)
-        monkeypatch.setattr(tarindex, "_WALK_READ_BYTES", 700)
+        monkeypatch.setattr(tarindex, "_WALK_PROBE", 4)
+        monkeypatch.setattr(tarindex, "_WALK_MIN_STRIDE", 0 if read == "walk" else 1 << 40)
     path = _tar(tmp_path / "s.tar", fmt, long_names=fmt != tarfile.USTAR_FORMAT)
+    walks = []
+    real_walk = tarindex._walk_headers
+    monkeypatch.setattr(
+        tarindex, "_walk_headers", lambda *a: walks.append(real_walk(*a)) or walks[-1]
+    )
     fast = tarindex._index_fast(path)
     assert fast is not None  # the fast path vouched for it
+    assert [w is not None for w in walks] == {"whole": [], "walk": [True], "map": [False]}[read]
     _same_index(fast, tarindex._index_tarfile(path))
     _same_index(tarindex.index_tar(path), fast)
 
@@ -122,3 +135,31 @@ def test_fast_index_leaves_what_it_does_not_vouch_for_to_tarfile(tmp_path: Path)
     assert tarindex._index_fast(cut) is None
     with pytest.raises(IntegrityError, match="cut.tar"):
         tarindex.index_tar(cut)
+
+
+def test_a_counter_made_while_numpy_imports_reads_the_copy_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first copies of a stage-in run before the scanner's import is done: they skip the
+    bytes in flight and index the copy from the page cache at finish(), with the same result."""
+    import threading
+
+    import stager.shards.tarparse as tarparse
+
+    path = _tar(tmp_path / "s.tar", tarfile.PAX_FORMAT, long_names=True)
+    data = path.read_bytes()
+    pending = threading.Event()
+    monkeypatch.setattr(tarparse, "_imported", pending)
+    late = TarSampleCounter()
+    for start in range(0, len(data), 1000):
+        late.feed(data[start : start + 1000])
+    reads: list[int] = []
+
+    def read_at(offset: int, nbytes: int) -> bytes:
+        reads.append(nbytes)
+        return data[offset : offset + nbytes]
+
+    threading.Timer(0.05, pending.set).start()  # the import finishes while finish() waits
+    late.finish(read_at)
+    assert sum(reads) >= len(data)  # the whole copy was read back
+    _same_index(late.index(), _counted(data, 1000).index())

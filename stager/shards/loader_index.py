@@ -28,6 +28,7 @@ import numpy as np
 from stager.errors import IntegrityError
 from stager.shards.arrayfile import map_arrays, write_arrays
 from stager.shards.tarindex import TarIndex, index_tar
+from stager.shards.tarscan import scan_tar  # noqa: F401 - loaded with numpy, not on first use
 
 __all__ = [
     "DATASET_INDEX_NAME",
@@ -312,10 +313,16 @@ def _save_flat(path: Path, stamp: bytes, flat: FlatIndex, skipped: list[str]) ->
     return True
 
 
+def _narrow_strings(strings: np.ndarray) -> np.ndarray:
+    """Byte strings at the width of the longest, as ``np.asarray(list, "S")`` makes them."""
+    width = int(np.strings.str_len(strings).max()) if strings.size else 1
+    return strings.astype(f"S{max(width, 1)}")
+
+
 def _flatten(per_shard: list[TarIndex | None]) -> FlatIndex:
     ext_codes: dict[str, int] = {}
     counts: list[int] = []
-    keys: list[bytes] = []
+    keys: list[np.ndarray] = []
     starts: list[np.ndarray] = []
     exts: list[np.ndarray] = []
     offsets: list[np.ndarray] = []
@@ -326,13 +333,19 @@ def _flatten(per_shard: list[TarIndex | None]) -> FlatIndex:
             counts.append(0)
             continue
         counts.append(index.num_samples)
-        keys.extend(k.encode() for k in index.keys)
         starts.append(index.member_start[:-1] + member_base)
-        exts.append(
-            np.asarray(
-                [ext_codes.setdefault(e, len(ext_codes)) for e in index.exts], dtype=np.int16
+        columns = index.columns
+        if columns is not None:  # the scanner's arrays: no loop over members
+            keys.append(columns.key_bytes)
+            ids = [ext_codes.setdefault(e, len(ext_codes)) for e in columns.ext_names]
+            exts.append(np.asarray(ids, dtype=np.int16)[columns.ext_codes])
+        else:
+            keys.append(np.asarray([k.encode() for k in index.keys], dtype="S"))
+            exts.append(
+                np.asarray(
+                    [ext_codes.setdefault(e, len(ext_codes)) for e in index.exts], dtype=np.int16
+                )
             )
-        )
         offsets.append(index.offsets)
         sizes.append(index.sizes)
         member_base += len(index.exts)
@@ -344,7 +357,7 @@ def _flatten(per_shard: list[TarIndex | None]) -> FlatIndex:
     return FlatIndex(
         shard_samples=shard_samples,
         sample_offsets=np.concatenate([np.zeros(1, np.int64), np.cumsum(shard_samples)]),
-        keys=np.asarray(keys, dtype="S") if keys else np.zeros(0, "S1"),
+        keys=_narrow_strings(np.concatenate(keys)) if keys else np.zeros(0, "S1"),
         member_start=_narrow(
             np.concatenate([cat(starts, np.int64), np.asarray([member_base], np.int64)])
         ),

@@ -230,7 +230,7 @@ class Copier:
                 block_bytes=self.options.block_bytes,
                 throttle=self.throttle,
                 on_bytes=self._on_bytes,
-                inspect=counters[0].feed if counters else None,
+                inspect=counters[0] if counters else None,
                 fsync=self.options.fsync,
                 size_from_manifest=item.from_manifest,
                 publish=publish,

@@ -9,16 +9,21 @@ the single boundary where fsspec/OS errors on the byte path become stager errors
 from __future__ import annotations
 
 import errno
-import mmap
 import os
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from stager.errors import DestinationError, HashMismatch, ScratchFull, SizeMismatch, SourceError
+from stager.storage import bytepath
+from stager.storage.bytepath import (
+    Progress,
+    ReadBack,
+    copy_buffered,
+    copy_kernel,
+)
 from stager.storage.hashing import DEFAULT_ALGORITHM, new_hasher, split_digest
 from stager.storage.identity import is_regular, local_version
 from stager.storage.paths import PARTIAL_SUFFIX, discard
@@ -35,27 +40,10 @@ __all__ = [
     "SizeMismatch",
     "HashMismatch",
     "DEFAULT_BLOCK_BYTES",
+    "Inspector",
 ]
 
 DEFAULT_BLOCK_BYTES = 4 << 20
-#: The first read is small so that "time to first byte" measures the source's per-file latency,
-#: not the transfer of a whole block (the stream controller depends on the difference).
-FIRST_READ_BYTES = 64 << 10
-
-_buffers = threading.local()
-
-
-def _buffer(block_bytes: int) -> memoryview:
-    """This thread's reusable copy buffer.
-
-    An anonymous mapping rather than a ``bytearray``: ``bytearray(n)`` zero-fills all ``n``
-    bytes at once, and dozens of threads each touching 4 MiB cost more than copying 300 small shards
-    (page faults and ``mmap_lock`` contention); a mapping is faulted in only as far as reads go.
-    """
-    buf = getattr(_buffers, "buf", None)
-    if buf is None or len(buf) != block_bytes:
-        buf = _buffers.buf = mmap.mmap(-1, block_bytes)
-    return memoryview(buf)
 
 
 @dataclass(frozen=True)
@@ -131,7 +119,7 @@ def _open_source(fs: fsspec.AbstractFileSystem | None, path: str, url: str, bloc
         raise SourceError(f"source shard is a directory, not a file: {url}") from exc
 
 
-_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+_WRITE_FLAGS = os.O_RDWR | os.O_CREAT | os.O_TRUNC  # read too: the copy is hashed and indexed
 
 
 def _open_partial(partial: str) -> _Fd:
@@ -155,6 +143,19 @@ def _open_partial(partial: str) -> _Fd:
         raise
 
 
+class Inspector(Protocol):
+    """Something that looks at a file's bytes as they are copied (the in-flight tar indexer).
+
+    ``feed`` gets every chunk once, in order, while it is in the CPU cache; it must not keep
+    the view. ``finish`` runs after the last byte, before publication, with ``read_at(offset,
+    nbytes)`` to re-read a few bytes of the copy.
+    """
+
+    def feed(self, chunk: memoryview, /) -> None: ...
+
+    def finish(self, read_at: Callable[[int, int], bytes], /) -> None: ...
+
+
 def copy_file(
     fs: fsspec.AbstractFileSystem | None,
     src_path: str,
@@ -166,7 +167,7 @@ def copy_file(
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     throttle: Throttle | None = None,
     on_bytes: Callable[[int], None] | None = None,
-    inspect: Callable[[memoryview], None] | None = None,
+    inspect: Inspector | None = None,
     fsync: bool = False,
     size_from_manifest: bool = False,
     publish: Callable[[str, str], object] | None = None,
@@ -179,50 +180,40 @@ def copy_file(
     ``size_from_manifest``: ``expected_size`` is the manifest's, so a different size means the
     source changed (an integrity error), not a file still being written (worth a retry).
     ``publish(partial, final)`` replaces the final rename (e.g. to hold it until a check passes).
+
+    Every byte is read once, into this thread's buffer (a few MiB, in the CPU cache), where the
+    hash and ``inspect`` (the tar indexer) read it before it is written: no second pass over
+    the file. :func:`~stager.storage.bytepath.copy_kernel` (``copy_file_range``/``sendfile``,
+    then hash and index through a mapping of the page cache) is the other byte path for local
+    sources; it is off
+    (``bytepath.KERNEL_COPY``) because on the machines measured it was slower (docs/tuning.md).
     """
     url = url or src_path
     algorithm = split_digest(expected_hash)[0] if expected_hash else DEFAULT_ALGORITHM
     hasher = new_hasher(algorithm)
     partial = os.fspath(final) + PARTIAL_SUFFIX  # a str: pathlib costs microseconds per call
-    copied = 0
     started = time.perf_counter()
-    first_byte_s = last_byte_s = 0.0
+    progress = Progress(started, throttle, on_bytes)
     try:
         with _open_source(fs, src_path, url, block_bytes) as src, _open_partial(partial) as dst:
             opened = _opened_stat(src, url)
-            view = _buffer(block_bytes)
-            want = min(FIRST_READ_BYTES, block_bytes)
-            while True:
-                target = view[:want]
-                n = src.readinto(target) if hasattr(src, "readinto") else _read_into(src, target)
-                want = block_bytes
-                now = time.perf_counter() - started
-                if not first_byte_s:
-                    first_byte_s = now
-                if not n:
-                    break
-                last_byte_s = now
-                chunk = view[:n]
-                hasher.update(chunk)
-                if inspect is not None:
-                    inspect(chunk)
-                written = 0
-                while written < n:
-                    written += dst.write(chunk[written:])
-                copied += n
-                if throttle is not None:
-                    throttle.consume(n)
-                if on_bytes is not None:
-                    on_bytes(n)
+            if isinstance(src, _Fd) and bytepath.KERNEL_COPY:
+                copy_kernel(src, dst, hasher, inspect, block_bytes, progress)
+            else:
+                copy_buffered(src, dst, hasher, inspect, block_bytes, progress)
             if opened is not None:
-                _check_unchanged(src, opened, copied, url)
+                _check_unchanged(src, opened, progress.copied, url)
+            if inspect is not None:
+                inspect.finish(ReadBack(dst.fd))
             if fsync:
                 os.fsync(dst.fileno())
+        copied = progress.copied
         if expected_size is not None and copied != expected_size:
             if size_from_manifest:  # the source changed since `stager index`: retrying cannot help
                 raise HashMismatch(
-                    f"{url}: copied {copied} bytes but the manifest lists {expected_size}; the source changed "
-                    "or is truncated (re-run stager index if the change is intended)"
+                    f"{url}: copied {copied} bytes but the manifest lists {expected_size}; "
+                    "the source changed or is truncated (re-run stager index if the change is "
+                    "intended)"
                 )
             raise SizeMismatch(
                 f"{url}: copied {copied} bytes but the source listed {expected_size}; "
@@ -240,7 +231,7 @@ def copy_file(
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise ScratchFull(
                 f"no space left on {final.parent} while writing {final.name} from {url} "
-                f"({copied} bytes written); free space or pass --dest elsewhere",
+                f"({progress.copied} bytes written); free space or pass --dest elsewhere",
                 where=str(final.parent),
             ) from exc
         raise
@@ -251,9 +242,9 @@ def copy_file(
         size=copied,
         hash=digest,
         bytes_read=copied,
-        first_byte_s=first_byte_s,
+        first_byte_s=progress.first_byte_s,
         seconds=time.perf_counter() - started,
-        last_byte_s=last_byte_s or first_byte_s,
+        last_byte_s=progress.last_byte_s or progress.first_byte_s,
         version=local_version(opened) if opened is not None else None,
     )
 
@@ -280,9 +271,3 @@ def _check_unchanged(src: _Fd, opened: os.stat_result, copied: int, url: str) ->
             f"{url}: the source changed while it was copied ({copied} bytes read, now "
             f"{now.st_size}); retrying"
         )
-
-
-def _read_into(src, view: memoryview) -> int:
-    data = src.read(len(view))
-    view[: len(data)] = data
-    return len(data)

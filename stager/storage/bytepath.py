@@ -1,0 +1,187 @@
+"""How the bytes of one copy move: through a reused buffer, hashed and inspected on the way, or
+in the kernel (``copy_file_range``/``sendfile``) and then hashed from the page cache.
+
+:func:`stager.storage.copy.copy_file` opens, verifies and publishes; this module only moves
+bytes between the descriptors it opened, keeping the first- and last-byte times the stream
+controller needs.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import threading
+import time
+from typing import Any
+
+from stager.storage.throttle import Throttle
+
+__all__ = [
+    "FIRST_READ_BYTES",
+    "ReadBack",
+    "Progress",
+    "copy_buffered",
+    "copy_kernel",
+    "KERNEL_COPY",
+]
+
+#: The first read is small so that "time to first byte" measures the source's per-file latency,
+#: not the transfer of a whole block (the stream controller depends on the difference).
+FIRST_READ_BYTES = 64 << 10
+
+_buffers = threading.local()
+
+
+def _buffer(block_bytes: int) -> memoryview:
+    """This thread's reusable copy buffer.
+
+    An anonymous mapping rather than a ``bytearray``: ``bytearray(n)`` zero-fills all ``n``
+    bytes at once, and dozens of threads each touching 4 MiB cost more than copying 300 small shards
+    (page faults and ``mmap_lock`` contention); a mapping is faulted in only as far as reads go.
+    """
+    buf = getattr(_buffers, "buf", None)
+    if buf is None or len(buf) != block_bytes:
+        buf = _buffers.buf = mmap.mmap(-1, block_bytes)
+    return memoryview(buf)
+
+
+class ReadBack:
+    """``read_at(offset, nbytes)`` over the copy being written, for :meth:`Inspector.finish`;
+    ``readinto(offset, view)`` fills a caller's buffer instead of allocating one per call
+    (fresh allocations of a few MiB fault their pages in again on every call)."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __call__(self, offset: int, nbytes: int) -> bytes:
+        return os.pread(self.fd, nbytes, offset)
+
+    def readinto(self, offset: int, view: memoryview) -> int:
+        return os.preadv(self.fd, [view], offset)
+
+
+class Progress:
+    """Bytes copied so far, the first- and last-byte times the stream controller needs, and
+    the per-block duties shared by both byte paths (throttle, progress callback)."""
+
+    __slots__ = ("started", "throttle", "on_bytes", "copied", "first_byte_s", "last_byte_s")
+
+    def __init__(self, started: float, throttle: Throttle | None, on_bytes) -> None:
+        self.started, self.throttle, self.on_bytes = started, throttle, on_bytes
+        self.copied = 0
+        self.first_byte_s = self.last_byte_s = 0.0
+
+    def read(self, nbytes: int) -> None:
+        """A read (or kernel copy) returned ``nbytes`` (0: the end of the file)."""
+        now = time.perf_counter() - self.started
+        if not self.first_byte_s:
+            self.first_byte_s = now
+        if nbytes:
+            self.last_byte_s = now
+
+    def done(self, nbytes: int) -> None:
+        """``nbytes`` are written, hashed and inspected."""
+        self.copied += nbytes
+        if self.throttle is not None:
+            self.throttle.consume(nbytes)
+        if self.on_bytes is not None:
+            self.on_bytes(nbytes)
+
+
+def copy_buffered(src, dst: Any, hasher, inspect, block_bytes: int, progress: Progress) -> None:
+    """Read into this thread's buffer; hash and inspect it while it is in cache; write it."""
+    view = _buffer(block_bytes)
+    want = min(FIRST_READ_BYTES, block_bytes)
+    while True:
+        target = view[:want]
+        n = src.readinto(target) if hasattr(src, "readinto") else _read_into(src, target)
+        want = block_bytes
+        progress.read(n)
+        if not n:
+            return
+        chunk = view[:n]
+        hasher.update(chunk)
+        if inspect is not None:
+            inspect.feed(chunk)
+        written = 0
+        while written < n:
+            written += dst.write(chunk[written : written + _WRITE_BYTES])
+        progress.done(n)
+
+
+#: The most one ``write`` hands the kernel. A 4 MiB write into ext4's page cache (kernel 6.18,
+#: large folios) now and then cost 1-3 CPU-s per GB in the kernel instead of ~0.35, in 5 of 6
+#: runs of 1 GB; in 1 MiB or 256 KiB pieces it cost 0.29-0.47 (``cp`` writes 128 KiB), while
+#: one ``writev`` of 256 KiB pieces did not help (the size of the call is what matters). 1 MiB:
+#: each piece is a release and re-acquisition of the interpreter lock (docs/tuning.md). On tmpfs
+#: the piece size made no difference.
+_WRITE_BYTES = 1 << 20
+
+#: Copy local sources in the kernel (:func:`copy_kernel`) rather than through the buffer.
+#: Off: on the 2-core VMs measured (docs/tuning.md), mapping page-cache pages to hash and index
+#: them cost ~1.5 us per 4 KiB page, more than the user-space copy the kernel copy saves, and
+#: 1 GB staged ~10-25% slower. Where mappings are cheap (bare metal) it may win: measure with
+#: benchmarks/bench_stage_in.py before turning it on.
+KERNEL_COPY = False
+_NO_KERNEL_COPY = frozenset({errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP})
+
+
+def copy_kernel(src: Any, dst: Any, hasher, inspect, block_bytes: int, progress) -> None:
+    """Copy in the kernel, a block at a time, and hash and inspect each block from the page
+    cache right after: one pass over the bytes in user space, none of them a copy.
+
+    ``copy_file_range`` within one filesystem (which may clone or copy server-side); across
+    filesystems (NFS to local scratch) ``sendfile``; where neither applies (a FUSE mount without
+    splice, an old kernel), the rest of the file goes through the buffered path. Both calls
+    move the descriptors' offsets, so switching path mid-file loses nothing.
+    """
+    use_range = True
+    want = min(FIRST_READ_BYTES, block_bytes)
+    while True:
+        try:
+            if use_range:
+                n = os.copy_file_range(src.fd, dst.fd, want)
+            else:
+                n = os.sendfile(dst.fd, src.fd, None, want)
+        except OSError as exc:
+            if exc.errno not in _NO_KERNEL_COPY:
+                raise
+            if use_range:
+                use_range = False
+                continue
+            copy_buffered(src, dst, hasher, inspect, block_bytes, progress)
+            return
+        progress.read(n)
+        if not n:
+            return
+        want = block_bytes
+        _look(dst.fd, progress.copied, n, hasher, inspect)
+        progress.done(n)
+
+
+def _look(fd: int, offset: int, nbytes: int, hasher, inspect) -> None:
+    """Hash (and inspect) ``nbytes`` of ``fd`` at ``offset`` through a mapping of the page
+    cache: no copy into user space. The mapping starts at the page boundary below ``offset``."""
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    with (
+        mmap.mmap(
+            fd, offset + nbytes - start, prot=mmap.PROT_READ, offset=start, flags=_MAP_FLAGS
+        ) as mapped,
+        memoryview(mapped) as view,
+        view[offset - start :] as chunk,
+    ):
+        hasher.update(chunk)
+        if inspect is not None:
+            inspect.feed(chunk)
+
+
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+
+
+def _read_into(src, view: memoryview) -> int:
+    data = src.read(len(view))
+    view[: len(data)] = data
+    return len(data)

@@ -1,0 +1,147 @@
+"""Both byte paths of copy_file for local sources (buffered; kernel copy + hashing through a
+mapping) keep every guarantee: whole and verified under the final name, the hash of the bytes,
+every byte handed to the inspector once and in order, ScratchFull on a full disk with no
+``.partial`` left, and the first/last-byte times the stream controller reads."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import xxhash
+
+from stager.errors import ScratchFull
+from stager.storage import bytepath
+from stager.storage.bytepath import FIRST_READ_BYTES
+from stager.storage.copy import HashMismatch, copy_file
+from stager.storage.throttle import Throttle
+
+
+@pytest.fixture(params=["buffered", "kernel"])
+def byte_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setattr(bytepath, "KERNEL_COPY", request.param == "kernel")
+    return request.param
+
+
+class _Recorder:
+    """An inspector that keeps what it was fed, and what ``read_at`` returns afterwards."""
+
+    def __init__(self) -> None:
+        self.fed = bytearray()
+        self.reread: bytes | None = None
+
+    def feed(self, chunk: memoryview) -> None:
+        self.fed += chunk
+
+    def finish(self, read_at: Callable[[int, int], bytes]) -> None:
+        self.reread = read_at(0, len(self.fed) + 10)
+
+
+def _data(nbytes: int) -> bytes:
+    return bytes((i * 131 + i // 4093) % 256 for i in range(nbytes))
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 4095, FIRST_READ_BYTES + 3, 3 * (1 << 20) + 17])
+def test_copies_hashes_and_inspects_every_byte_once(
+    tmp_path: Path, byte_path: str, nbytes: int
+) -> None:
+    src = tmp_path / "src.bin"
+    src.write_bytes(_data(nbytes))
+    seen = _Recorder()
+    final = tmp_path / "out" / "dst.bin"
+    result = copy_file(None, str(src), final, inspect=seen, block_bytes=1 << 20)
+    assert final.read_bytes() == src.read_bytes()
+    assert (
+        result.size == nbytes
+        and result.hash == f"xxh3_64:{xxhash.xxh3_64_hexdigest(src.read_bytes())}"
+    )
+    assert bytes(seen.fed) == src.read_bytes() and seen.reread == src.read_bytes()
+    assert not list(tmp_path.rglob("*.partial"))
+
+
+def test_sha256_manifest_and_mismatch(tmp_path: Path, byte_path: str) -> None:
+    src = tmp_path / "src.bin"
+    src.write_bytes(_data(200_000))
+    want = "sha256:" + hashlib.sha256(src.read_bytes()).hexdigest()
+    assert copy_file(None, str(src), tmp_path / "a.bin", expected_hash=want).hash == want
+    with pytest.raises(HashMismatch):
+        copy_file(None, str(src), tmp_path / "b.bin", expected_hash="sha256:" + "0" * 64)
+    assert not (tmp_path / "b.bin").exists() and not list(tmp_path.glob("*.partial"))
+
+
+def test_throttle_and_progress_see_every_byte(tmp_path: Path, byte_path: str) -> None:
+    src = tmp_path / "src.bin"
+    src.write_bytes(_data(2_500_000))
+    consumed: list[int] = []
+    throttle = Throttle(1e12)
+    throttle.consume = consumed.append  # type: ignore[method-assign]
+    progress: list[int] = []
+    result = copy_file(
+        None, str(src), tmp_path / "d.bin", throttle=throttle, on_bytes=progress.append
+    )
+    assert sum(consumed) == sum(progress) == result.size == 2_500_000
+    assert 0 < result.first_byte_s <= result.last_byte_s <= result.seconds
+
+
+def test_kernel_copy_falls_back_where_the_kernel_cannot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """copy_file_range refused (EXDEV: across filesystems) -> sendfile; sendfile refused too
+    (EINVAL: a filesystem without splice) -> the buffered path for the rest of the file."""
+    monkeypatch.setattr(bytepath, "KERNEL_COPY", True)
+    calls: list[str] = []
+
+    def no_range(*args: object) -> int:
+        calls.append("copy_file_range")
+        raise OSError(18, "Invalid cross-device link")
+
+    real_sendfile = os.sendfile
+
+    def sendfile_once(out_fd: int, in_fd: int, offset: object, count: int) -> int:
+        calls.append("sendfile")
+        if calls.count("sendfile") > 1:
+            raise OSError(22, "Invalid argument")
+        return real_sendfile(out_fd, in_fd, offset, count)
+
+    monkeypatch.setattr(os, "copy_file_range", no_range)
+    monkeypatch.setattr(os, "sendfile", sendfile_once)
+    src = tmp_path / "src.bin"
+    src.write_bytes(_data(3 * FIRST_READ_BYTES))
+    seen = _Recorder()
+    copy_file(None, str(src), tmp_path / "d.bin", inspect=seen)
+    assert calls[:3] == ["copy_file_range", "sendfile", "sendfile"]
+    assert (tmp_path / "d.bin").read_bytes() == src.read_bytes() == bytes(seen.fed)
+
+
+@pytest.fixture()
+def small_tmpfs(tmp_path: Path):
+    """A real 1 MiB tmpfs, unmounted afterwards; skipped where mounting is not allowed."""
+    mount_point = tmp_path / "tmpfs"
+    mount_point.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (mount -t tmpfs)")
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1024k", "tmpfs", str(mount_point)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"mount -t tmpfs is not permitted here: {done.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=False)
+
+
+def test_full_scratch_is_scratch_full_and_leaves_no_partial(
+    tmp_path: Path, small_tmpfs: Path, byte_path: str
+) -> None:
+    src = tmp_path / "big.bin"
+    src.write_bytes(_data(3 << 20))
+    with pytest.raises(ScratchFull, match="no space left"):
+        copy_file(None, str(src), small_tmpfs / "big.bin", inspect=_Recorder())
+    assert not list(small_tmpfs.iterdir())
