@@ -73,6 +73,11 @@ def iter_tar_samples(location: str) -> Iterator[dict[str, Any]]:
                         current = None
                     if current is None:
                         current = {"__key__": key, "__shard__": location}
+                    elif ext in current:
+                        raise IntegrityError(
+                            f"{location}: member {info.name!r} appears twice in one sample; "
+                            "fix the shard, or pass on_error='skip'"
+                        )
                     member = stream.extractfile(info)
                     current[ext] = member.read() if member is not None else b""
         except (tarfile.TarError, EOFError, OSError) as exc:

@@ -477,6 +477,31 @@ def test_10_a_loader_index_that_does_not_fit_leaves_no_partial(tmp_path: Path) -
         assert [p.name for p in scratch.rglob("*") if p.is_file()] == []
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+def test_10_a_member_named_twice_in_one_sample_is_refused_not_dropped(
+    tmp_path: Path, capsys, streaming: bool
+) -> None:
+    from stager_loaders import LoaderOptions, ShardedLoader
+
+    src = tmp_path / "ds"
+    write_shard(src / "good.tar", b"g")
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for fill in (b"1", b"2"):  # two members called k0.bin in the one sample k0
+            info = tarfile.TarInfo("k0.bin")
+            info.size = 600
+            tar.addfile(info, io.BytesIO(fill * 600))
+    (src / "twice.tar").write_bytes(buffer.getvalue())
+    dest = tmp_path / "s"
+    assert run_main(capsys, "stage-in", str(src), "--dest", str(dest), *FAST).returncode == 0
+    options = LoaderOptions(dest=str(dest), force_streaming=streaming)
+    with pytest.raises(IntegrityError, match=r"twice.tar.*k0\.bin.*twice"):
+        list(ShardedLoader(str(src), batch_size=2, to_tuple=("__key__",), options=options))
+    skip = LoaderOptions(dest=str(dest), force_streaming=streaming, on_error="skip")
+    loader = ShardedLoader(str(src), batch_size=2, to_tuple=("__key__",), options=skip)
+    assert sorted(k for (batch,) in loader for k in batch) == [f"good-{i:04d}" for i in range(3)]
+
+
 def test_10_a_destination_inside_the_source_is_refused_before_anything_is_created(
     tmp_path: Path, capsys
 ) -> None:

@@ -27,7 +27,7 @@ import numpy as np
 
 from stager.errors import IntegrityError
 from stager.shards.arrayfile import map_arrays, write_arrays
-from stager.shards.tarindex import TarIndex, index_tar
+from stager.shards.tarindex import TarIndex, duplicate_member, index_tar
 from stager.shards.tarscan import scan_tar  # noqa: F401 - loaded with numpy, not on first use
 
 __all__ = [
@@ -180,6 +180,12 @@ def build_flat_index(
     for path, rel, want in zip(shards, relpaths, expected, strict=True):
         try:
             index = cached_index(Path(path), cache_dir=cache_dir, relpath=rel)
+            twice = duplicate_member(index)
+            if twice is not None:
+                raise IntegrityError(
+                    f"{path}: member {twice!r} appears twice in one sample; one would be read "
+                    "and the other silently lost. Fix the shard, or pass on_error='skip'"
+                )
             if want is not None and index.num_samples != want:
                 raise IntegrityError(
                     f"{path}: has {index.num_samples} samples but the manifest says {want} "

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     import numpy as np
 
 __all__ = [
+    "duplicate_member",
     "TarIndex",
     "index_tar",
     "count_samples",
@@ -92,6 +93,38 @@ class TarIndex:
         """``(ext, offset, size)`` of each member of sample number ``sample``."""
         lo, hi = int(self.member_start[sample]), int(self.member_start[sample + 1])
         return [(self.exts[j], int(self.offsets[j]), int(self.sizes[j])) for j in range(lo, hi)]
+
+
+def duplicate_member(index: TarIndex) -> str | None:
+    """The first member named twice inside one sample (``"key.ext"``), or None.
+
+    WebDataset groups a sample's members by key; two ``key.jpg`` in a row would leave one of
+    them unread, silently. webdataset itself refuses such a shard, and so does the loader.
+    """
+    import numpy as np
+
+    starts = np.asarray(index.member_start, dtype=np.int64)
+    counts = np.diff(starts)
+    if not len(counts) or int(counts.max(initial=0)) < 2:
+        return None
+    if index.columns is not None:
+        codes = np.asarray(index.columns.ext_codes, dtype=np.int64)
+        names: tuple[str, ...] | list[str] = index.columns.ext_names
+    else:
+        lookup: dict[str, int] = {}
+        codes = np.asarray([lookup.setdefault(e, len(lookup)) for e in index.exts], np.int64)
+        names = list(lookup)
+    sample = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    pairs = sample * (int(codes.max(initial=0)) + 1) + codes
+    order = np.argsort(pairs, kind="stable")
+    repeated = np.flatnonzero(pairs[order][1:] == pairs[order][:-1])
+    if not len(repeated):
+        return None
+    member = int(order[repeated[0] + 1])
+    keys = index.keys
+    key = keys[int(sample[member])]
+    key = key.decode() if isinstance(key, bytes) else str(key)
+    return f"{key}.{names[int(codes[member])]}"
 
 
 def _open_tar(path: Path, mode: str, fileobj: BinaryIO | None = None) -> tarfile.TarFile:

@@ -197,6 +197,10 @@ def _save_loader_index(run: Staging, manifest: Manifest, indexes: dict[str, TarI
     samples = [e.samples for e in entries]
     try:
         if all(e.relpath in indexes for e in entries):
+            for relpath in relpaths:
+                twice = tarindex.duplicate_member(indexes[relpath])
+                if twice is not None:  # the loader refuses it (naming it); no index says otherwise
+                    raise IntegrityError(f"{relpath}: member {twice!r} appears twice in one sample")
             loader_index.save_dataset_index(
                 paths, relpaths, samples, [indexes[r] for r in relpaths], run.staged.index_dir
             )
