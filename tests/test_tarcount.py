@@ -69,7 +69,7 @@ def test_truncated_or_corrupt_streams_give_none(tmp_path: Path) -> None:
 @pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
 def test_index_from_the_stream_equals_index_tar(tmp_path: Path, fmt: int) -> None:
     from stager.shards.tarindex import (
-        _index_tarfile as index_tar,
+        index_with_tarfile as index_tar,
     )  # the tarfile reference, not the fast path
 
     path = _tar(tmp_path / "s.tar", fmt, long_names=fmt != tarfile.USTAR_FORMAT)
@@ -112,7 +112,7 @@ def test_index_tar_fast_path_agrees_with_tarfile(
     fast = tarindex._index_fast(path)
     assert fast is not None  # the fast path vouched for it
     assert [w is not None for w in walks] == {"whole": [], "walk": [True], "map": [False]}[read]
-    _same_index(fast, tarindex._index_tarfile(path))
+    _same_index(fast, tarindex.index_with_tarfile(path))
     _same_index(tarindex.index_tar(path), fast)
 
 
@@ -128,7 +128,7 @@ def test_fast_index_leaves_what_it_does_not_vouch_for_to_tarfile(tmp_path: Path)
             info.size = 3
             tar.addfile(info, io.BytesIO(b"abc"))
     assert tarindex._index_fast(path) is None  # a global header: tarfile's job
-    _same_index(tarindex.index_tar(path), tarindex._index_tarfile(path))
+    _same_index(tarindex.index_tar(path), tarindex.index_with_tarfile(path))
     assert tarindex.index_tar(path).num_samples == 1
     cut = tmp_path / "cut.tar"
     cut.write_bytes(path.read_bytes()[:1600])

@@ -1,7 +1,7 @@
 """The vectorised tar scanner against ``tarfile``, on random tars, whole and damaged.
 
 The contract: where :func:`scan_tar` returns an index it is exactly the index ``tarfile`` gives
-(``_index_tarfile``: same keys, extensions, offsets, sizes and sample boundaries); where
+(``index_with_tarfile``: same keys, extensions, offsets, sizes and sample boundaries); where
 ``tarfile`` raises, the scanner returns None and :func:`index_tar` raises
 :class:`IntegrityError` naming the shard. On tars that ``tarfile`` itself writes, the scanner
 must vouch (otherwise the fast path would silently be the slow one).
@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from stager.errors import IntegrityError
-from stager.shards.tarindex import TarIndex, _index_tarfile, index_tar
+from stager.shards.tarindex import TarIndex, index_tar, index_with_tarfile
 from stager.shards.tarscan import TarScanner, scan_tar
 
 PROPERTY = settings(
@@ -96,7 +96,7 @@ def _write(items: list[tuple[str, bytes, int, float]], fmt: int) -> bytes:
 
 def _reference(path: Path) -> TarIndex | IntegrityError:
     try:
-        return _index_tarfile(path)
+        return index_with_tarfile(path)
     except IntegrityError as exc:
         return exc
 

@@ -21,17 +21,21 @@ from __future__ import annotations
 import gzip
 import mmap
 import os
-import re
 import tarfile
 import zlib
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 from stager.errors import IntegrityError
+from stager.shards.members import (
+    TarIndex,
+    duplicate_member,
+    is_compressed,
+    split_key,
+)
 
 if TYPE_CHECKING:
-    import numpy as np
+    pass
 
 __all__ = [
     "duplicate_member",
@@ -42,89 +46,6 @@ __all__ = [
     "split_key",
     "is_compressed",
 ]
-
-_KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")
-
-
-def split_key(member_name: str) -> tuple[str, str] | None:
-    """``"a/b/000012.jpg"`` -> ``("a/b/000012", "jpg")``; None for names without an extension."""
-    match = _KEY_EXT.match(member_name)
-    if not match:
-        return None
-    return match.group(1), match.group(2)
-
-
-def is_compressed(path: str | Path) -> bool:
-    """True for gzip-compressed shards, which are streamed rather than indexed."""
-    name = str(path)
-    return name.endswith(".tgz") or name.endswith(".tar.gz")
-
-
-@dataclass(frozen=True)
-class TarColumns:
-    key_bytes: np.ndarray  # "S", one per sample
-    ext_codes: np.ndarray  # int16, one per member
-    ext_names: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class TarIndex:
-    """Offsets of every sample member of one shard.
-
-    Sample ``i`` owns members ``member_start[i]:member_start[i + 1]``; member ``j`` has the
-    extension ``exts[j]`` and its payload is ``sizes[j]`` bytes at byte ``offsets[j]``.
-    """
-
-    keys: list[str]
-    member_start: np.ndarray  # int64, len(keys) + 1
-    exts: list[str]
-    offsets: np.ndarray  # int64, one per member
-    sizes: np.ndarray  # int64, one per member
-    #: The same keys and extensions as arrays, where the indexer had them (the vectorised
-    #: scanner): ``keys`` UTF-8 encoded (numpy ``S``), ``exts`` as codes into ``ext_names``.
-    #: Lets the loader index be flattened without a Python loop over members.
-    columns: TarColumns | None = field(default=None, compare=False, repr=False)
-
-    @property
-    def num_samples(self) -> int:
-        return len(self.keys)
-
-    def members(self, sample: int) -> list[tuple[str, int, int]]:
-        """``(ext, offset, size)`` of each member of sample number ``sample``."""
-        lo, hi = int(self.member_start[sample]), int(self.member_start[sample + 1])
-        return [(self.exts[j], int(self.offsets[j]), int(self.sizes[j])) for j in range(lo, hi)]
-
-
-def duplicate_member(index: TarIndex) -> str | None:
-    """The first member named twice inside one sample (``"key.ext"``), or None.
-
-    WebDataset groups a sample's members by key; two ``key.jpg`` in a row would leave one of
-    them unread, silently. webdataset itself refuses such a shard, and so does the loader.
-    """
-    import numpy as np
-
-    starts = np.asarray(index.member_start, dtype=np.int64)
-    counts = np.diff(starts)
-    if not len(counts) or int(counts.max(initial=0)) < 2:
-        return None
-    if index.columns is not None:
-        codes = np.asarray(index.columns.ext_codes, dtype=np.int64)
-        names: tuple[str, ...] | list[str] = index.columns.ext_names
-    else:
-        lookup: dict[str, int] = {}
-        codes = np.asarray([lookup.setdefault(e, len(lookup)) for e in index.exts], np.int64)
-        names = list(lookup)
-    sample = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
-    pairs = sample * (int(codes.max(initial=0)) + 1) + codes
-    order = np.argsort(pairs, kind="stable")
-    repeated = np.flatnonzero(pairs[order][1:] == pairs[order][:-1])
-    if not len(repeated):
-        return None
-    member = int(order[repeated[0] + 1])
-    keys = index.keys
-    key = keys[int(sample[member])]
-    key = key.decode() if isinstance(key, bytes) else str(key)
-    return f"{key}.{names[int(codes[member])]}"
 
 
 def _open_tar(path: Path, mode: str, fileobj: BinaryIO | None = None) -> tarfile.TarFile:
@@ -171,7 +92,7 @@ def _index_fast(path: Path) -> TarIndex | None:
     member); the scanner runs no Python per member on shards of small samples, and on shards
     of large samples reads only their headers.
     """
-    from stager.shards.tarscan import TarScanner, scan_tar  # tarscan imports this module
+    from stager.shards.tarscan import TarScanner, scan_tar  # numpy: imported on first use
 
     with open(path, "rb", buffering=0) as handle:
         fd = handle.fileno()
@@ -246,10 +167,10 @@ def index_tar(path: str | Path) -> TarIndex:
         fast = None  # tarfile's open below reports it with the shard's name
     if fast is not None:
         return fast
-    return _index_tarfile(path)
+    return index_with_tarfile(path)
 
 
-def _index_tarfile(path: Path, fileobj: BinaryIO | None = None) -> TarIndex:
+def index_with_tarfile(path: Path, fileobj: BinaryIO | None = None) -> TarIndex:
     """:func:`index_tar` by ``tarfile``: slower, but it names the member where a tar breaks.
 
     ``fileobj``: read the tar from it (seekable) rather than from ``path``, which then only

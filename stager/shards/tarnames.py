@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from stager.shards.tarindex import split_key
+from stager.shards.members import split_key
 
 if TYPE_CHECKING:
     from stager.shards.tarscan import Batch

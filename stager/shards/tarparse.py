@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from stager.errors import IntegrityError
-from stager.shards.tarindex import TarIndex, _index_tarfile
+from stager.shards.tarindex import TarIndex, index_with_tarfile
 
 if TYPE_CHECKING:
     from stager.shards.tarscan import TarScanner
@@ -129,7 +129,7 @@ class TarSampleCounter:
         self._index = scanner.finish(read_at)
         if self._index is None:  # odd or damaged: tarfile decides, reading the copy
             try:
-                self._index = _index_tarfile(Path(self.name), _ReadAt(read_at, self._fed))
+                self._index = index_with_tarfile(Path(self.name), _ReadAt(read_at, self._fed))
             except IntegrityError:
                 self._index = None
 

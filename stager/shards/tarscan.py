@@ -30,8 +30,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from stager.shards.members import TarColumns, TarIndex
 from stager.shards.tarfields import vouch
-from stager.shards.tarindex import TarColumns, TarIndex
 from stager.shards.tarnames import (
     PAX_TYPES,
     PaxPayloads,
