@@ -25,9 +25,13 @@ __all__ = [
     "parse_scontrol_end_time",
     "slurm_job_end_epoch",
     "resolve_deadline",
+    "DEADLINE_MARGIN_S",
 ]
 
 _NO_TIME = {"", "unknown", "n/a", "none", "invalid", "(null)"}
+
+#: Seconds kept before the job's end time, for the commit itself to finish.
+DEADLINE_MARGIN_S = 10.0
 
 
 def parse_slurm_time(text: str) -> float | None:
@@ -92,7 +96,7 @@ def resolve_deadline(
     deadline_s: float | None,
     slurm: SlurmEnv,
     *,
-    margin_s: float = 10.0,
+    margin_s: float = DEADLINE_MARGIN_S,
     end_epoch: Callable[[str], float | None] = slurm_job_end_epoch,
 ) -> Deadline | None:
     """``--deadline-s`` when given, else the job's end minus ``margin_s`` inside Slurm, else None.

@@ -19,7 +19,7 @@ from pathlib import Path
 from stager.errors import CheckpointError, DestinationError, IntegrityError, SourceError
 from stager.stageout.run import Outcome, StageOutOptions, stage_out
 
-__all__ = ["watch", "stop_on_signals", "STOP_SIGNALS"]
+__all__ = ["watch", "stop_on_signals", "STOP_SIGNALS", "WATCH_INTERVAL_S"]
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -42,6 +42,10 @@ def stop_on_signals(
     finally:
         for s, old in previous.items():
             signal.signal(s, old)
+
+
+#: Seconds between two ``--watch`` passes.
+WATCH_INTERVAL_S = 60.0
 
 
 def watch(

@@ -7,13 +7,18 @@ import argparse
 import threading
 from pathlib import Path
 
-from stager.cli.argtypes import mbps, positive_seconds, seconds
+from stager.cli.argtypes import default_of, mbps, positive_seconds, seconds
 from stager.errors import NoCheckpoint, UsageError
 from stager.slurm import SlurmEnv
-from stager.stageout.deadline import resolve_deadline
+from stager.stageout.deadline import DEADLINE_MARGIN_S, resolve_deadline
 from stager.stageout.run import StageOutOptions, check_outcomes, stage_out
 from stager.stageout.snapshot import list_checkpoints
-from stager.stageout.watch import stop_on_signals, watch
+from stager.stageout.watch import WATCH_INTERVAL_S, stop_on_signals, watch
+
+
+def _d(name: str) -> object:
+    return default_of(StageOutOptions, name)
+
 
 HELP = "commit checkpoints from node-local scratch to persistent storage, atomically"
 
@@ -65,9 +70,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--interval",
         type=positive_seconds,
-        default=60.0,
+        default=WATCH_INTERVAL_S,
         metavar="S",
-        help="seconds between --watch passes (default 60)",
+        help=f"seconds between --watch passes (default {WATCH_INTERVAL_S:g})",
     )
     parser.add_argument(
         "--settle",
@@ -85,16 +90,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--deadline-margin-s",
         type=seconds,
-        default=10.0,
+        default=DEADLINE_MARGIN_S,
         metavar="S",
-        help="margin before the Slurm end time (default 10)",
+        help=f"margin before the Slurm end time (default {DEADLINE_MARGIN_S:g})",
     )
     parser.add_argument(
         "--assume-mbps",
         type=mbps,
-        default=100.0,
+        default=_d("assume_mbps"),
         metavar="MBPS",
-        help="copy rate assumed for deadline estimates until one is measured (default 100)",
+        help="copy rate assumed for deadline estimates until one is measured "
+        f"(default {_d('assume_mbps'):g})",
     )
     parser.add_argument(
         "--bw-limit", type=mbps, metavar="MBPS", help="cap on the copy rate, in MB/s"
@@ -102,9 +108,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lock-timeout",
         type=positive_seconds,
-        default=3600.0,
+        default=_d("lock_timeout_s"),
         metavar="S",
-        help="max wait for another process copying the same checkpoint (default 3600)",
+        help="max wait for another process copying the same checkpoint "
+        f"(default {_d('lock_timeout_s'):g})",
     )
     parser.set_defaults(handler=run)
 
