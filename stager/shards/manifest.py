@@ -170,7 +170,7 @@ def _fast_columns(payload: object) -> ManifestColumns | None:
     # type(...) is int refuses bools, as _entry does
     valid = (
         all(type(p) is str and _CANONICAL.fullmatch(p) for p in relpaths)
-        and not any(p.endswith(PARTIAL_SUFFIX) for p in relpaths)  # type: ignore[union-attr]
+        and not any(p.endswith(PARTIAL_SUFFIX) for p in relpaths)
         and all(type(s) is int and s >= 0 for s in sizes)
         and all(n is None or (type(n) is int and n >= 0) for n in samples)
         and all(h is None or (type(h) is str and h) for h in hashes)
@@ -178,8 +178,8 @@ def _fast_columns(payload: object) -> ManifestColumns | None:
     if not valid:
         return None
     return ManifestColumns(
-        relpaths,  # type: ignore[arg-type]
-        sizes,  # type: ignore[arg-type]
+        relpaths,
+        sizes,
         samples,
         {str(k): str(v) for k, v in meta.items()},
     )

@@ -32,10 +32,12 @@ def vouch(hdr: np.ndarray):
     words = np.ascontiguousarray(hdr[:, 100:164]).view("<u8")
     devices = np.ascontiguousarray(hdr[:, 329:345]).view("<u8")
     chksum, ok = _octal8(words[:, 6], checksum=True)
+    assert chksum is not None  # asked for the value
     ok &= _octal8(words[:, 0:3], value=False)[1].all(axis=1)  # mode, uid, gid
     ok &= _octal8(devices, value=False)[1].all(axis=1)
     thirty_two = _U64(32)
     size, size_ok = _octal12(words[:, 3], words[:, 4] & _U64(0xFFFFFFFF))
+    assert size is not None  # asked for the value
     mtime = (words[:, 4] >> thirty_two) | (words[:, 5] << thirty_two)
     ok &= size_ok & _octal12(mtime, words[:, 5] >> thirty_two, value=False)[1]
     for row in np.flatnonzero(~ok).tolist():  # rare: numbers spaced unusually, or base-256
@@ -142,7 +144,7 @@ def _octal8(
         values = np.where(fast, _digits_value(x, 6), 0)
     else:  # seven digits, NUL or space; or empty (devmajor and devminor of most members)
         seven = _are_digits(x, 7) & (((x >> _U64(56)) | _U64(32)) == _U64(32))
-        values = np.where(seven, _digits_value(x, 7), 0) if value else None
+        values = np.where(seven, _digits_value(x, 7), 0) if value else None  # type: ignore[assignment]
         fast = seven | ((x & _U64(0xFF)) == _U64(0))
     if fast.all():
         return values, fast

@@ -51,8 +51,8 @@ __all__ = [
 def _open_tar(path: Path, mode: str, fileobj: BinaryIO | None = None) -> tarfile.TarFile:
     try:
         if fileobj is not None:
-            return tarfile.open(fileobj=fileobj, mode=mode)  # noqa: SIM115 - as below
-        return tarfile.open(path, mode)  # noqa: SIM115 - closed by the caller's with
+            return tarfile.open(fileobj=fileobj, mode=mode)  # type: ignore[call-overload]  # noqa: SIM115
+        return tarfile.open(path, mode)  # type: ignore[call-overload]  # noqa: SIM115 - closed by the caller
     except (tarfile.TarError, EOFError, OSError) as exc:
         raise IntegrityError(
             f"{path}: not a readable tar ({exc}); re-stage or re-create this shard"
@@ -109,7 +109,7 @@ def _index_fast(path: Path) -> TarIndex | None:
             scanner.feed_headers(*walked)
             return scanner.finish(read_at)
         with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as mapped:
-            return scan_tar(mapped)
+            return scan_tar(mapped)  # type: ignore[arg-type]  # a buffer, as bytes are
 
 
 def _walk_headers(read_at, size: int):

@@ -129,7 +129,8 @@ class TarSampleCounter:
         self._index = scanner.finish(read_at)
         if self._index is None:  # odd or damaged: tarfile decides, reading the copy
             try:
-                self._index = index_with_tarfile(Path(self.name), _ReadAt(read_at, self._fed))
+                reader = _ReadAt(read_at, self._fed)
+                self._index = index_with_tarfile(Path(self.name), reader)  # type: ignore[arg-type]
             except IntegrityError:
                 self._index = None
 
@@ -163,7 +164,7 @@ class _ReadAt(io.RawIOBase):
     def tell(self) -> int:
         return self._pos
 
-    def readinto(self, buffer) -> int:  # type: ignore[no-untyped-def]
+    def readinto(self, buffer) -> int:
         with memoryview(buffer) as view:
             want = min(len(view), max(0, self._size - self._pos))
             data = self._read_at(self._pos, want) if want else b""

@@ -263,7 +263,7 @@ def _index(
         return None
     files = np.flatnonzero(np.isin(rows.kind, _FILE_TYPES))
     split = rows.split
-    plain = split.plain[files] & np.equal(meta_names[files], None)
+    plain = split.plain[files] & np.equal(meta_names[files], None)  # type: ignore[call-overload]
     if plain.all():  # the usual shard: keys stay fixed-width bytes until the end
         matched = split.matched[files]
         if not matched.any():
