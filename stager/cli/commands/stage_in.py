@@ -16,6 +16,11 @@ from stager.cli.argtypes import (
     seconds,
     size,
 )
+from stager.cli.staging_flags import (
+    add_background_arguments,
+    check_background_arguments,
+    wait_for_background,
+)
 from stager.errors import (
     EXIT_CHECKPOINT,
     EXIT_NO_CHECKPOINT,
@@ -158,6 +163,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         f"(default {_d('lock_timeout_s'):g})",
     )
     add_fanout_arguments(parser)
+    add_background_arguments(parser)
     add(
         "--subset",
         choices=SUBSETS,
@@ -192,6 +198,9 @@ def options_from_args(args: argparse.Namespace, slurm: SlurmEnv) -> StageInOptio
 def run(args: argparse.Namespace) -> int:
     if args.checkpoint is not None:
         return _restore(args)
+    check_background_arguments(args)
+    if args.wait_staged is not None:
+        return wait_for_background(args)
     if args.fanout and args.subset != "all":
         raise UsageError(
             "--fanout replicates the whole dataset on every node; it needs --subset all"
@@ -221,6 +230,12 @@ def run(args: argparse.Namespace) -> int:
             from stager.fanout.run import fanout_stage_in  # numpy and, later, torch: when asked
 
             report = fanout_stage_in(source, options, fanout_options_from_args(args), slurm=slurm)
+        elif args.background:
+            from stager.stagein.background import background_stage_in
+
+            report = background_stage_in(
+                source, options, copy_seed=args.copy_seed, slurm=slurm, select=select
+            )
         else:
             report = stage_in(source, options, slurm=slurm, select=select)
     except Exception as exc:
