@@ -124,10 +124,14 @@ def read_plan(staged: StagedDataset) -> tuple[ManifestColumns, PlanFacts] | None
 
 
 def discard_plan(staged: StagedDataset) -> None:
-    """Void the plan of an earlier run: from now on its final names prove nothing."""
+    """Void the plan of an earlier run: from now on its final names prove nothing.
+
+    On a read-only scratch nothing can replace a final name either, so a plan that cannot be
+    removed there still tells the truth; ``unlink`` of a missing file fails with EROFS there.
+    """
     try:
         staged.staging_path.unlink()
-    except FileNotFoundError:
+    except OSError:
         pass
 
 

@@ -54,9 +54,9 @@ def wait_staged(
             ready = sum(published(prefix + columns.relpaths[i], columns.sizes[i]) for i in wanted)
             if ready == len(wanted):
                 print(
-                    f"[{slurm.node_name}] stage-in: the background copy of {staged.dir} has "
-                    f"staged {len(wanted)} of its first {first_shards} shard(s); training may "
-                    "start",
+                    f"[{slurm.node_name}] stage-in: the background copy of {staged.dir} is "
+                    f"under way ({len(order)} shard(s) planned, the first {len(wanted)} "
+                    "staged); training may start",
                     file=log,
                     flush=True,
                 )
