@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from stager.stagein.status import read_plan
 from stager.storage.sources import resolve_source
 
 from .background_util import SPEC, dataset, finished, job_env, start_copier, stop, wait_plan
-from .conftest import clean_env, run_cli
+from .conftest import BIN, clean_env, run_cli
 
 FAST = ("--progress", "none", "--jitter-max", "0")
 
@@ -172,3 +173,28 @@ def test_subset_node_plans_each_node_its_own_shards_in_its_own_order(tmp_path: P
         planned[node] = set(columns.relpaths)
     assert planned[0] and planned[1] and not planned[0] & planned[1]
     assert planned[0] | planned[1] == {p.name for p in src.glob("*.tar")}
+
+
+def test_a_waiter_reports_the_error_of_a_copier_that_failed_before_its_plan(
+    tmp_path: Path,
+) -> None:
+    bare = tmp_path / "src" / "ds"  # no manifest: the copier refuses after taking the lock
+    write_synthetic_dataset(bare, SyntheticSpec(num_shards=2, samples_per_shard=3))
+    dest = tmp_path / "scratch"
+    env = clean_env(**job_env(0))
+    waiter = subprocess.Popen(
+        [str(BIN / "stage-in"), "--wait-staged", "0", str(bare), "--dest", str(dest)],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        time.sleep(0.5)  # the job script starts the waiter right after the copier step
+        copier = start_copier(bare, dest)
+        _, err = copier.communicate(timeout=120)
+        assert copier.returncode == EXIT_USAGE, err
+        _, waited = waiter.communicate(timeout=120)
+    finally:
+        stop(waiter)
+    assert waiter.returncode == EXIT_USAGE, waited
+    assert "stager index" in waited

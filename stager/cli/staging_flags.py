@@ -9,14 +9,22 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from stager.cli.argtypes import count
 from stager.errors import UsageError
-from stager.layout import StagedDataset, dataset_name
+from stager.layout import StagedDataset, canonical_spec, dataset_name
 from stager.slurm import SlurmEnv
+from stager.stagein.options import StageInOptions
 from stager.storage.dest import resolve_dest_root
 
-__all__ = ["add_background_arguments", "check_background_arguments", "wait_for_background"]
+__all__ = [
+    "add_background_arguments",
+    "check_background_arguments",
+    "background_dataset",
+    "background_spec",
+    "wait_for_background",
+]
 
 
 def add_background_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,15 +68,37 @@ def check_background_arguments(args: argparse.Namespace) -> None:
         )
 
 
+def _dataset_of(args: argparse.Namespace, dest_root: Path) -> StagedDataset:
+    """Where SOURCE (or --from-list) is staged, from its spec alone: no listing."""
+    if args.name:
+        return StagedDataset(dest_root, args.name)
+    if args.from_list:
+        from stager.storage.listing import read_list
+
+        return StagedDataset(dest_root, dataset_name(read_list(args.from_list)))
+    if not args.source:
+        raise UsageError("give SOURCE (or --from-list, or --name)")
+    return StagedDataset(dest_root, dataset_name(args.source))
+
+
+def background_dataset(args: argparse.Namespace, options: StageInOptions) -> StagedDataset:
+    """The dataset ``--background`` stages: known before the source is listed, so that the
+    copier holds the node lock while it lists (``--wait-staged`` sees it working)."""
+    return _dataset_of(args, options.dest_root)
+
+
+def background_spec(args: argparse.Namespace) -> str:
+    """What SOURCE asks for, spelled as the listing will spell it (tasks adopt only the same)."""
+    if args.from_list:
+        return canonical_spec(args.from_list, listed=True)
+    return canonical_spec(args.source) if args.source else ""
+
+
 def wait_for_background(args: argparse.Namespace) -> int:
     """``--wait-staged N``: see :mod:`stager.stagein.wait`."""
     from stager.stagein.wait import wait_staged
 
-    if not args.source and not args.name:
-        raise UsageError("--wait-staged needs the SOURCE the copier stages (or its --name)")
     slurm = SlurmEnv.from_environ()
-    staged = StagedDataset(
-        resolve_dest_root(args.dest, slurm=slurm), args.name or dataset_name(args.source)
-    )
+    staged = _dataset_of(args, resolve_dest_root(args.dest, slurm=slurm))
     wait_staged(staged, args.wait_staged, slurm=slurm, timeout_s=args.lock_timeout, log=sys.stderr)
     return 0

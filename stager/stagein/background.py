@@ -30,6 +30,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import TextIO
 
 from stager.errors import StagingStopped, UsageError
@@ -127,129 +128,141 @@ def _stop_on_signals(stop: threading.Event, copying: threading.Event) -> Iterato
 
 
 def background_stage_in(
-    source: SourceSet,
+    list_source: Callable[[], SourceSet],
+    staged: StagedDataset,
     options: StageInOptions,
     *,
+    spec: str = "",
     copy_seed: int = 0,
     slurm: SlurmEnv | None = None,
     select: Callable[[SourceSet], Sequence[SourceShard]] | None = None,
     stop: threading.Event | None = None,
 ) -> StageInReport:
-    """Stage ``source`` on this node in the loader's order (see the module doc).
+    """Stage the source ``list_source()`` lists into ``staged``, in the loader's order.
 
-    ``stop`` (default: a new event, set by SIGTERM/SIGINT on the main thread) ends the run
-    between two blocks with :class:`StagingStopped`. Other failures are the plain run's.
+    The source is listed once this process holds the node lock, so that a waiter
+    (``--wait-staged``) can tell a copier still listing from one that never started; ``spec``
+    (:func:`stager.layout.canonical_spec` of what was asked) is what other tasks of the node
+    compare before adopting this run's result. ``stop`` (default: a new event, set by
+    SIGTERM/SIGINT on the main thread) ends the run between two blocks with
+    :class:`StagingStopped`. Other failures are the plain run's.
     """
-    slurm = slurm or SlurmEnv.from_environ()
-    log = options.log or sys.stderr
-    staged = staged_dataset(source, options)
-    stop = stop or threading.Event()
-    copying = threading.Event()
+    run = _BackgroundRun(
+        options,
+        slurm or SlurmEnv.from_environ(),
+        staged,
+        options.log or sys.stderr,
+        stop or threading.Event(),
+        copy_seed,
+        select,
+    )
 
     def work(heartbeat: Callable[[], None]) -> StageInReport:
-        report = new_report(slurm, staged, source, options)
+        report = StageInReport(run.slurm.node_name, run.slurm.job_id, str(staged.dir), "", spec)
         try:
-            _run(
-                source,
-                options,
-                slurm,
-                select,
-                staged,
-                report,
-                log,
-                heartbeat,
-                stop,
-                copying,
-                copy_seed,
-            )
+            discard_plan(staged)  # an earlier run's plan proves nothing from here on
+            source = list_source()
+            if staged_dataset(source, options) != staged:
+                raise UsageError(f"{source.root_url} is not staged as {staged.dir}; pass --name")
+            report = new_report(run.slurm, staged, source, options)
+            run.stage(source, report, heartbeat)
         except BaseException as exc:
             attach_report(exc, report)
             raise
         return report
 
-    with _stop_on_signals(stop, copying):
-        return run_once_per_node(staged, options, work, spec=source.spec)
+    with _stop_on_signals(run.stop, run.copying):
+        return run_once_per_node(staged, options, work, spec=spec)
 
 
-def _run(
-    source: SourceSet,
-    options: StageInOptions,
-    slurm: SlurmEnv,
-    select: Callable[[SourceSet], Sequence[SourceShard]] | None,
-    staged: StagedDataset,
-    report: StageInReport,
-    log: TextIO,
-    heartbeat: Callable[[], None],
-    stop: threading.Event,
-    copying: threading.Event,
-    copy_seed: int,
-) -> None:
-    node = slurm.node_name
-    discard_plan(staged)  # an earlier run's plan proves nothing from here on
-    shards = list(select(source) if select is not None else source.shards)
-    run, plan, expected = prepare(
-        source, options, slurm, shards, staged, report, log, size_later=False, heartbeat=heartbeat
-    )
-    entries = plan_entries(shards, plan, expected)
-    for item in plan.to_copy:
-        discard(item.final)  # not verified by this run: its name must not stand for its bytes
-    plan.free_bytes = preflight(staged.dir, plan.bytes_to_copy, options, node)
-    salt = copy_salt(options.subset, slurm.node)
-    order = copy_order(len(shards), seed=copy_seed, salt=salt)
-    place = {shards[i].relpath: p for p, i in enumerate(order.tolist())}
-    plan.to_copy.sort(key=lambda item: place[item.shard.relpath])
-    facts = PlanFacts(
-        run_id=uuid.uuid4().hex,
-        started_at=time.time(),
-        job_id=slurm.job_id,
-        restart_count=slurm.restart_count,
-        node=node,
-        copy_seed=copy_seed,
-        salt=salt,
-        subset=options.subset,
-        source=source.root_url,
-        spec=source.spec,
-    )
-    write_plan(staged, entries, facts)
-    heartbeat()
-    print(
-        f"[{node}] stage-in --background: {len(plan.kept)} of {len(shards)} shard(s) staged "
-        f"already, copying {len(plan.to_copy)} in the loader's order (copy seed {copy_seed})",
-        file=log,
-        flush=True,
-    )
-    copying.set()
-    try:
-        if stop.is_set():
-            raise CopierStopped
-        if plan.to_copy:
-            time.sleep(jitter_s(slurm.node, slurm.num_nodes, options.jitter_max_s))
-            outcome = _OrderedCopier(
-                source,
-                plan,
-                options,
-                report,
-                {k: e.samples for k, e in expected.items()},
-                log,
-                journal=run.journal,
-                heartbeat=heartbeat,
-                stop=stop,
-                priority=place,
-            ).run()
-            run.entries.update(outcome.entries)
-            run.parsed.update(outcome.parsed)
-    except CopierStopped:
-        clean_partials(staged.dir)  # every copy removed its own; this is belt and braces
-        report.seconds = time.monotonic() - run.started
-        staged_now = len(plan.kept) + report.files_copied
-        raise StagingStopped(
-            f"[{node}] stage-in --background stopped by a signal with {staged_now} of "
-            f"{len(shards)} shard(s) staged and no partial file left; rerun it to copy the rest"
-        ) from None
-    finish(run)
-    print(
-        f"[{node}] stage-in --background: done, {len(run.entries)} of {len(shards)} shard(s) "
-        f"staged{'' if not report.failures else f', {len(report.failures)} failed'}",
-        file=log,
-        flush=True,
-    )
+@dataclass
+class _BackgroundRun:
+    """One node's background stage-in of one dataset (see the module doc)."""
+
+    options: StageInOptions
+    slurm: SlurmEnv
+    staged: StagedDataset
+    log: TextIO
+    stop: threading.Event
+    copy_seed: int
+    select: Callable[[SourceSet], Sequence[SourceShard]] | None
+    copying: threading.Event = field(default_factory=threading.Event)
+
+    def stage(
+        self, source: SourceSet, report: StageInReport, heartbeat: Callable[[], None]
+    ) -> None:
+        options, staged, node = self.options, self.staged, self.slurm.node_name
+        shards = list(self.select(source) if self.select is not None else source.shards)
+        run, plan, expected = prepare(
+            source,
+            options,
+            self.slurm,
+            shards,
+            staged,
+            report,
+            self.log,
+            size_later=False,
+            heartbeat=heartbeat,
+        )
+        entries = plan_entries(shards, plan, expected)
+        for item in plan.to_copy:
+            discard(item.final)  # not verified by this run: its name must not stand for its bytes
+        plan.free_bytes = preflight(staged.dir, plan.bytes_to_copy, options, node)
+        salt = copy_salt(options.subset, self.slurm.node)
+        order = copy_order(len(shards), seed=self.copy_seed, salt=salt)
+        place = {shards[i].relpath: p for p, i in enumerate(order.tolist())}
+        plan.to_copy.sort(key=lambda item: place[item.shard.relpath])
+        facts = PlanFacts(
+            run_id=uuid.uuid4().hex,
+            started_at=time.time(),
+            job_id=self.slurm.job_id,
+            restart_count=self.slurm.restart_count,
+            node=node,
+            copy_seed=self.copy_seed,
+            salt=salt,
+            subset=options.subset,
+            source=source.root_url,
+            spec=source.spec,
+        )
+        write_plan(staged, entries, facts)
+        heartbeat()
+        self.say(
+            f"{len(plan.kept)} of {len(shards)} shard(s) staged already, copying "
+            f"{len(plan.to_copy)} in the loader's order (copy seed {self.copy_seed})"
+        )
+        self.copying.set()
+        try:
+            if self.stop.is_set():
+                raise CopierStopped
+            if plan.to_copy:
+                time.sleep(jitter_s(self.slurm.node, self.slurm.num_nodes, options.jitter_max_s))
+                outcome = _OrderedCopier(
+                    source,
+                    plan,
+                    options,
+                    report,
+                    {k: e.samples for k, e in expected.items()},
+                    self.log,
+                    journal=run.journal,
+                    heartbeat=heartbeat,
+                    stop=self.stop,
+                    priority=place,
+                ).run()
+                run.entries.update(outcome.entries)
+                run.parsed.update(outcome.parsed)
+        except CopierStopped:
+            clean_partials(staged.dir)  # every copy removed its own; this is belt and braces
+            report.seconds = time.monotonic() - run.started
+            raise StagingStopped(
+                f"[{node}] stage-in --background stopped by a signal with "
+                f"{len(plan.kept) + report.files_copied} of {len(shards)} shard(s) staged and "
+                "no partial file left; rerun it to copy the rest"
+            ) from None
+        finish(run)
+        failed = f", {len(report.failures)} failed" if report.failures else ""
+        self.say(f"done, {len(run.entries)} of {len(shards)} shard(s) staged{failed}")
+
+    def say(self, message: str) -> None:
+        print(
+            f"[{self.slurm.node_name}] stage-in --background: {message}", file=self.log, flush=True
+        )

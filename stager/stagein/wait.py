@@ -14,20 +14,35 @@ result), and with :class:`LockTimeout` when nothing happened for ``timeout_s``.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import TextIO
 
-from stager.errors import LockTimeout, StagingStopped, rebuild_error
+from stager.errors import LockTimeout, StagerError, StagingStopped, rebuild_error
 from stager.layout import StagedDataset
 from stager.plan.staging import copy_order
 from stager.slurm import SlurmEnv
 from stager.stagein.status import is_current, lock_held, published, read_outcome, read_plan
 
-__all__ = ["wait_staged", "GONE_AFTER_S"]
+__all__ = ["wait_staged", "GONE_AFTER_S", "STARTUP_GRACE_S"]
 
 #: A copier counts as gone when its lock stays free this long without a result: a task
 #: taking over from a dead one needs a moment to take the lock and publish its own plan.
 GONE_AFTER_S = 5.0
+#: Before any plan of this run: how long the lock may stay free (the copier step starting:
+#: an interpreter, the import, the lock) before the waiter says no copier runs.
+STARTUP_GRACE_S = 60.0
+
+
+def _failed_since(staged: StagedDataset, since: float) -> StagerError | None:
+    """The error of a copier that ended after ``since`` without publishing a plan."""
+    try:
+        payload = json.loads(staged.result_path.read_text())
+        if float(payload.get("finished_at", 0)) < since or not payload.get("error_class"):
+            return None
+        return rebuild_error(payload["error_class"], str(payload.get("error", "")))
+    except (OSError, ValueError, TypeError, AttributeError, KeyError):
+        return None
 
 
 def wait_staged(
@@ -41,7 +56,8 @@ def wait_staged(
 ) -> int:
     """Block until the plan and its first ``first_shards`` shards are published; return how
     many shards the plan has. ``timeout_s`` bounds the wait without progress."""
-    progress_at = time.monotonic()
+    progress_at = idle_since = time.monotonic()
+    wait_started = time.time()
     free_since: float | None = None
     done = -1
     while True:
@@ -81,6 +97,19 @@ def wait_staged(
                         f"(its lock is free, it left no result) with {ready} of the first "
                         f"{len(wanted)} shard(s) staged; see its log and rerun it"
                     )
+        else:
+            # No plan of this run yet: a copier lists the source holding the node lock.
+            failed = _failed_since(staged, wait_started)
+            if failed is not None:
+                raise failed
+            if lock_held(staged):
+                idle_since = time.monotonic()
+            elif time.monotonic() - idle_since > STARTUP_GRACE_S:
+                raise StagingStopped(
+                    f"[{slurm.node_name}] no stage-in --background of {staged.dir} is running "
+                    f"for this job (nothing holds its lock, no plan after {STARTUP_GRACE_S:.0f} "
+                    "s); start it first, as a step of its own (see docs/jobs.md)"
+                )
         if time.monotonic() - progress_at > timeout_s:
             raise LockTimeout(
                 f"[{slurm.node_name}] waited {timeout_s:.0f} s without progress for the "

@@ -18,6 +18,8 @@ from stager.cli.argtypes import (
 )
 from stager.cli.staging_flags import (
     add_background_arguments,
+    background_dataset,
+    background_spec,
     check_background_arguments,
     wait_for_background,
 )
@@ -37,7 +39,7 @@ from stager.stagein.report import StageInReport
 from stager.stagein.run import stage_in
 from stager.storage.dest import resolve_dest_root
 from stager.storage.retry import RetryPolicy
-from stager.storage.sources import resolve_source
+from stager.storage.sources import SourceSet, resolve_source
 
 HELP = "copy dataset shards to node-local scratch (run once per node: srun --ntasks-per-node=1)"
 
@@ -209,13 +211,16 @@ def run(args: argparse.Namespace) -> int:
     # Sizes of a walked directory are looked up after the manifest (fewer stats), except where
     # shard selection needs them first: --subset node partitions by size, --fanout plans by it.
     defer_stats = args.subset == "all" and not args.fanout
-    source = resolve_source(
-        args.source,
-        from_list=args.from_list,
-        name=args.name,
-        jobs=args.jobs,
-        stat_listed=not defer_stats,
-    )
+
+    def list_source() -> SourceSet:
+        return resolve_source(
+            args.source,
+            from_list=args.from_list,
+            name=args.name,
+            jobs=args.jobs,
+            stat_listed=not defer_stats,
+        )
+
     options = options_from_args(args, slurm)
     select = None
     if args.subset == "node":
@@ -226,18 +231,25 @@ def run(args: argparse.Namespace) -> int:
 
     report: StageInReport | None
     try:
-        if args.fanout:
-            from stager.fanout.run import fanout_stage_in  # numpy and, later, torch: when asked
-
-            report = fanout_stage_in(source, options, fanout_options_from_args(args), slurm=slurm)
-        elif args.background:
+        if args.background:  # lists the source once it holds the node lock
             from stager.stagein.background import background_stage_in
 
             report = background_stage_in(
-                source, options, copy_seed=args.copy_seed, slurm=slurm, select=select
+                list_source,
+                background_dataset(args, options),
+                options,
+                spec=background_spec(args),
+                copy_seed=args.copy_seed,
+                slurm=slurm,
+                select=select,
             )
+        elif args.fanout:
+            from stager.fanout.run import fanout_stage_in  # numpy and, later, torch: when asked
+
+            source = list_source()
+            report = fanout_stage_in(source, options, fanout_options_from_args(args), slurm=slurm)
         else:
-            report = stage_in(source, options, slurm=slurm, select=select)
+            report = stage_in(list_source(), options, slurm=slurm, select=select)
     except Exception as exc:
         report = getattr(exc, "report", None)
         if report is not None and (report.files_total or report.failures):
