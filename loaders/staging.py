@@ -31,7 +31,14 @@ from stager.plan.staging import StagingSpec
 from stager.shards.loader_index import build_flat_index
 from stager.shards.tarindex import is_compressed
 from stager.slurm import SlurmEnv
-from stager.stagein.status import PlanFacts, is_current, lock_held, read_outcome, read_plan
+from stager.stagein.status import (
+    PlanFacts,
+    is_current,
+    lock_held,
+    published,
+    read_outcome,
+    read_plan,
+)
 from stager.stagein.wait import GONE_AFTER_S
 from stager_loaders.options import LoaderOptions
 from stager_loaders.readers import StagedReader, _Collate
@@ -48,11 +55,39 @@ log = logging.getLogger("stager_loaders")
 MONITOR_EVERY_S = 1.0
 
 
+#: Longest wait, at an epoch's start, for a copier that has published every shard and is
+#: writing its manifest and index.
+FINISHING_S = 60.0
+
+
+def _all_published(staged: StagedDataset) -> bool:
+    loaded = read_plan(staged)
+    if loaded is None:
+        return False
+    prefix = str(staged.dir) + "/"
+    columns = loaded[0]
+    return all(
+        published(prefix + rel, size)
+        for rel, size in zip(columns.relpaths, columns.sizes, strict=True)
+    )
+
+
 def staging_incomplete(staged_dir: Path | None, facts: PlanFacts | None) -> bool:
-    """True while this node's background run has not ended well."""
+    """True while this node's background run has not ended well.
+
+    A copier that has published every shard is only writing its manifest and index: its
+    word is waited for (seconds) rather than raced, so that an epoch starting right after the
+    last shard landed decides alike in every run of the job.
+    """
     if facts is None or staged_dir is None:
         return False
-    outcome = read_outcome(StagedDataset.of(staged_dir), facts)
+    staged = StagedDataset.of(staged_dir)
+    outcome = read_outcome(staged, facts)
+    if outcome is None and lock_held(staged) and _all_published(staged):
+        deadline = time.monotonic() + FINISHING_S
+        while outcome is None and lock_held(staged) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            outcome = read_outcome(staged, facts)
     return outcome is None or not outcome.ok
 
 

@@ -120,6 +120,10 @@ def _stop_on_signals(stop: threading.Event, copying: threading.Event) -> Iterato
             raise StagingStopped(f"stopped by signal {signum} before copying anything")
 
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    # Slurm's warning signals (--signal=USR1@T without B:) reach every task of every step; they
+    # are the training script's business, and their default action would kill the copier.
+    for sig in (signal.SIGUSR1, signal.SIGUSR2):
+        previous[sig] = signal.signal(sig, signal.SIG_IGN)
     try:
         yield
     finally:
