@@ -5,11 +5,11 @@ stage-in and the loader share this plan, so shards land in the order ranks ask f
 1. **Copy order.** stage-in copies a node's shards in :func:`copy_order` (a keyed order of the
    shard numbers, keyed by ``stage-in --seed``; with ``--subset node`` salted by the node).
 2. **Windows of staged shards.** The shards in copy order are cut into windows of
-   ``1, 2, 4, ...`` shards, then ``window_shards`` each (:func:`window_starts`). The samples of
-   a window are concatenated and permuted inside it by a key of (loader seed, epoch, window),
-   so reading window ``w`` needs only the first shards of the copy order, and the first batch
-   needs only the first shard. The windows grow so that the order mixes more once the head
-   of the dataset has landed.
+   ``1, 2, 4, ...`` shards, then ``window_shards`` each, then ``..., 4, 2, 1`` at the end
+   (:func:`window_starts`). The samples of a window are concatenated and permuted inside it
+   by a key of (loader seed, epoch, window), so reading window ``w`` needs only the first
+   shards of the copy order: the first batch needs only the first shard, and the epoch's last
+   batches only the last one or two. In between, larger windows mix more.
 3. **Steps interleaved across ranks.** Step ``i`` of the group's ``G`` ranks takes the
    ``G x batch`` positions after step ``i - 1`` (rank ``r`` the ``r``-th batch of them), so
    every rank's first batches come from the head of the copy order. (Outside a staging
@@ -86,14 +86,25 @@ def copy_order(num_shards: int, *, seed: int, salt: int = 0) -> np.ndarray:
 
 
 def window_starts(num_shards: int, window_shards: int = WINDOW_SHARDS) -> np.ndarray:
-    """First copy-order position of each window (``1, 2, 4, ...`` shards up to
-    ``window_shards``, then ``window_shards`` each), plus ``num_shards`` at the end."""
-    starts = [0]
+    """First copy-order position of each window, plus ``num_shards`` at the end.
+
+    Windows of ``1, 2, 4, ...`` shards up to ``window_shards``, and the same sizes mirrored at
+    the end (``..., 4, 2, 1``): the first batch waits for one shard, and so does the last
+    stretch of the epoch while the copy finishes (a window is read only once all of it has
+    landed, so a large last window would hold the epoch's end back by its whole copy).
+    """
+    ramp: list[int] = []
     size = 1
-    while starts[-1] < num_shards:
-        starts.append(min(num_shards, starts[-1] + size))
-        size = min(size * 2, window_shards)
-    return np.asarray(starts if num_shards else [0, 0], dtype=np.int64)
+    while size < window_shards and 2 * (sum(ramp) + size) <= num_shards:
+        ramp.append(size)
+        size *= 2
+    middle = num_shards - 2 * sum(ramp)
+    while ramp and 0 < middle < ramp[-1]:  # too little left between the ramps: shorten them
+        middle += 2 * ramp.pop()
+    count = -(-middle // window_shards)
+    mids = [middle // count + (1 if i < middle % count else 0) for i in range(count)]
+    sizes = ramp + mids + ramp[::-1]
+    return np.concatenate([np.zeros(1, np.int64), np.cumsum(sizes, dtype=np.int64)])
 
 
 class StagingOrder:
