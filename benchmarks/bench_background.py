@@ -30,6 +30,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -102,7 +104,8 @@ def _watch_opens(root: str, log: Path) -> None:
 
 def _copier(argv: list[str], work: Path, tag: str) -> subprocess.Popen:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(work / "site"), env.get("PYTHONPATH", "")])
+    site = work.parent / "site"  # the sitecustomize registering countfile://
+    env["PYTHONPATH"] = os.pathsep.join([str(site), env.get("PYTHONPATH", "")])
     env["BENCH_COUNT_LOG"] = str(work / f"copier-{tag}.log")
     return subprocess.Popen(
         [str(BIN / "stage-in"), *argv], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
@@ -117,6 +120,7 @@ def run(mode: str, spec: str, work: Path, args: argparse.Namespace, step_s: floa
     from stager_loaders import LoaderOptions, ShardedLoader
 
     tag = f"{mode}-{step_s:g}"
+    work.mkdir(exist_ok=True)
     dest = work / f"scratch-{tag}"
     os.environ["BENCH_COUNT_LOG"] = str(work / f"loader-{tag}.log")
     common = [spec, "--dest", str(dest), "--bw-limit", str(args.bw_limit), "--quiet"]
@@ -175,6 +179,16 @@ def run(mode: str, spec: str, work: Path, args: argparse.Namespace, step_s: floa
     }
 
 
+def _median(runs: list[dict]) -> dict:
+    """One row per (mode, compute): the median of each figure over the repeats."""
+    out = dict(runs[0])
+    for key, value in runs[0].items():
+        if isinstance(value, (int, float)) and key != "step_s":
+            out[key] = statistics.median(r[key] for r in runs)
+    out["repeats"] = len(runs)
+    return out
+
+
 def to_markdown(rows: list[dict], shard_copy_s: float, dataset_bytes: int) -> str:
     """The table, then per compute setting the ratios the issue asks for."""
     lines = [
@@ -187,8 +201,8 @@ def to_markdown(rows: list[dict], shard_copy_s: float, dataset_bytes: int) -> st
         lines.append(
             f"| {r['step_s'] * 1000:.0f} ms | {r['mode']} | {r['staging_s']:.2f} | "
             f"{r['first_batch_s']:.2f} | {r['epoch0_s']:.2f} | {r['samples'] / r['epoch0_s']:.0f} "
-            f"| {r['epoch1_s']:.2f} | {r['total_s']:.2f} | {r['loader_source_bytes']} | "
-            f"{r['copier_source_bytes']} |"
+            f"| {r['epoch1_s']:.2f} | {r['total_s']:.2f} | {int(r['loader_source_bytes'])} | "
+            f"{int(r['copier_source_bytes'])} |"
         )
     lines.append("")
     by = {(r["mode"], r["step_s"]): r for r in rows}
@@ -231,10 +245,18 @@ def main(argv: list[str] | None = None) -> int:
         nargs="*",
         help="compute per batch to simulate (default: 0, and an epoch of compute ~ T)",
     )
+    parser.add_argument("--repeats", type=int, default=3, help="runs per mode (median shown)")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
     args = parser.parse_args(argv)
     compile_bytecode()
     work, where = scratch_root("bench-background-")
+    try:
+        return _bench(args, work, where)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _bench(args: argparse.Namespace, work: Path, where: str) -> int:
     (work / "site").mkdir()
     (work / "site" / "sitecustomize.py").write_text(COUNTING)
     exec(compile(COUNTING, "countfile", "exec"), {})  # the same protocol in this process
@@ -254,11 +276,16 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.step_s if args.step_s is not None else [0.0, round(staging_s / batches, 4)]
     _watch_opens(str(src), work / "opened.log")
     spec = f"countfile://{src}"
-    rows = []
-    for step_s in steps:
-        for mode in ("staging first", "background"):
-            rows.append(run(mode, spec, work, args, step_s))
-            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    runs: list[dict] = []
+    for repeat in range(args.repeats):
+        for step_s in steps:
+            for mode in ("staging first", "background"):  # alternating, A B A B
+                runs.append(run(mode, spec, work / f"r{repeat}", args, step_s))
+                print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+    rows = [
+        _median([r for r in runs if (r["mode"], r["step_s"]) == key])
+        for key in dict.fromkeys((r["mode"], r["step_s"]) for r in runs)
+    ]
     opened = (work / "opened.log").read_text() if (work / "opened.log").exists() else ""
     print(f"{where}; {args.shards} shards, bw-limit {args.bw_limit} MB/s, {args.workers} workers")
     print(f"files the loader opened under the source: {len(opened.splitlines())}")
