@@ -207,13 +207,15 @@ def stopped_message(gate: ShardGate, why: str) -> str:
     )
 
 
-_PLAN_CACHE: dict[str, dict[str, Any]] = {}
+_PLAN_CACHE: dict[tuple[str, int], dict[str, Any]] = {}
 
 
 def _plan_entry(staged: StagedDataset, relpath: str) -> Any:
-    """The plan's entry of ``relpath`` (with its hash), read once per process when needed."""
-    key = str(staged.staging_path)
+    """The plan's entry of ``relpath`` (with its hash), read once per process and plan version
+    (a copier that takes over writes a new plan)."""
+    key = (str(staged.staging_path), staged.staging_path.stat().st_mtime_ns)
     if key not in _PLAN_CACHE:
+        _PLAN_CACHE.clear()
         _PLAN_CACHE[key] = Manifest.read(staged.staging_path).by_relpath()
     return _PLAN_CACHE[key][relpath]
 

@@ -109,7 +109,8 @@ def plan_entries(
 
 @contextlib.contextmanager
 def _stop_on_signals(stop: threading.Event, copying: threading.Event) -> Iterator[None]:
-    """SIGTERM/SIGINT set ``stop``; before the copies start they also raise at once."""
+    """SIGTERM/SIGINT set ``stop`` (before the copies start they also raise at once, as
+    nothing partial exists yet); SIGUSR1/SIGUSR2 are ignored while the run lasts."""
     if threading.current_thread() is not threading.main_thread():
         yield  # signal handlers live on the main thread; a caller elsewhere sets ``stop``
         return
