@@ -18,15 +18,17 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from stager.errors import ResumeMismatch, UsageError
+from stager.errors import ResumeMismatch, StagingStopped, UsageError
 from stager.plan.elastic import remaining_after
 from stager.plan.ranks import PlanOptions, WorldLayout, fingerprint
 from stager_loaders.dataset import PackedBatch
 from stager_loaders.metrics import LoaderMetrics, batch_length
 from stager_loaders.options import DROP_LAST_HINT, LEGACY_KEYWORDS, LoaderOptions
+from stager_loaders.orders import EpochOrders
 from stager_loaders.readers import Reader, open_reader
 from stager_loaders.resolve import DatasetShards, resolve_dataset
 from stager_loaders.samples import DecodeSpec, SamplePipeline, make_decoder, unpack_ragged
+from stager_loaders.staging import StagingReader, staging_incomplete
 from stager_loaders.state import LoaderState
 from stager_loaders.world import agree_per_rank, detect_layout
 
@@ -143,6 +145,8 @@ class ShardedLoader(DataLoader):
         per_rank = agree_per_rank(
             int(self.shard_samples.sum()), self.layout, even, self.plan_options.subset
         )
+        # stage-in --background: which order each epoch reads in (stager_loaders.orders)
+        self.orders = EpochOrders(self.shards.staging, self.layout, shuffled=mode != "none")
         workers_on = num_workers > 0
         super().__init__(
             **self.reader.bind(self.layout, self.plan_options, per_rank),
@@ -172,6 +176,10 @@ class ShardedLoader(DataLoader):
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         start, self._skip = self._skip, 0
         self._consumed = start
+        spec = self.orders.begin(
+            self._epoch, lambda: staging_incomplete(self.shards.staged_dir, self.shards.staging)
+        )
+        self.reader.use_order(self._epoch, spec)
         self.reader.start(self._epoch, start)
         inner = super().__iter__()
         _widen_result_pipe(inner)
@@ -179,17 +187,28 @@ class ShardedLoader(DataLoader):
 
     def _deliver(self, inner: Iterator[Any]) -> Iterator[Any]:
         asked = time.perf_counter()  # from the loop asking for a batch to its arrival: the wait
-        for batch in inner:
-            self._consumed += 1  # before the caller sees it: a checkpoint in the step includes it
-            if isinstance(batch, PackedBatch):
-                out = batch.unpack(self._to_tuple)
-            elif self._own_collate:  # collate_samples packed ragged tensors for the trip
-                out = unpack_ragged(batch)
-            else:
-                out = batch
-            self.metrics.record(time.perf_counter() - asked, batch_length(out))
-            yield out
-            asked = time.perf_counter()
+        staging = self.reader if isinstance(self.reader, StagingReader) else None
+        try:
+            for batch in inner:
+                self._consumed += 1  # before the caller sees it: a checkpoint in the step has it
+                if isinstance(batch, PackedBatch):
+                    out = batch.unpack(self._to_tuple)
+                elif self._own_collate:  # collate_samples packed ragged tensors for the trip
+                    out = unpack_ragged(batch)
+                else:
+                    out = batch
+                if staging is not None:
+                    staging.look()
+                    wait_s, waits = staging.wait_totals()
+                    self.metrics.staging_wait_s, self.metrics.shards_waited = wait_s, waits
+                self.metrics.record(time.perf_counter() - asked, batch_length(out))
+                yield out
+                asked = time.perf_counter()
+        except StagingStopped:
+            if staging is None:
+                raise
+            # from a worker, torch wraps it in a traceback: say it in one line
+            raise StagingStopped(staging.stopped_line()) from None
 
     # -- resume -------------------------------------------------------------------------------
     def _state(self, consumed: int) -> LoaderState:
@@ -209,6 +228,7 @@ class ShardedLoader(DataLoader):
             fingerprint=self.fingerprint,
             num_samples=int(self.shard_samples.sum()),
             elastic_from=elastic,
+            staging_order=self.orders.recorded(self._epoch),
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -224,6 +244,15 @@ class ShardedLoader(DataLoader):
         """
         saved = LoaderState.from_dict(state)
         saved.check_resumable_by(self._state(0), elastic=elastic)
+        if saved.staging_order is not None and saved.world_size != self.layout.world_size:
+            raise ResumeMismatch(
+                [
+                    "the state's epoch reads in the staging order of stage-in --background, "
+                    "which is cut for its world size: resume it on "
+                    f"{saved.world_size} ranks (later epochs may change the world)"
+                ]
+            )
+        self.orders.restore(saved.epoch, saved.staging_order, saved.batches_consumed)
         origin = saved.elastic_from
         if origin is not None and saved.world_size != self.layout.world_size:
             raise ResumeMismatch(

@@ -69,6 +69,11 @@ class LoaderMetrics:
     steps: int = 0
     samples: int = 0
     wait_s: float = 0.0
+    #: Seconds DataLoader workers (or the loader itself) waited for shards that stage-in
+    #: --background had not published yet, and how many times; part of ``wait_s`` when the
+    #: training loop had nothing else to wait for.
+    staging_wait_s: float = 0.0
+    shards_waited: int = 0
     _started: float | None = field(default=None, init=False, repr=False)
     _recent: deque = field(default_factory=deque, init=False, repr=False)  # (wait_s, samples, at)
     _writers: list = field(default_factory=list, init=False, repr=False)  # (writer, every_steps)
@@ -131,4 +136,6 @@ class LoaderMetrics:
             else 0.0,
             "wait_fraction": min(1.0, fraction),
             "samples_per_s": rate,
+            "staging_wait_s": self.staging_wait_s,
+            "shards_waited": float(self.shards_waited),
         }

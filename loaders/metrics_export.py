@@ -25,6 +25,8 @@ METRIC_FIELDS = (
     "wait_ms_per_step",
     "wait_fraction",
     "samples_per_s",
+    "staging_wait_s",
+    "shards_waited",
 )
 
 

@@ -39,6 +39,9 @@ class LoaderOptions:
     block_samples: int = 4096  # window of the blocked shuffle
     buffer_samples: int = 1000  # shuffle buffer per worker on the streaming path
     on_error: str = "raise"  # "raise" or "skip" for corrupt/truncated shards
+    # stage-in --background died before staging a shard the loader needs: "fail" (one line,
+    # StagingStopped) or "source" (fetch it from the source, verified, into the staged copy)
+    on_copier_death: str = "fail"
     # -- workers (as DataLoader's; persistent workers are ignored on the streaming path)
     persistent_workers: bool = False
     prefetch_factor: int | None = None
@@ -47,6 +50,10 @@ class LoaderOptions:
     def __post_init__(self) -> None:
         if self.on_error not in ("raise", "skip"):
             raise UsageError(f"on_error must be 'raise' or 'skip', not {self.on_error!r}")
+        if self.on_copier_death not in ("fail", "source"):
+            raise UsageError(
+                f"on_copier_death must be 'fail' or 'source', not {self.on_copier_death!r}"
+            )
         if self.shuffle_mode not in ("global", "blocked"):
             raise UsageError(
                 f"shuffle_mode must be 'global' or 'blocked', not {self.shuffle_mode!r}"

@@ -20,10 +20,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from stager.errors import ResumeMismatch
+from stager.errors import ResumeMismatch, UsageError
 from stager.layout import StagedDataset
 from stager.plan.elastic import RemainingSamples
 from stager.plan.ranks import PlanOptions, WorldLayout
+from stager.plan.staging import StagingSpec
 from stager.plan.streaming import StreamingPlan
 from stager.shards.loader_index import build_flat_index
 from stager_loaders.dataset import PackedBatch, StagedTarDataset
@@ -63,6 +64,10 @@ class Reader(Protocol):
 
     def resume_elsewhere(self, epoch: int, remaining: RemainingSamples) -> None:
         """Serve ``remaining`` as this rank's share of ``epoch`` (elastic resume)."""
+        ...
+
+    def use_order(self, epoch: int, spec: StagingSpec | None) -> None:
+        """Read ``epoch`` in the staging order ``spec`` (None: the epoch's usual order)."""
         ...
 
     def elastic_epoch(self) -> int | None:
@@ -140,6 +145,9 @@ class StagedReader:
     def resume_elsewhere(self, epoch: int, remaining: RemainingSamples) -> None:
         self._plan().override = (epoch, remaining)
 
+    def use_order(self, epoch: int, spec: StagingSpec | None) -> None:
+        self._plan().staging = (epoch, spec) if spec is not None else None
+
     def elastic_epoch(self) -> int | None:
         override = self._plan().override
         return override[0] if override is not None else None
@@ -205,6 +213,12 @@ class StreamingReader:
             ["elastic resume needs data staged with --subset all (the random-access path)"]
         )
 
+    def use_order(self, epoch: int, spec: StagingSpec | None) -> None:
+        if spec is not None:
+            raise ResumeMismatch(
+                ["the state's epoch reads in the staging order, which needs local .tar shards"]
+            )
+
     def elastic_epoch(self) -> int | None:
         return None
 
@@ -217,7 +231,16 @@ def open_reader(
     workers: int,
     to_tuple: tuple[str, ...] | None,
 ) -> Reader:
-    """The staged reader when every shard allows random access, else the streaming one."""
+    """The staged reader when every shard allows random access, else the streaming one; the
+    growing reader while stage-in --background still copies (stager_loaders.staging)."""
+    if shards.growing:
+        from stager_loaders.staging import StagingReader  # imports this module
+
+        if options.force_streaming:
+            raise UsageError(
+                "force_streaming cannot read a copy stage-in --background is still making"
+            )
+        return StagingReader(shards, options, pipeline, collate_fn)
     if shards.random_access and not options.force_streaming:
         return StagedReader(shards, options, pipeline, collate_fn)
     pipeline = pipeline or SamplePipeline(None, None, to_tuple)

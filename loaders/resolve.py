@@ -26,6 +26,7 @@ from stager.errors import IntegrityError, SourceError, StagerError, UsageError
 from stager.layout import StagedDataset, canonical_root, dataset_name
 from stager.shards.manifest import Manifest, find_manifest, read_columns
 from stager.shards.tarindex import is_compressed
+from stager.stagein.status import PlanFacts
 from stager.storage.dest import resolve_dest_root
 from stager.storage.sources import SourceSet, resolve_source
 
@@ -74,6 +75,10 @@ class DatasetShards:
     # (size, mtime_ns) per shard of the staged copies as resolved, -1 where not stat'ed: the
     # dataset index is keyed by them, so resolving and indexing stat each shard once
     stats: np.ndarray | None = None
+    # the plan of this node's stage-in --background, if the copy was made by one, and whether
+    # it is still being made (read by stager_loaders.staging.StagingReader)
+    staging: PlanFacts | None = None
+    growing: bool = False
 
     @classmethod
     def from_refs(
@@ -293,11 +298,17 @@ def resolve_dataset(
         if isinstance(source, (str, os.PathLike))
         else [os.fspath(u) for u in source]
     )
+    from stager_loaders.staging import resolve_staging  # imports this module
+
     if isinstance(spec, str) and "://" not in spec:
         direct = Path(spec)
-        if direct.is_dir() and StagedDataset.of(direct).manifest_path.is_file():
-            return _from_staged(direct, None, on_error)
+        layout = StagedDataset.of(direct)
+        if direct.is_dir() and (layout.manifest_path.is_file() or layout.staging_path.is_file()):
+            return resolve_staging(layout, None, on_error) or _from_staged(direct, None, on_error)
     staged = StagedDataset(resolve_dest_root(dest), name or dataset_name(spec))
+    background = resolve_staging(staged, spec, on_error)
+    if background is not None:
+        return background
     if staged.manifest_path.is_file():
         return _from_staged(staged.dir, spec, on_error)
     resolved = resolve_source(spec, name=name)

@@ -24,6 +24,7 @@ from stager.plan.ranks import (
     rank_share,
     samples_per_rank,
 )
+from stager.plan.staging import StagingShare, StagingSpec, staging_share
 
 __all__ = ["RankBatchSampler"]
 
@@ -51,7 +52,9 @@ class RankBatchSampler(Sampler[list[int]]):
         self.start_batch = 0
         # (epoch, what it still owed) for an epoch resumed elastically on a different world
         self.override: tuple[int, RemainingSamples] | None = None
-        self._share_cache: tuple[int, RankShare] | None = None
+        # (epoch, spec) for an epoch read in the staging order (stager.plan.staging)
+        self.staging: tuple[int, StagingSpec] | None = None
+        self._share_cache: tuple[int, RankShare | StagingShare] | None = None
 
     def _share(self, epoch: int) -> int:
         """Samples of this rank in ``epoch``."""
@@ -72,12 +75,33 @@ class RankBatchSampler(Sampler[list[int]]):
             return elastic_indices(
                 self.override[1], self.layout, self.options.even, start=start, stop=stop
             )
-        if self._share_cache is None or self._share_cache[0] != epoch:
-            share = rank_share(
-                self.counts, self.layout, epoch=epoch, options=self.options, per_rank=self.per_rank
-            )
-            self._share_cache = (epoch, share)  # the blocked mode's O(shards) part, once
-        return self._share_cache[1].indices(start, stop)
+        cached = self._share_cache
+        staging = self.staging[1] if self.staging and self.staging[0] == epoch else None
+        if (
+            cached is None
+            or cached[0] != epoch
+            or isinstance(cached[1], StagingShare) != bool(staging)
+        ):
+            share: RankShare | StagingShare
+            if staging is not None:
+                share = staging_share(
+                    self.counts,
+                    self.layout,
+                    epoch=epoch,
+                    options=self.options,
+                    spec=staging,
+                    per_rank=self.per_rank,
+                )
+            else:
+                share = rank_share(
+                    self.counts,
+                    self.layout,
+                    epoch=epoch,
+                    options=self.options,
+                    per_rank=self.per_rank,
+                )
+            cached = self._share_cache = (epoch, share)  # the O(shards) part, once
+        return cached[1].indices(start, stop)
 
     def batches(self, epoch: int) -> list[np.ndarray]:
         """All batches of ``epoch`` on this rank (also used by tests and tools)."""

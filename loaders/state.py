@@ -12,11 +12,16 @@ from typing import Any
 
 from stager.errors import ResumeMismatch
 
-__all__ = ["LoaderState", "STATE_VERSION"]
+__all__ = ["LoaderState", "STATE_VERSION", "STAGING_STATE_VERSION"]
 
 #: 2: the epoch order became a keyed bijection (issue 20). A version-1 state names a position
 #: in the old order; resuming it here would repeat and skip samples, so it is refused.
+#: 3: a state whose epoch reads in the staging order of stage-in --background (issue 23) says
+#: so; it is written only then, so that a loader that knows no staging order refuses it.
+#: Both are read.
 STATE_VERSION = 2
+STAGING_STATE_VERSION = 3
+_READ_VERSIONS = (STATE_VERSION, STAGING_STATE_VERSION)
 
 # Fields that must match for the saved position to mean the same samples.
 _MUST_MATCH = (
@@ -51,20 +56,29 @@ class LoaderState:
     version: int = STATE_VERSION
     # Set in an epoch resumed elastically: the world it came from and where that world stopped.
     elastic_from: dict[str, int] | None = None
+    # Set when the epoch reads in the staging order (stager.plan.staging.StagingSpec.to_dict)
+    staging_order: dict[str, int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        payload = asdict(self)
+        if self.staging_order is not None:
+            payload["version"] = STAGING_STATE_VERSION
+        else:
+            del payload["staging_order"]  # a plain state stays readable by older loaders
+        return payload
 
     @classmethod
     def from_dict(cls, payload: dict[str, Any]) -> LoaderState:
-        if not isinstance(payload, dict) or payload.get("version") != STATE_VERSION:
+        if not isinstance(payload, dict) or payload.get("version") not in _READ_VERSIONS:
             found = payload.get("version") if isinstance(payload, dict) else payload
             raise ResumeMismatch(
                 [
-                    f"state format {found!r} is not version {STATE_VERSION} (a state saved by "
-                    "another version of the loader names a position in a different epoch order)"
+                    f"state format {found!r} is not version {STATE_VERSION} or "
+                    f"{STAGING_STATE_VERSION} (a state saved by another version of the loader "
+                    "names a position in a different epoch order)"
                 ]
             )
+        payload = {**payload, "version": STATE_VERSION}
         required = {f.name for f in fields(cls) if f.default is MISSING}
         missing = required - set(payload)
         if missing:

@@ -28,6 +28,7 @@ _HOME = {
     "StageInReport": "stagein.report",
     "StageOutOptions": "stageout.run",
     "StagerError": "errors",
+    "StagingStopped": "errors",
     "UnsafePath": "errors",
     "UsageError": "errors",
     "parse_hostlist": "slurm",
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
         ShardsFailed,
         SourceError,
         StagerError,
+        StagingStopped,
         UnsafePath,
         UsageError,
     )
@@ -88,6 +90,7 @@ __all__ = [
     "StagedDataset",
     "StageOutOptions",
     "StagerError",
+    "StagingStopped",
     "UnsafePath",
     "UsageError",
     "dataset_name",

@@ -18,8 +18,9 @@ The tree (exit codes are fixed by the class, never set on an instance)::
     │   ├── DeadlineTooShort           too little time left to commit one         exit 7
     │   └── NoCheckpoint               nothing committed at DEST yet              exit 9
     ├── LockTimeout(TimeoutError)      another copier held the node lock too long exit 8
-    └── FanoutError                    a peer failed after the node group formed  exit 10
-        └── GroupUnavailable           the group never formed (plain copy follows)
+    ├── FanoutError                    a peer failed after the node group formed  exit 10
+    │   └── GroupUnavailable           the group never formed (plain copy follows)
+    └── StagingStopped                 background staging stopped before the end  exit 11
 
 Interrupted by Ctrl-C or SIGINT: exit 130. Anything else unexpected: a traceback and exit 1.
 
@@ -46,6 +47,7 @@ __all__ = [
     "EXIT_LOCK",
     "EXIT_NO_CHECKPOINT",
     "EXIT_FANOUT",
+    "EXIT_STAGING_STOPPED",
     "EXIT_INTERRUPTED",
     "EXIT_CODES",
     "StagerError",
@@ -70,6 +72,7 @@ __all__ = [
     "LockTimeout",
     "FanoutError",
     "GroupUnavailable",
+    "StagingStopped",
     "exit_code_for",
     "error_class",
     "shard_failures",
@@ -87,6 +90,7 @@ EXIT_CHECKPOINT = 7
 EXIT_LOCK = 8
 EXIT_NO_CHECKPOINT = 9
 EXIT_FANOUT = 10
+EXIT_STAGING_STOPPED = 11
 EXIT_INTERRUPTED = 130
 
 #: Exit code -> what it means; the README, ``--help`` and docs/cli.md are generated from this.
@@ -102,6 +106,8 @@ EXIT_CODES: dict[int, str] = {
     EXIT_LOCK: "lock timeout: another copier held the node's lock too long",
     EXIT_NO_CHECKPOINT: "no checkpoint committed at the destination yet (a first start)",
     EXIT_FANOUT: "--fanout: a peer node failed after the group formed (rerun to resume)",
+    EXIT_STAGING_STOPPED: "--background: the copier stopped (signal, or died) before staging "
+    "everything",
     EXIT_INTERRUPTED: "interrupted (SIGINT); rerun to resume",
 }
 
@@ -279,6 +285,13 @@ class FanoutError(StagerError):
 
 class GroupUnavailable(FanoutError):
     """The node group could not form in time; nothing was exchanged, plain copying is safe."""
+
+
+class StagingStopped(StagerError):
+    """A background stage-in stopped (a signal, the job's end, or it died) before staging every
+    shard: what it published stays valid, nothing partial is left, a rerun copies the rest."""
+
+    exit_code = EXIT_STAGING_STOPPED
 
 
 def shard_failures(

@@ -10,6 +10,7 @@ Under a destination root (``/scratch/$SLURM_JOB_ID`` in a job)::
     ROOT/NAME/                        the staged copy: the source's shards at their relpaths
     ROOT/NAME/.stager/manifest.json   what was staged (sizes, hashes, samples, source identity)
     ROOT/NAME/.stager/journal         shards published since (stager.stagein.journal)
+    ROOT/NAME/.stager/staging.json    a background stage-in's plan (stager.stagein.status)
     ROOT/NAME/.stager/index/          the loader's sample index (stager.shards.loader_index)
     ROOT/.stager-NAME.lock            one copier per node (stager.storage.lock)
     ROOT/.stager-NAME.result.json     the copier's outcome, adopted by tasks that waited
@@ -192,6 +193,11 @@ class StagedDataset:
     def journal_path(self) -> Path:
         """A line per shard published by a run that has not written its manifest yet."""
         return self.meta_dir / "journal"
+
+    @property
+    def staging_path(self) -> Path:
+        """What a running (or the last) ``stage-in --background`` will publish, in its order."""
+        return self.meta_dir / "staging.json"
 
     @property
     def index_dir(self) -> Path:

@@ -191,7 +191,9 @@ def detect_image_key(data: str, wanted: str) -> str:
     """``wanted``, or the first of IMAGE_KEYS that the dataset's first sample has."""
     if wanted != "auto":
         return wanted
-    probe = ShardedLoader(data, batch_size=1, shuffle=False, rank=0, world_size=1)
+    # Any one sample will do: shuffled, the first one comes from the first shard staged
+    # (stage-in --background copies in that order), never from a shard still on its way.
+    probe = ShardedLoader(data, batch_size=1, shuffle=True, rank=0, world_size=1)
     members = set(next(iter(probe)))  # raw batch: a dict of member columns
     for key in IMAGE_KEYS:
         if key in members:

@@ -32,7 +32,8 @@ the node cache and its cap, when `--cache` / `--cache-limit` are not given (docs
 node index (start jitter, subset, fan-out) and layout |
 | `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID` | loader | \
 rank and world size when torch.distributed is not initialised |
-| `SLURM_RESTART_COUNT` | jobs/ templates | > 0 after a requeue: restore the newest checkpoint |
+| `SLURM_RESTART_COUNT` | jobs/ templates, stage-in, loader | > 0 after a requeue: restore the \
+newest checkpoint; with the job id, tells this run's `--background` plan from an earlier run's |
 | `TMPDIR`, `USER` | stage-in | \
 outside Slurm the destination is `${TMPDIR:-/tmp}/stager-$USER/local` |
 """

@@ -44,6 +44,7 @@ from stager.stagein.plan import (
     sized_while_copying,
 )
 from stager.stagein.report import StageInReport
+from stager.stagein.status import discard_plan
 from stager.storage.sources import SourceSet, SourceShard, fill_sizes
 
 __all__ = [
@@ -148,6 +149,7 @@ def prepare(
     """
     node = slurm.node_name
     check_same_source(staged, source)
+    discard_plan(staged)  # a background run's plan would vouch for names this run may replace
     manifest = load_source_manifest(source, options, staged)
     expected = manifest.by_relpath() if manifest is not None else {}
     sized_later = sized_while_copying(source, shards, expected, staged.dir) if size_later else set()

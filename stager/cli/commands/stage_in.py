@@ -18,6 +18,13 @@ from stager.cli.argtypes import (
     seconds,
     size,
 )
+from stager.cli.staging_flags import (
+    add_background_arguments,
+    background_dataset,
+    background_spec,
+    check_background_arguments,
+    wait_for_background,
+)
 from stager.errors import (
     EXIT_CHECKPOINT,
     EXIT_NO_CHECKPOINT,
@@ -34,7 +41,7 @@ from stager.stagein.report import StageInReport
 from stager.stagein.run import stage_in
 from stager.storage.dest import resolve_dest_root
 from stager.storage.retry import RetryPolicy
-from stager.storage.sources import resolve_source
+from stager.storage.sources import SourceSet, resolve_source
 
 HELP = "copy dataset shards to node-local scratch (run once per node: srun --ntasks-per-node=1)"
 
@@ -176,6 +183,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     add("--no-cache", action="store_true", help="ignore $STAGER_CACHE: copy from the source")
     add_fanout_arguments(parser)
+    add_background_arguments(parser)
     add(
         "--subset",
         choices=SUBSETS,
@@ -212,6 +220,9 @@ def options_from_args(args: argparse.Namespace, slurm: SlurmEnv) -> StageInOptio
 def run(args: argparse.Namespace) -> int:
     if args.checkpoint is not None:
         return _restore(args)
+    check_background_arguments(args)
+    if args.wait_staged is not None:
+        return wait_for_background(args)
     if args.fanout and args.subset != "all":
         raise UsageError(
             "--fanout replicates the whole dataset on every node; it needs --subset all"
@@ -220,18 +231,24 @@ def run(args: argparse.Namespace) -> int:
     # Sizes of a walked directory are looked up after the manifest (fewer stats), except where
     # shard selection needs them first: --subset node partitions by size, --fanout plans by it.
     defer_stats = args.subset == "all" and not args.fanout
-    source = resolve_source(
-        args.source,
-        from_list=args.from_list,
-        name=args.name,
-        jobs=args.jobs,
-        stat_listed=not defer_stats,
-    )
+
+    def list_source() -> SourceSet:
+        return resolve_source(
+            args.source,
+            from_list=args.from_list,
+            name=args.name,
+            jobs=args.jobs,
+            stat_listed=not defer_stats,
+        )
+
     options = options_from_args(args, slurm)
-    if args.fanout and options.cache_dir is not None:
+    uncached_mode = "--fanout" if args.fanout else "--background" if args.background else None
+    if uncached_mode and options.cache_dir is not None:
         if args.cache:
-            raise UsageError("--cache does not combine with --fanout yet; drop one of them")
-        print("stage-in: warning: --fanout ignores $STAGER_CACHE", file=sys.stderr, flush=True)
+            raise UsageError(f"--cache does not combine with {uncached_mode} yet; drop one of them")
+        print(
+            f"stage-in: warning: {uncached_mode} ignores $STAGER_CACHE", file=sys.stderr, flush=True
+        )
         options = dataclasses.replace(options, cache_dir=None)
     select = None
     if args.subset == "node":
@@ -242,12 +259,25 @@ def run(args: argparse.Namespace) -> int:
 
     report: StageInReport | None
     try:
-        if args.fanout:
+        if args.background:  # lists the source once it holds the node lock
+            from stager.stagein.background import background_stage_in
+
+            report = background_stage_in(
+                list_source,
+                background_dataset(args, options),
+                options,
+                spec=background_spec(args),
+                copy_seed=args.copy_seed,
+                slurm=slurm,
+                select=select,
+            )
+        elif args.fanout:
             from stager.fanout.run import fanout_stage_in  # numpy and, later, torch: when asked
 
+            source = list_source()
             report = fanout_stage_in(source, options, fanout_options_from_args(args), slurm=slurm)
         else:
-            report = stage_in(source, options, slurm=slurm, select=select)
+            report = stage_in(list_source(), options, slurm=slurm, select=select)
     except Exception as exc:
         report = getattr(exc, "report", None)
         if report is not None and (report.files_total or report.failures):

@@ -1,0 +1,191 @@
+"""What a background stage-in tells the processes that read beside it, and how they check it.
+
+``stage-in --background`` (:mod:`stager.stagein.background`) copies while training reads, so a
+reader must know three things that a crash cannot falsify:
+
+* **the plan**: ``.stager/staging.json`` (:attr:`stager.layout.StagedDataset.staging_path`), a
+  manifest of every shard the run will publish (size, hash, samples, in source order) whose
+  ``meta`` holds :class:`PlanFacts` (run id, start time, job, copy-order key). It is written
+  atomically before the first copy and after the final name of every shard still to copy was
+  deleted, so while it is the current plan a shard's final name exists only when the file is
+  whole and holds the source's current bytes (published by rename after verification, or
+  kept by the plan's identity check). :func:`published` is that test: a ``stat``.
+* **the end**: the copier's result file (:mod:`stager.stagein.node`), written after the run
+  ended, well or not, with ``finished_at`` no earlier than the plan's ``started_at``
+  (:func:`read_outcome`).
+* **life**: the copier holds the node lock (an ``flock``) for its whole run; the kernel frees it
+  when the process dies, even by ``kill -9`` (:func:`lock_held`).
+
+The plan's shard order is :func:`stager.plan.staging.copy_order` of its ``copy_seed`` and
+``salt``; the loader reads epoch 0 in that order while shards land.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+from stager.errors import StagerError, UsageError
+from stager.layout import StagedDataset
+from stager.shards.manifest import Manifest, ManifestColumns, ManifestEntry, read_columns
+from stager.slurm import SlurmEnv
+
+__all__ = [
+    "PlanFacts",
+    "Outcome",
+    "write_plan",
+    "read_plan",
+    "discard_plan",
+    "read_outcome",
+    "lock_held",
+    "published",
+    "is_current",
+]
+
+#: Marks a manifest as a background stage-in's plan rather than a staged copy's record.
+_KIND = "stage-in --background plan"
+
+
+@dataclass(frozen=True)
+class PlanFacts:
+    """The run behind a plan: which one it is, when it started, and what keys its order."""
+
+    run_id: str
+    started_at: float  # time.time() on the node, when the plan was written
+    job_id: str
+    restart_count: int
+    node: str
+    copy_seed: int
+    salt: int  # stager.plan.staging.copy_salt of the node
+    subset: str
+    source: str  # the absolute source root (a URL for remote sources)
+    spec: str  # stager.layout.canonical_spec of what was asked for
+
+    def meta(self) -> dict[str, str]:
+        return {"kind": _KIND, **{k: str(v) for k, v in asdict(self).items()}}
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, str], where: object) -> PlanFacts:
+        if meta.get("kind") != _KIND:
+            raise UsageError(f"{where} is not a stage-in --background plan; remove it and rerun")
+        try:
+            return cls(
+                run_id=meta["run_id"],
+                started_at=float(meta["started_at"]),
+                job_id=meta["job_id"],
+                restart_count=int(meta["restart_count"]),
+                node=meta["node"],
+                copy_seed=int(meta["copy_seed"]),
+                salt=int(meta["salt"]),
+                subset=meta["subset"],
+                source=meta["source"],
+                spec=meta["spec"],
+            )
+        except (KeyError, ValueError) as exc:
+            raise UsageError(
+                f"{where}: a stage-in --background plan without {exc}; rerun stage-in"
+            ) from exc
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How the run behind a plan ended (from the copier's result file)."""
+
+    exit_code: int
+    error: str = ""
+    error_class: str = ""
+    failures: list[dict[str, str]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+
+def write_plan(staged: StagedDataset, entries: Sequence[ManifestEntry], facts: PlanFacts) -> None:
+    """Publish the plan atomically (see the module doc for what must happen first)."""
+    staged.meta_dir.mkdir(exist_ok=True)
+    Manifest(tuple(entries), facts.meta()).write(staged.staging_path)
+
+
+def read_plan(staged: StagedDataset) -> tuple[ManifestColumns, PlanFacts] | None:
+    """The plan's shards as columns, and its facts; None when there is no plan."""
+    path = staged.staging_path
+    try:
+        columns = read_columns(path)
+    except UsageError:
+        if not path.exists():
+            return None  # removed between the check and the read: no plan
+        raise
+    return columns, PlanFacts.from_meta(dict(columns.meta), path)
+
+
+def discard_plan(staged: StagedDataset) -> None:
+    """Void the plan of an earlier run: from now on its final names prove nothing.
+
+    On a read-only scratch nothing can replace a final name either, so a plan that cannot be
+    removed there still tells the truth; ``unlink`` of a missing file fails with EROFS there.
+    """
+    try:
+        staged.staging_path.unlink()
+    except OSError:
+        pass
+
+
+def read_outcome(staged: StagedDataset, facts: PlanFacts) -> Outcome | None:
+    """How the plan's run ended, or None while it has not (or its result is unreadable)."""
+    try:
+        payload = json.loads(staged.result_path.read_text())
+        if float(payload.get("finished_at", 0)) < facts.started_at:
+            return None  # an earlier run's result
+        report = payload.get("report") or {}
+        failures = [f for f in report.get("failures", []) if isinstance(f, dict)]
+        return Outcome(
+            int(report.get("exit_code", 1)),
+            str(payload.get("error", "")),
+            str(payload.get("error_class", "")),
+            failures,
+        )
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+
+
+def lock_held(staged: StagedDataset) -> bool:
+    """True while some process holds the node lock of ``staged`` (its copier is alive).
+
+    Probed with a shared, non-blocking ``flock`` released at once: it never waits, and a
+    copier that starts during the probe only retries its own (polling) acquisition.
+    """
+    try:
+        fd = os.open(staged.lock_path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            return False
+        raise StagerError(f"cannot probe the copier's lock {staged.lock_path}: {exc}") from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
+def published(path: str, size: int) -> bool:
+    """True when a shard of the current plan is published at ``path`` (whole, see module doc)."""
+    try:
+        return os.stat(path).st_size == size
+    except OSError:
+        return False
+
+
+def is_current(facts: PlanFacts, slurm: SlurmEnv) -> bool:
+    """True when the plan was written by this job's current run (outside Slurm: any plan)."""
+    if not slurm.in_slurm:
+        return True
+    return facts.job_id == slurm.job_id and facts.restart_count == slurm.restart_count

@@ -1,0 +1,173 @@
+"""The loader beside a running ``stage-in --background``: it starts before the shards exist,
+reads each one as it lands (never the source, never a partial file), follows the staging plan
+exactly in epoch 0 and the full shuffle once staging is done, resumes exactly mid-staging, and
+says in one line when the copier died (then fails or fetches from the source, as asked).
+
+The copier is a real process (``stage-in --background --bw-limit``); the loader runs here.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from stager.errors import StagingStopped
+from stager.layout import StagedDataset
+from stager_loaders import LoaderOptions, ShardedLoader
+from stager_loaders.staging import StagingReader
+
+from .background_util import (
+    SPEC,
+    dataset,
+    finished,
+    job_env,
+    planned_keys,
+    source_reads,
+    start_copier,
+    stop,
+    wait_plan,
+)
+
+BATCH, SEED = 8, 4
+COUNTS = SPEC.shard_sizes()
+
+
+def _loader(src: Path, dest: Path, workers: int = 0, **options: object) -> ShardedLoader:
+    return ShardedLoader(
+        str(src),
+        batch_size=BATCH,
+        num_workers=workers,
+        seed=SEED,
+        to_tuple=("__key__",),
+        options=LoaderOptions(dest=str(dest), rank=0, world_size=1, **options),  # type: ignore[arg-type]
+    )
+
+
+def _keys(loader: ShardedLoader, limit: int | None = None) -> list[str]:
+    out: list[str] = []
+    for i, (keys,) in enumerate(loader):
+        out += list(keys)
+        if limit is not None and i + 1 == limit:
+            break
+    return out
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_reads_as_shards_land_in_the_plans_order_and_never_the_source(
+    tmp_path: Path, workers: int
+) -> None:
+    src, dest = dataset(tmp_path), tmp_path / "scratch"
+    copier = start_copier(src, dest, "--bw-limit", "0.4")  # ~1.1 MB: about 3 s
+    try:
+        wait_plan(dest)
+        with source_reads(src, tmp_path / "opened.log") as opened:
+            loader = _loader(src, dest, workers)
+            assert isinstance(loader.reader, StagingReader)
+            epoch0 = _keys(loader)
+            assert finished(copier) == 0  # staging done before epoch 1 starts
+            loader.set_epoch(1)
+            epoch1 = _keys(loader)
+        assert opened.read_text() == ""  # the loader opened nothing under the source
+    finally:
+        stop(copier)
+    assert epoch0 == planned_keys(COUNTS, batch=BATCH, seed=SEED, epoch=0, staging=True)
+    assert epoch1 == planned_keys(COUNTS, batch=BATCH, seed=SEED, epoch=1, staging=False)
+    assert epoch0 != planned_keys(COUNTS, batch=BATCH, seed=SEED, epoch=0, staging=False)
+    metrics = loader.metrics.as_dict()
+    assert metrics["shards_waited"] >= 1 and metrics["staging_wait_s"] > 0
+    assert loader.state_dict().get("staging_order") is None  # epoch 1: the full shuffle
+
+
+def test_resume_mid_staging_replays_the_staging_order_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job stopped inside epoch 0 while the copier still runs (a requeue stops both), then a
+    new copier and a new loader from the saved state: the same samples, in the same order."""
+    src, dest = dataset(tmp_path), tmp_path / "scratch"
+    for name, value in job_env(0).items():
+        monkeypatch.setenv(name, value)
+    copier = start_copier(src, dest, "--bw-limit", "0.2")
+    try:
+        wait_plan(dest)
+        first = _loader(src, dest)
+        head = _keys(first, limit=3)
+        state = json.loads(json.dumps(first.state_dict()))
+    finally:
+        code, err = stop(copier)
+    assert code == 11, err  # stopped by SIGTERM before it finished
+    assert state["version"] == 3 and state["staging_order"] == {"copy_seed": 0, "window_shards": 8}
+    assert not list((dest / "ds").rglob("*.partial"))
+
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # the requeued run of the job
+    again = start_copier(src, dest, restart_count=1)  # keeps what was published
+    try:
+        wait_plan(dest, restart_count=1)
+        second = _loader(src, dest)
+        second.load_state_dict(state)
+        tail = _keys(second)
+        assert finished(again) == 0
+        second.set_epoch(1)
+        epoch1 = _keys(second)
+    finally:
+        stop(again)
+    assert head + tail == planned_keys(COUNTS, batch=BATCH, seed=SEED, epoch=0, staging=True)
+    assert epoch1 == planned_keys(COUNTS, batch=BATCH, seed=SEED, epoch=1, staging=False)
+
+
+def test_a_state_saved_after_staging_resumes_in_the_full_shuffle(tmp_path: Path) -> None:
+    src, dest = dataset(tmp_path), tmp_path / "scratch"
+    copier = start_copier(src, dest)
+    assert finished(copier) == 0
+    loader = _loader(src, dest)
+    assert not isinstance(loader.reader, StagingReader)  # done: the plain staged reader
+    loader.set_epoch(0)
+    head = _keys(loader, limit=2)
+    state = loader.state_dict()
+    assert state["version"] == 2 and "staging_order" not in state
+    resumed = _loader(src, dest)
+    resumed.load_state_dict(state)
+    want = planned_keys(COUNTS, batch=BATCH, seed=SEED, epoch=0, staging=False)
+    assert head + _keys(resumed) == want
+
+
+@pytest.mark.parametrize("mode", ["fail", "source"])
+def test_a_dead_copier_is_said_in_one_line_then_fails_or_reads_the_source(
+    tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import stager_loaders.staging as staging_module
+    import stager_loaders.waiting as waiting_module
+
+    monkeypatch.setattr(waiting_module, "GONE_AFTER_S", 0.2)
+    monkeypatch.setattr(staging_module, "GONE_AFTER_S", 0.2)
+    src, dest = dataset(tmp_path), tmp_path / "scratch"
+    copier = start_copier(src, dest, "--bw-limit", "0.1")  # ~2 s per shard
+    try:
+        wait_plan(dest, first_shards=1)
+        loader = _loader(src, dest, on_copier_death=mode)
+        batches = iter(loader)
+        head = list(next(batches)[0])
+        copier.send_signal(signal.SIGKILL)  # no handler runs: the lock is freed by the kernel
+        copier.wait(timeout=60)
+        with source_reads(src, tmp_path / "opened.log") as opened:
+            if mode == "fail":
+                with pytest.raises(StagingStopped) as raised:
+                    for _ in batches:
+                        pass
+                message = str(raised.value)
+                assert "\n" not in message and "on_copier_death='source'" in message
+                assert opened.read_text() == ""
+                return
+            rest = [k for (keys,) in batches for k in keys]
+            assert opened.read_text() != ""  # the shards the copier did not stage
+    finally:
+        stop(copier)
+    said = [r.getMessage() for r in caplog.records if "stopped" in r.getMessage()]
+    assert len(said) == 1 and "reading the others from the source" in said[0]
+    assert head + rest == planned_keys(COUNTS, batch=BATCH, seed=SEED, epoch=0, staging=True)
+    staged = StagedDataset(dest, "ds")
+    for shard in sorted(src.glob("*.tar")):
+        assert (staged.dir / shard.name).read_bytes() == shard.read_bytes()
+    assert not list(staged.dir.rglob("*.partial"))
