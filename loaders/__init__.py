@@ -43,12 +43,13 @@ _HOME = {
 if TYPE_CHECKING:
     from stager.errors import ResumeMismatch
     from stager.plan.ranks import PlanOptions, WorldLayout
-    from stager_loaders.loader import ShardedLoader
-    from stager_loaders.metrics import LoaderMetrics
-    from stager_loaders.metrics_export import CsvMetrics, TensorBoardMetrics
-    from stager_loaders.options import LoaderOptions
-    from stager_loaders.rng import capture_rng_state, restore_rng_state
-    from stager_loaders.state import LoaderState
+
+    from .loader import ShardedLoader
+    from .metrics import LoaderMetrics
+    from .metrics_export import CsvMetrics, TensorBoardMetrics
+    from .options import LoaderOptions
+    from .rng import capture_rng_state, restore_rng_state
+    from .state import LoaderState
 
 
 def __getattr__(name: str) -> Any:

@@ -26,8 +26,9 @@ from torch.utils.data import Dataset, get_worker_info
 
 from stager.errors import IntegrityError
 from stager.shards.loader_index import FlatIndex
-from stager_loaders.samples import SamplePipeline, select_fields
-from stager_loaders.shardio import open_shards
+
+from .samples import SamplePipeline, select_fields
+from .shardio import open_shards
 
 __all__ = ["StagedTarDataset", "PackedBatch"]
 

@@ -151,7 +151,7 @@ def _batch_bytes(batch: Any) -> tuple[int, int]:
     """(samples, payload bytes) of a batch, whatever shape the user's collate gave it."""
     import torch
 
-    from stager_loaders.metrics import batch_length
+    from .metrics import batch_length
 
     def size_of(value: Any) -> int:
         if isinstance(value, torch.Tensor):
@@ -182,7 +182,7 @@ def probe_loader(
     name: str | None = None,
 ) -> LoaderProbe:
     """samples/s of ShardedLoader for each worker count, through the user's decode and map."""
-    from stager_loaders import LoaderOptions, ShardedLoader
+    from . import LoaderOptions, ShardedLoader
 
     rates: dict[int, float] = {}
     bytes_per_sample, num_samples = 0.0, 0

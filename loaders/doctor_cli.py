@@ -108,7 +108,7 @@ def _map_function(spec: str | None) -> Callable[[Any], Any] | None:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # as `python -m` would: the user's module beside them
     try:
-        return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
+        return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError, ValueError) as exc:
         raise UsageError(
             f"--map {spec!r}: cannot import it ({exc}); write MODULE:FUNCTION"
@@ -116,7 +116,7 @@ def _map_function(spec: str | None) -> Callable[[Any], Any] | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stager_loaders.doctor import diagnose, usable_cpus
+    from .doctor import diagnose, usable_cpus
 
     if args.workers:
         try:

@@ -35,7 +35,8 @@ import weakref
 from typing import Any
 
 from stager.errors import UsageError
-from stager_loaders.loader import ShardedLoader
+
+from .loader import ShardedLoader
 
 # ShardedDataModule is made by the module __getattr__ below, on first use.
 __all__ = ["ShardedDataModule", "ShardedDataLogic", "lightning_package", "INSTALL_HINT"]  # noqa: F822
@@ -80,7 +81,7 @@ class _TrainerLoader(ShardedLoader):
     def _trainer(self) -> Any:
         return self._trainer_ref() if self._trainer_ref is not None else None
 
-    def __iter__(self):  # type: ignore[override]
+    def __iter__(self):
         trainer = self._trainer()
         # After a restore Lightning calls iter() before it moves its own epoch counter on (a
         # checkpoint taken after an epoch's last batch), so the restored epoch wins once.
@@ -214,11 +215,12 @@ def _datamodule_class() -> type:
     if _CLASS is None:
         pl = lightning_package()
 
-        class ShardedDataModule(ShardedDataLogic, pl.LightningDataModule):
-            __doc__ = ShardedDataLogic.__doc__
-
-        ShardedDataModule.__module__ = __name__
-        _CLASS = ShardedDataModule
+        # Built with type(): the base is only known at run time (whichever Lightning is here).
+        _CLASS = type(
+            "ShardedDataModule",
+            (ShardedDataLogic, pl.LightningDataModule),
+            {"__doc__": ShardedDataLogic.__doc__, "__module__": __name__},
+        )
     return _CLASS
 
 

@@ -21,16 +21,17 @@ from torch.utils.data import DataLoader
 from stager.errors import ResumeMismatch, StagingStopped, UsageError
 from stager.plan.elastic import remaining_after
 from stager.plan.ranks import PlanOptions, WorldLayout, fingerprint
-from stager_loaders.dataset import PackedBatch
-from stager_loaders.metrics import LoaderMetrics, batch_length
-from stager_loaders.options import DROP_LAST_HINT, LEGACY_KEYWORDS, LoaderOptions
-from stager_loaders.orders import EpochOrders
-from stager_loaders.readers import Reader, open_reader
-from stager_loaders.resolve import DatasetShards, resolve_dataset
-from stager_loaders.samples import DecodeSpec, SamplePipeline, make_decoder, unpack_ragged
-from stager_loaders.staging import StagingReader, staging_incomplete
-from stager_loaders.state import LoaderState
-from stager_loaders.world import agree_per_rank, detect_layout
+
+from .dataset import PackedBatch
+from .metrics import LoaderMetrics, batch_length
+from .options import DROP_LAST_HINT, LEGACY_KEYWORDS, LoaderOptions
+from .orders import EpochOrders
+from .readers import Reader, open_reader
+from .resolve import DatasetShards, resolve_dataset
+from .samples import DecodeSpec, SamplePipeline, make_decoder, unpack_ragged
+from .staging import StagingReader, staging_incomplete
+from .state import LoaderState
+from .world import agree_per_rank, detect_layout
 
 __all__ = ["ShardedLoader", "LoaderOptions"]
 

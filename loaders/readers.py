@@ -27,12 +27,13 @@ from stager.plan.ranks import PlanOptions, WorldLayout
 from stager.plan.staging import StagingSpec
 from stager.plan.streaming import StreamingPlan
 from stager.shards.loader_index import build_flat_index
-from stager_loaders.dataset import PackedBatch, StagedTarDataset
-from stager_loaders.options import LoaderOptions
-from stager_loaders.resolve import DatasetShards
-from stager_loaders.sampler import RankBatchSampler
-from stager_loaders.samples import SamplePipeline, collate_samples
-from stager_loaders.streaming import StreamingShards, count_remote_samples, reorder_batches
+
+from .dataset import PackedBatch, StagedTarDataset
+from .options import LoaderOptions
+from .resolve import DatasetShards
+from .sampler import RankBatchSampler
+from .samples import SamplePipeline, collate_samples
+from .streaming import StreamingShards, count_remote_samples, reorder_batches
 
 __all__ = ["Reader", "StagedReader", "StreamingReader", "open_reader"]
 
@@ -234,7 +235,7 @@ def open_reader(
     """The staged reader when every shard allows random access, else the streaming one; the
     growing reader while stage-in --background still copies (stager_loaders.staging)."""
     if shards.growing:
-        from stager_loaders.staging import StagingReader  # imports this module
+        from .staging import StagingReader  # imports this module
 
         if options.force_streaming:
             raise UsageError(

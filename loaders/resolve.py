@@ -298,7 +298,7 @@ def resolve_dataset(
         if isinstance(source, (str, os.PathLike))
         else [os.fspath(u) for u in source]
     )
-    from stager_loaders.staging import resolve_staging  # imports this module
+    from .staging import resolve_staging  # imports this module
 
     if isinstance(spec, str) and "://" not in spec:
         direct = Path(spec)

@@ -40,12 +40,13 @@ from stager.stagein.status import (
     read_plan,
 )
 from stager.stagein.wait import GONE_AFTER_S
-from stager_loaders.options import LoaderOptions
-from stager_loaders.readers import StagedReader, _Collate
-from stager_loaders.resolve import DatasetShards, _check_same_root, _from_staged
-from stager_loaders.sampler import RankBatchSampler
-from stager_loaders.samples import SamplePipeline
-from stager_loaders.waiting import GrowingTarDataset, ShardGate, WaitTable, stopped_message
+
+from .options import LoaderOptions
+from .readers import StagedReader, _Collate
+from .resolve import DatasetShards, _check_same_root, _from_staged
+from .sampler import RankBatchSampler
+from .samples import SamplePipeline
+from .waiting import GrowingTarDataset, ShardGate, WaitTable, stopped_message
 
 __all__ = ["resolve_staging", "StagingReader", "staging_incomplete"]
 

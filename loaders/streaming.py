@@ -30,7 +30,8 @@ from stager.errors import IntegrityError, SourceError
 from stager.plan.order import seeded_rng
 from stager.plan.streaming import StreamingPlan
 from stager.shards.tarindex import count_samples, split_key
-from stager_loaders.samples import SamplePipeline
+
+from .samples import SamplePipeline
 
 __all__ = [
     "StreamingShards",

@@ -49,9 +49,10 @@ from stager.stagein.status import Outcome, PlanFacts, lock_held, published, read
 from stager.stagein.wait import GONE_AFTER_S
 from stager.storage.copy import copy_file
 from stager.storage.listing import split_fs
-from stager_loaders.dataset import SHARED_MEMORY_MIN_BYTES, PackedBatch, StagedTarDataset
-from stager_loaders.samples import SamplePipeline
-from stager_loaders.shardio import open_shards
+
+from .dataset import SHARED_MEMORY_MIN_BYTES, PackedBatch, StagedTarDataset
+from .samples import SamplePipeline
+from .shardio import open_shards
 
 __all__ = ["GrowingTarDataset", "ShardGate", "WaitTable", "COPIER_DEATH_MODES"]
 

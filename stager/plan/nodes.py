@@ -19,16 +19,14 @@ from stager.storage.sources import SourceSet, SourceShard
 __all__ = ["select_node_shards"]
 
 
-def select_node_shards(source: SourceSet, *, num_nodes: int, node_id: int) -> Sequence[SourceShard]:
-    """The shards node ``node_id`` of ``num_nodes`` stages, in source order."""
-    if not 0 <= node_id < num_nodes:
-        raise UsageError(
-            f"node id {node_id} outside a job of {num_nodes} node(s); check SLURM_NODEID"
-        )
+def select_node_shards(source: SourceSet, *, num_nodes: int, node: int) -> Sequence[SourceShard]:
+    """The shards node ``node`` of ``num_nodes`` stages, in source order."""
+    if not 0 <= node < num_nodes:
+        raise UsageError(f"node {node} outside a job of {num_nodes} node(s); check SLURM_NODEID")
     if len(source.shards) < num_nodes:
         raise UsageError(
             f"--subset node needs at least one shard per node ({len(source.shards)} shards, "
             f"{num_nodes} nodes); use --subset all"
         )
     owner = node_owner([s.size or 0 for s in source.shards], num_nodes)
-    return [source.shards[i] for i in np.flatnonzero(owner == node_id).tolist()]
+    return [source.shards[i] for i in np.flatnonzero(owner == node).tolist()]

@@ -99,12 +99,12 @@ class WorldLayout:
         return self.num_nodes * self.ranks_per_node
 
     @property
-    def node_rank(self) -> int:
+    def node(self) -> int:
         """Which node this rank is on."""
         return self.rank // self.ranks_per_node
 
     @property
-    def rank_of_node(self) -> int:
+    def local_rank(self) -> int:
         """This rank's index among the ranks of its node (SLURM_LOCALID)."""
         return self.rank % self.ranks_per_node
 
@@ -239,14 +239,14 @@ def rank_share(
 ) -> RankShare:
     """The share of ``layout.rank`` in ``epoch``, evaluated lazily (see :func:`rank_indices`)."""
     if options.subset == "node":
-        order = plan_order(counts, epoch=epoch, options=options, salt=1 + layout.node_rank)
+        order = plan_order(counts, epoch=epoch, options=options, salt=1 + layout.node)
         if per_rank is None:
             if layout.num_nodes != 1:
                 raise ValueError(
                     "node subsets need per_rank agreed across nodes (samples_per_rank)"
                 )
             per_rank = samples_per_rank(len(order), layout, options.even)
-        return RankShare(order, layout.rank_of_node * per_rank, per_rank)
+        return RankShare(order, layout.local_rank * per_rank, per_rank)
     order = plan_order(counts, epoch=epoch, options=options)
     if per_rank is None:
         per_rank = samples_per_rank(len(order), layout, options.even)

@@ -226,8 +226,8 @@ def staging_share(
     """The share of ``layout.rank`` in a staging epoch (``counts``: the node's shards for
     ``subset="node"``, as :func:`stager.plan.ranks.rank_share` takes them)."""
     if options.subset == "node":
-        salt = copy_salt("node", layout.node_rank)
-        slot, group = layout.rank_of_node, layout.ranks_per_node
+        salt = copy_salt("node", layout.node)
+        slot, group = layout.local_rank, layout.ranks_per_node
     else:
         salt, slot, group = 0, layout.rank, layout.world_size
     order = StagingOrder(counts, spec=spec, seed=options.seed, epoch=epoch, salt=salt)

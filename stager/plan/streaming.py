@@ -59,12 +59,12 @@ class StreamingPlan:
     def segments(self, epoch: int, worker: int) -> list[tuple[int, int, int]]:
         """``(shard, first sample, stop sample)`` ranges streamed by ``worker`` this epoch."""
         shards = np.arange(len(self.counts))
-        salt = 1 + self.layout.node_rank if self.options.subset == "node" else 0
+        salt = 1 + self.layout.node if self.options.subset == "node" else 0
         if self.options.shuffle != "none":
             shards = shard_order(len(self.counts), seed=self.options.seed, epoch=epoch, salt=salt)
         offsets = shard_offsets(self.counts[shards])
         total = int(offsets[-1])
-        position = self.layout.rank_of_node if self.options.subset == "node" else self.layout.rank
+        position = self.layout.local_rank if self.options.subset == "node" else self.layout.rank
         lo = position * self.per_rank + sum(self.worker_samples[:worker])
         hi = lo + self.worker_samples[worker]
         out: list[tuple[int, int, int]] = []

@@ -255,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
         from stager.plan.nodes import select_node_shards
 
         def select(src):  # noqa: ANN001, ANN202 - the stage_in callback
-            return select_node_shards(src, num_nodes=slurm.num_nodes, node_id=slurm.node)
+            return select_node_shards(src, num_nodes=slurm.num_nodes, node=slurm.node)
 
     report: StageInReport | None
     try:
