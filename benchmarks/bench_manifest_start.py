@@ -1,6 +1,7 @@
 """Benchmark: seconds from ``stage-in`` starting to its first byte written, at 1M shards.
 
-Run: ``.venv/bin/python -m benchmarks.bench_manifest_start [--shards 1000000] [--repeats 3]``
+Run: ``.venv/bin/python -m benchmarks.bench_manifest_start [--shards 1000000] [--repeats 3]
+[--baseline CHECKOUT]``
 
 A source of N tiny shards (600 B each, 1,000 per directory) on a tmpfs, with a Parquet
 manifest beside it as ``stager index`` writes it (sizes and hashes), and nothing staged yet.
@@ -83,6 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shards", type=int, default=1_000_000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--data", default="/dev/shm", help="a tmpfs for the source and copies")
+    parser.add_argument(
+        "--baseline",
+        metavar="CHECKOUT",
+        help="another checkout of this project (e.g. `git worktree add /tmp/old <commit>`): its "
+        "stager runs the manifest row too, interleaved, for a ratio measured in the same run",
+    )
     args = parser.parse_args(argv)
     compile_bytecode()
     work = Path(tempfile.mkdtemp(prefix="bench-manifest-", dir=args.data))
@@ -92,21 +99,30 @@ def main(argv: list[str] | None = None) -> int:
         made_s = time.perf_counter() - made
         print(f"source: {args.shards:,} shards with a Parquet manifest ({made_s:.0f} s to make)")
         rows: dict[str, list[float]] = {"manifest": [], "no manifest": []}
+        if args.baseline:
+            rows["baseline, manifest"] = []
         manifest = work / "ds" / "stager-manifest.parquet"
         hidden = work / "stager-manifest.parquet"
         for _ in range(args.repeats):
+            if args.baseline:
+                os.environ["PYTHONPATH"] = str(Path(args.baseline).resolve())
+                try:
+                    rows["baseline, manifest"].append(first_byte_s(work / "ds", work / "dest"))
+                finally:
+                    del os.environ["PYTHONPATH"]
             rows["manifest"].append(first_byte_s(work / "ds", work / "dest"))
             manifest.rename(hidden)
             try:
                 rows["no manifest"].append(first_byte_s(work / "ds", work / "dest"))
             finally:
                 hidden.rename(manifest)
-        print("| run | first byte, median (s) | runs (s) |")
-        print("|---|---|---|")
+        print("| run | first byte, median (s) | runs (s) | x manifest |")
+        print("|---|---|---|---|")
+        median = {name: sorted(times)[len(times) // 2] for name, times in rows.items()}
         for name, times in rows.items():
-            ordered = sorted(times)
             runs = ", ".join(f"{t:.2f}" for t in times)
-            print(f"| {name} | {ordered[len(ordered) // 2]:.2f} | {runs} |")
+            ratio = median[name] / median["manifest"]
+            print(f"| {name} | {median[name]:.2f} | {runs} | {ratio:.2f}x |")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -262,3 +262,28 @@ def test_symlink_planted_inside_the_dataset_is_refused_not_followed(
     with pytest.raises(UnsafePath, match="resolves outside"):
         fresh(target)
     assert join("train-000002.tar") == root / "train-000002.tar"
+
+
+@pytest.mark.parametrize("planted", ["sub", "sub/deeper", "sub/deeper/s1.tar"])
+def test_stage_in_never_writes_through_a_symlink_planted_in_the_staged_tree(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], planted: str
+) -> None:
+    """The plan lists the staged tree once and skips per-shard checks only when that tree holds
+    no symlink at all: a link planted at any depth still makes the run refuse, not follow it."""
+    src = tmp_path / "src" / "ds"
+    write_synthetic_dataset(
+        src / "sub" / "deeper", SyntheticSpec(num_shards=2, samples_per_shard=2)
+    )
+    (src / "sub" / "deeper" / "s1.tar").write_bytes(
+        (src / "sub" / "deeper" / "train-000000.tar").read_bytes()
+    )
+    dest = tmp_path / "scratch"
+    outside = tmp_path / "outside"
+    (outside / "deeper").mkdir(parents=True)
+    link = dest / "ds" / planted
+    link.parent.mkdir(parents=True)
+    link.symlink_to(outside / "deeper" / "s1.tar" if planted.endswith(".tar") else outside)
+    result = run_main(capsys, "stage-in", str(src), "--dest", str(dest), "--no-count", *FAST)
+    assert result.returncode == EXIT_DEST, result.stderr
+    assert "resolves outside" in result.stderr
+    assert not list(outside.rglob("*.tar*")), "wrote outside the dataset"

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import TextIO
 
 from stager.errors import ShardFailure, one_line
+from stager.gcpause import collection_paused
 from stager.layout import StagedDataset
 from stager.shards.manifest import ManifestEntry
 from stager.slurm import SlurmEnv
@@ -209,17 +210,18 @@ def copy_per_node(
     """Steps 2-6 of the module doc: this node reads all its shards from the source itself."""
     shards = list(select(source) if select is not None else source.shards)
     cached = options.cache_dir is not None
-    run, plan, expected = prepare(
-        source,
-        options,
-        slurm,
-        shards,
-        staged,
-        report,
-        log,
-        size_later=not cached,
-        heartbeat=heartbeat,
-    )
+    with collection_paused():  # a million shards: see stager.gcpause
+        run, plan, expected = prepare(
+            source,
+            options,
+            slurm,
+            shards,
+            staged,
+            report,
+            log,
+            size_later=not cached,
+            heartbeat=heartbeat,
+        )
     job_id = slurm.job_id if slurm.in_slurm else None
     cache = StageCache.start(options, source, staged, report, log, job_id=job_id)
     try:

@@ -35,6 +35,7 @@ from stager.errors import (
     one_line,
 )
 from stager.fanout.group import FanoutOptions
+from stager.gcpause import collection_paused
 from stager.slurm import SlurmEnv
 from stager.stagein.options import PROGRESS_STYLES, SUBSETS, StageInOptions
 from stager.stagein.report import StageInReport
@@ -233,13 +234,14 @@ def run(args: argparse.Namespace) -> int:
     defer_stats = args.subset == "all" and not args.fanout
 
     def list_source() -> SourceSet:
-        return resolve_source(
-            args.source,
-            from_list=args.from_list,
-            name=args.name,
-            jobs=args.jobs,
-            stat_listed=not defer_stats,
-        )
+        with collection_paused():  # a million shards: see stager.gcpause
+            return resolve_source(
+                args.source,
+                from_list=args.from_list,
+                name=args.name,
+                jobs=args.jobs,
+                stat_listed=not defer_stats,
+            )
 
     options = options_from_args(args, slurm)
     uncached_mode = "--fanout" if args.fanout else "--background" if args.background else None

@@ -1,0 +1,31 @@
+"""Planning a million shards without the cyclic garbage collector in the way.
+
+Listing a source and planning a run build one or two small objects per shard and free almost
+nothing; CPython's collector still runs a full pass each time enough objects were allocated, and
+every pass walks all that were built so far: at a million shards the passes cost more than the
+work (a 1M-entry manifest read in 4.7 s instead of 2.0 s). These objects hold no reference
+cycles, so nothing is lost by pausing collection while they are built. On the way out they are
+frozen (``gc.freeze``): they live for the whole run, and the collections that run while copying
+need not walk them again.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+__all__ = ["collection_paused"]
+
+
+@contextmanager
+def collection_paused() -> Iterator[None]:
+    """Pause automatic garbage collection inside the block; freeze what survived it."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if was_enabled:
+            gc.enable()
