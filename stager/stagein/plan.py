@@ -274,9 +274,12 @@ def _staged_names(root: str) -> tuple[set[str], bool]:
     while pending:
         prefix, directory = pending.pop()
         try:
-            entries = list(os.scandir(directory))
+            with os.scandir(directory) as listing:
+                entries = list(listing)
         except (FileNotFoundError, NotADirectoryError):
             continue
+        except OSError:  # unreadable: let every name take the per-shard checks, as before
+            return names, True
         for entry in entries:
             if entry.is_symlink():
                 linked = True
