@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from stager.errors import EXIT_DEST, StagerError, UnsafePath
+from stager.errors import EXIT_DEST, EXIT_SOURCE, StagerError, UnsafePath
 from stager.shards.manifest import Manifest
 from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 
@@ -287,3 +287,25 @@ def test_stage_in_never_writes_through_a_symlink_planted_in_the_staged_tree(
     assert result.returncode == EXIT_DEST, result.stderr
     assert "resolves outside" in result.stderr
     assert not list(outside.rglob("*.tar*")), "wrote outside the dataset"
+
+
+@pytest.mark.parametrize("where", ["shard", "directory"])
+def test_a_name_that_is_not_utf8_is_refused_in_one_line(
+    dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str
+) -> None:
+    """POSIX names are bytes; manifests, indexes and reports hold UTF-8. A shard (or source
+    directory) whose name is not UTF-8 is refused before anything is staged, naming it, rather
+    than crashing with a traceback after the copies."""
+    bad = os.fsdecode(b"bad\xff")
+    src = tmp_path / (bad if where == "directory" else "src")
+    src.mkdir()
+    for shard in sorted(dataset.glob("*.tar")):
+        (src / shard.name).write_bytes(shard.read_bytes())
+    if where == "shard":
+        (src / "train-000000.tar").rename(src / f"{bad}.tar")
+    dest = tmp_path / "scratch"
+    result = run_main(capsys, "stage-in", str(src), "--dest", str(dest), "--name", "ds", *FAST)
+    assert result.returncode == EXIT_SOURCE, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "not valid UTF-8" in lines[0] and "bad\\xff" in lines[0], lines
+    assert not dest.exists() or not list(dest.rglob("*.tar*"))

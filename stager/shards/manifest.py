@@ -319,15 +319,17 @@ def _entries_checked_by_column(
     schema = table.schema
     if any(schema.get_field_index(name) < 0 for name in ("path", "size", "hash", "samples")):
         return None
+
+    def text(name: str) -> bool:  # polars writes large_string by default
+        kind = schema.field(name).type
+        return bool(pa.types.is_string(kind) or pa.types.is_large_string(kind))
+
     if not (
-        pa.types.is_string(schema.field("path").type)
+        text("path")
         and pa.types.is_integer(schema.field("size").type)
-        and pa.types.is_string(schema.field("hash").type)
+        and text("hash")
         and pa.types.is_integer(schema.field("samples").type)
-        and (
-            schema.get_field_index("version") < 0
-            or pa.types.is_string(schema.field("version").type)
-        )
+        and (schema.get_field_index("version") < 0 or text("version"))
     ):
         return None
     paths, sizes, hashes = table.column("path"), table.column("size"), table.column("hash")

@@ -275,18 +275,18 @@ def _staged_names(root: str) -> tuple[set[str], bool]:
         prefix, directory = pending.pop()
         try:
             with os.scandir(directory) as listing:
-                entries = list(listing)
+                for entry in listing:
+                    # Where readdir gives no file type these stat the entry, and may fail too.
+                    if entry.is_symlink():
+                        linked = True
+                    elif entry.is_dir(follow_symlinks=False):
+                        pending.append((prefix + entry.name + "/", entry.path))
+                        continue
+                    names.add(prefix + entry.name)
         except (FileNotFoundError, NotADirectoryError):
             continue
         except OSError:  # unreadable: let every name take the per-shard checks, as before
             return names, True
-        for entry in entries:
-            if entry.is_symlink():
-                linked = True
-            elif entry.is_dir(follow_symlinks=False):
-                pending.append((prefix + entry.name + "/", entry.path))
-                continue
-            names.add(prefix + entry.name)
     return names, linked
 
 

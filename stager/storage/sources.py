@@ -276,8 +276,38 @@ def resolve_source(
     ``stat_listed=False``: shards found by walking a local directory keep ``size=None`` and are
     not stat'ed here; the caller sizes them with :func:`fill_sizes` after consulting a manifest,
     which saves a metadata round trip per shard that the manifest already describes.
-    Raises :class:`SourceError` when the source does not exist or lists no shards.
+    Raises :class:`SourceError` when the source does not exist, lists no shards, or names a
+    shard that is not valid UTF-8 (no manifest, index or report could record it).
     """
+    source = _resolve(spec, from_list=from_list, name=name, jobs=jobs, stat_listed=stat_listed)
+    _check_encodable(source.root_url, "source")
+    _check_encodable(source.name, "dataset name")
+    for shard in source.shards:
+        if not shard.relpath.isascii():
+            _check_encodable(shard.url, "source shard name")
+    return source
+
+
+def _check_encodable(text: str, what: str) -> None:
+    """Refuse a name with bytes that are not UTF-8 (read from the OS as lone surrogates)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        shown = text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        raise SourceError(
+            f"{what} is not valid UTF-8: '{shown}'; rename it (manifests, indexes and reports "
+            "record names as UTF-8)"
+        ) from None
+
+
+def _resolve(
+    spec: str | Sequence[str] | None,
+    *,
+    from_list: str | None,
+    name: str | None,
+    jobs: int,
+    stat_listed: bool,
+) -> SourceSet:
     if (spec is None) == (from_list is None):
         raise UsageError("give exactly one of SOURCE or --from-list")
     if from_list is not None:
