@@ -7,20 +7,15 @@ left to the slow path), with numpy over all of them at once.
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 
-_BLOCK = 512
-_U64 = np.uint64
-_USTAR = int.from_bytes(b"ustar", "little")
-_FILE_TYPES = (ord("0"), 0, ord("7"))  # tarfile's isfile(): REGTYPE, AREGTYPE, CONTTYPE
+#: The tar format's constants, shared by the scanner (tarscan) and the name splitter (tarnames).
+BLOCK = 512
+USTAR = int.from_bytes(b"ustar", "little")
+FILE_TYPES = (ord("0"), 0, ord("7"))  # tarfile's isfile(): REGTYPE, AREGTYPE, CONTTYPE
+META_TYPES = tuple(map(ord, "xXLK"))  # apply to the next header; their payload is metadata
 _NO_PAYLOAD_TYPES = tuple(map(ord, "123456"))  # links, devices, directories, FIFOs
-_META_TYPES = tuple(map(ord, "xXLK"))  # apply to the next header; their payload is metadata
-#: ``tarfile`` decodes names with the filesystem encoding; the byte-level split below equals
-#: the split of the decoded name only for UTF-8 (ASCII ``/`` and ``.`` never occur inside a
-#: multi-byte sequence).
-_UTF8 = sys.getfilesystemencoding().lower().replace("-", "") == "utf8"
+_U64 = np.uint64
 
 
 def vouch(hdr: np.ndarray):
@@ -68,8 +63,8 @@ def vouch(hdr: np.ndarray):
 #: 3 a metadata header for the next one (2 and 3 are followed by their payload).
 _ROLE = np.zeros(256, dtype=np.uint8)
 _ROLE[list(_NO_PAYLOAD_TYPES)] = 1
-_ROLE[list(_FILE_TYPES)] = 2
-_ROLE[list(_META_TYPES)] = 3
+_ROLE[list(FILE_TYPES)] = 2
+_ROLE[list(META_TYPES)] = 3
 _SKIPS = 2
 
 

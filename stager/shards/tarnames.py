@@ -14,16 +14,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from stager.shards.members import split_key
+from stager.shards.tarfields import BLOCK
 
 if TYPE_CHECKING:
     from stager.shards.tarscan import Batch
 
-_BLOCK = 512
-_U64 = np.uint64
-_USTAR = int.from_bytes(b"ustar", "little")
-_FILE_TYPES = (ord("0"), 0, ord("7"))  # tarfile's isfile(): REGTYPE, AREGTYPE, CONTTYPE
-_NO_PAYLOAD_TYPES = tuple(map(ord, "123456"))  # links, devices, directories, FIFOs
-_META_TYPES = tuple(map(ord, "xXLK"))  # apply to the next header; their payload is metadata
 #: ``tarfile`` decodes names with the filesystem encoding; the byte-level split below equals
 #: the split of the decoded name only for UTF-8 (ASCII ``/`` and ``.`` never occur inside a
 #: multi-byte sequence).
@@ -84,7 +79,7 @@ def apply_meta(
         pax_positions = positions[is_pax]
         sizes = rows.size[pax_positions]
         payloads, found = (pax or PaxPayloads([], [])).lookup(rows.blocks[pax_positions])
-        small = found & (sizes <= _BLOCK)
+        small = found & (sizes <= BLOCK)
         checked = np.zeros(len(pax_positions), dtype=bool)
         if small.any():
             ok, plain = _pax_check(payloads[small], sizes[small])
@@ -93,14 +88,14 @@ def apply_meta(
             checked[np.flatnonzero(small)[plain]] = True  # no path, nothing to apply
         one_by_one[np.flatnonzero(is_pax)[~checked]] = True
     for pos in positions[one_by_one][::-1].tolist():  # last first: the first of a run wins
-        start = (int(rows.blocks[pos]) + 1) * _BLOCK
+        start = (int(rows.blocks[pos]) + 1) * BLOCK
         nbytes = int(rows.size[pos])
         target = pos + 1
         while is_meta[target]:
             target += 1
         code = int(rows.kind[pos])
         if code == ord("L"):  # tarfile reads the padded blocks and stops at the first NUL
-            padded = read_at(start, -(-nbytes // _BLOCK) * _BLOCK)
+            padded = read_at(start, -(-nbytes // BLOCK) * BLOCK)
             name = padded.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
             names[target] = name.removesuffix("/") if rows.kind[target] == ord("5") else name
         elif code in PAX_TYPES:
@@ -120,12 +115,12 @@ class PaxPayloads:
 
     def __init__(self, blocks: list[np.ndarray], payloads: list[np.ndarray]) -> None:
         self.blocks = np.concatenate(blocks) if blocks else np.zeros(0, np.int64)
-        self.payloads = np.concatenate(payloads) if payloads else np.zeros((0, _BLOCK), np.uint8)
+        self.payloads = np.concatenate(payloads) if payloads else np.zeros((0, BLOCK), np.uint8)
 
     def lookup(self, headers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(payload rows, found) for these header block numbers (rows of zeros where absent)."""
         if not self.blocks.size:
-            return np.zeros((len(headers), _BLOCK), np.uint8), np.zeros(len(headers), bool)
+            return np.zeros((len(headers), BLOCK), np.uint8), np.zeros(len(headers), bool)
         at = np.minimum(np.searchsorted(self.blocks, headers), len(self.blocks) - 1)
         found = self.blocks[at] == headers
         return self.payloads[at], found

@@ -25,13 +25,12 @@ breaks. This module never decides that a shard is bad; it only vouches for the g
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 
 import numpy as np
 
 from stager.shards.members import TarColumns, TarIndex
-from stager.shards.tarfields import vouch
+from stager.shards.tarfields import BLOCK, FILE_TYPES, META_TYPES, USTAR, vouch
 from stager.shards.tarnames import (
     PAX_TYPES,
     PaxPayloads,
@@ -44,17 +43,6 @@ from stager.shards.tarnames import (
 )
 
 __all__ = ["scan_tar", "TarScanner"]
-
-_BLOCK = 512
-_U64 = np.uint64
-_USTAR = int.from_bytes(b"ustar", "little")
-_FILE_TYPES = (ord("0"), 0, ord("7"))  # tarfile's isfile(): REGTYPE, AREGTYPE, CONTTYPE
-_NO_PAYLOAD_TYPES = tuple(map(ord, "123456"))  # links, devices, directories, FIFOs
-_META_TYPES = tuple(map(ord, "xXLK"))  # apply to the next header; their payload is metadata
-#: ``tarfile`` decodes names with the filesystem encoding; the byte-level split below equals
-#: the split of the decoded name only for UTF-8 (ASCII ``/`` and ``.`` never occur inside a
-#: multi-byte sequence).
-_UTF8 = sys.getfilesystemencoding().lower().replace("-", "") == "utf8"
 
 
 def scan_tar(data: bytes | bytearray | memoryview) -> TarIndex | None:
@@ -99,17 +87,17 @@ class TarScanner:
         offset, pos = self._fed, 0
         self._fed += len(view)
         if self._carry:
-            pos = min(_BLOCK - len(self._carry), len(view))
+            pos = min(BLOCK - len(self._carry), len(view))
             self._carry += view[:pos]
-            if len(self._carry) < _BLOCK:
+            if len(self._carry) < BLOCK:
                 return
-            block = np.frombuffer(bytes(self._carry), dtype=np.uint8).reshape(1, _BLOCK)
-            self._take(block, (offset + pos) // _BLOCK - 1)
+            block = np.frombuffer(bytes(self._carry), dtype=np.uint8).reshape(1, BLOCK)
+            self._take(block, (offset + pos) // BLOCK - 1)
             self._carry.clear()
-        whole = (len(view) - pos) // _BLOCK * _BLOCK
+        whole = (len(view) - pos) // BLOCK * BLOCK
         if whole:
-            blocks = np.frombuffer(view[pos : pos + whole], dtype=np.uint8).reshape(-1, _BLOCK)
-            self._take(blocks, (offset + pos) // _BLOCK)
+            blocks = np.frombuffer(view[pos : pos + whole], dtype=np.uint8).reshape(-1, BLOCK)
+            self._take(blocks, (offset + pos) // BLOCK)
         self._carry += view[pos + whole :]
 
     def feed_headers(self, headers: np.ndarray, block_numbers: np.ndarray) -> None:
@@ -123,7 +111,7 @@ class TarScanner:
         """Keep the blocks with the ustar magic; ``numbers``: their block numbers, or the
         number of the first of consecutive blocks."""
         words = blocks.view("<u8")[:, 32]  # bytes 256-263 of every block
-        cand = np.flatnonzero(((words >> _U64(8)) & _U64(0xFF_FFFF_FFFF)) == _USTAR)
+        cand = np.flatnonzero(((words >> np.uint64(8)) & np.uint64(0xFF_FFFF_FFFF)) == USTAR)
         if cand.size:
             numbered = cand + numbers if isinstance(numbers, int) else numbers[cand]
             self._rows.append(blocks[cand])
@@ -161,16 +149,16 @@ class TarScanner:
         """
         self._check()
         if not self._batches or self._batches[0].blocks[0] != 0:
-            first = read_at(0, _BLOCK)
-            if len(first) == _BLOCK and not any(first):
+            first = read_at(0, BLOCK)
+            if len(first) == BLOCK and not any(first):
                 return _empty()  # tarfile reads an archive that starts with its end as empty
             return None
         rows = Batch.join(self._batches)
         self._batches = []
-        nxt = rows.blocks + 1 + np.where(rows.skips, (rows.size + _BLOCK - 1) // _BLOCK, 0)
+        nxt = rows.blocks + 1 + np.where(rows.skips, (rows.size + BLOCK - 1) // BLOCK, 0)
         chain = _chain(rows.blocks, nxt)
-        end = read_at(int(nxt[chain[-1]]) * _BLOCK, _BLOCK)
-        if len(end) < _BLOCK or any(end):
+        end = read_at(int(nxt[chain[-1]]) * BLOCK, BLOCK)
+        if len(end) < BLOCK or any(end):
             return None  # no end-of-archive block where tarfile looks for the next header
         pax = PaxPayloads(self._pax_blocks, self._pax_payloads)
         return _index(rows.take(chain), read_at, pax)
@@ -255,13 +243,13 @@ def _index(
     rows: Batch, read_at: Callable[[int, int], bytes], pax: PaxPayloads | None = None
 ) -> TarIndex | None:
     """The sample index from the headers of the chain (``rows``), in archive order."""
-    is_meta = np.isin(rows.kind, _META_TYPES)
+    is_meta = np.isin(rows.kind, META_TYPES)
     if is_meta[-1]:
         return None  # a metadata header right before the end block: tarfile raises
     meta_names = np.full(len(rows.kind), None, dtype=object)  # names set by metadata headers
     if is_meta.any() and not apply_meta(rows, is_meta, meta_names, read_at, pax):
         return None
-    files = np.flatnonzero(np.isin(rows.kind, _FILE_TYPES))
+    files = np.flatnonzero(np.isin(rows.kind, FILE_TYPES))
     split = rows.split
     plain = split.plain[files] & np.equal(meta_names[files], None)  # type: ignore[call-overload]
     if plain.all():  # the usual shard: keys stay fixed-width bytes until the end
@@ -287,7 +275,7 @@ def _index(
         keys=key_list,
         member_start=np.append(starts, len(keys)).astype(np.int64),
         exts=ext_list,
-        offsets=((rows.blocks[members] + 1) * _BLOCK).astype(np.int64),
+        offsets=((rows.blocks[members] + 1) * BLOCK).astype(np.int64),
         sizes=rows.size[members].astype(np.int64),
         columns=columns,
     )
