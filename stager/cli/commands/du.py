@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from stager.cache.paths import resolve_cache_limit
-from stager.cli.commands.ls import add_node_arguments, emit, inventory
+from stager.cli.commands.ls import add_listing_arguments, emit, inventory
 from stager.node.render import DU_COLUMNS, du_rows
 
 HELP = "space used on this node by each job's scratch directory and by the cache, and in total"
@@ -23,15 +23,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.description = parser.description or HELP
     parser.epilog = parser.epilog or EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    add_node_arguments(parser)
-    parser.add_argument(
-        "--cache", metavar="DIR", help="the cache to count (default: $STAGER_CACHE)"
-    )
-    parser.add_argument("--job", metavar="ID", help="only this job's scratch directory")
-    parser.add_argument(
-        "--json", action="store_true", help="one JSON object per line (bytes, seconds)"
-    )
-    parser.add_argument("--no-header", action="store_true", help="no column titles")
+    add_listing_arguments(parser, "count")
     parser.set_defaults(handler=run)
 
 

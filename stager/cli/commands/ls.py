@@ -43,14 +43,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.description = parser.description or HELP
     parser.epilog = parser.epilog or EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    add_listing_arguments(parser, "list")
+    parser.set_defaults(handler=run)
+
+
+def add_listing_arguments(parser: argparse.ArgumentParser, verb: str) -> None:
+    """The flags ``stager ls`` and ``stager du`` share: where to look and how to print."""
     add_node_arguments(parser)
-    parser.add_argument("--cache", metavar="DIR", help="the cache to list (default: $STAGER_CACHE)")
+    parser.add_argument(
+        "--cache", metavar="DIR", help=f"the cache to {verb} (default: $STAGER_CACHE)"
+    )
     parser.add_argument("--job", metavar="ID", help="only this job's scratch directory")
     parser.add_argument(
         "--json", action="store_true", help="one JSON object per line (bytes, seconds)"
     )
     parser.add_argument("--no-header", action="store_true", help="no column titles")
-    parser.set_defaults(handler=run)
 
 
 def inventory(args: argparse.Namespace) -> NodeInventory:
