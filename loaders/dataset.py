@@ -36,6 +36,19 @@ __all__ = ["StagedTarDataset", "PackedBatch"]
 SHARED_MEMORY_MIN_BYTES = 1 << 20
 
 
+def batch_buffer(nbytes: int) -> tuple[torch.Tensor | np.ndarray, np.ndarray]:
+    """A batch's payload and a numpy view to copy its members into.
+
+    In a worker, a large batch is allocated in shared memory up front: otherwise torch copies
+    it into shared memory again when the worker hands it to the main process.
+    """
+    if get_worker_info() is not None and nbytes >= SHARED_MEMORY_MIN_BYTES:
+        shared = torch.empty(nbytes, dtype=torch.uint8).share_memory_()
+        return shared, shared.numpy()
+    out = np.empty(nbytes, dtype=np.uint8)
+    return out, out
+
+
 @dataclass
 class PackedBatch:
     """A batch of undecoded samples: one payload tensor plus where each member lies in it."""
@@ -145,15 +158,7 @@ class StagedTarDataset(Dataset):
         sizes = self.index.member_size[members].astype(np.int64)
         offsets = self.index.member_offset[members].astype(np.int64)
         member_shard = shards[owner]
-        nbytes = int(sizes.sum())
-        payload: torch.Tensor | np.ndarray
-        if get_worker_info() is not None and nbytes >= SHARED_MEMORY_MIN_BYTES:
-            # Allocate in shared memory up front: otherwise torch copies the batch into shared
-            # memory again when the worker hands it to the main process.
-            shared = torch.empty(nbytes, dtype=torch.uint8).share_memory_()
-            payload, out = shared, shared.numpy()
-        else:
-            payload = out = np.empty(nbytes, dtype=np.uint8)
+        payload, out = batch_buffer(int(sizes.sum()))
         shard_list, offset_list, size_list = member_shard.tolist(), offsets.tolist(), sizes.tolist()
         short = self.files.copy_members(shard_list, offset_list, size_list, out)
         if short >= 0:  # a truncated shard: name it and the sample

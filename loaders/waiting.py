@@ -50,7 +50,7 @@ from stager.stagein.wait import GONE_AFTER_S
 from stager.storage.copy import copy_file
 from stager.storage.listing import split_fs
 
-from .dataset import SHARED_MEMORY_MIN_BYTES, PackedBatch, StagedTarDataset
+from .dataset import PackedBatch, StagedTarDataset, batch_buffer
 from .samples import SamplePipeline
 from .shardio import open_shards
 
@@ -303,13 +303,7 @@ class GrowingTarDataset(Dataset):
             sizes.extend(index.sizes[lo:hi].tolist())
         names = tuple(dict.fromkeys(exts))
         code = {name: c for c, name in enumerate(names)}
-        nbytes = sum(sizes)
-        payload: torch.Tensor | np.ndarray
-        if get_worker_info() is not None and nbytes >= SHARED_MEMORY_MIN_BYTES:
-            shared = torch.empty(nbytes, dtype=torch.uint8).share_memory_()
-            payload, out = shared, shared.numpy()
-        else:
-            payload = out = np.empty(nbytes, dtype=np.uint8)
+        payload, out = batch_buffer(sum(sizes))
         short = self.files.copy_members(member_shard, offsets, sizes, out)
         if short >= 0:
             raise IntegrityError(
