@@ -14,7 +14,6 @@ logs are compared exactly, models within a tolerance (see tests/test_slurm_jobs.
 from __future__ import annotations
 
 import re
-import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,16 @@ from stager.shards.build import build_manifest, write_manifest
 from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 from stager.storage.sources import resolve_source
 
-from .test_slurm_jobs import TWO_NODES, Job, _assert_same_model, _key_log, _submit, _wait_done
+from .test_slurm_jobs import (
+    TWO_NODES,
+    Job,
+    _assert_same_model,
+    _key_log,
+    _keys_up_to,
+    _submit,
+    _wait_done,
+    _wait_for_log,
+)
 
 pytestmark = pytest.mark.slurm
 
@@ -72,11 +80,7 @@ def _staged(cluster, job: Job, node: str) -> Path:
 
 def test_usr1_while_staging_runs_requeues_and_continues_exactly(slurm_cluster, jobs) -> None:
     job, reference = jobs["signalled"], jobs["reference"]
-    deadline = time.monotonic() + 180
-    while "checkpoints/step-00000005" not in job.text():
-        assert time.monotonic() < deadline, f"no first checkpoint in time:\n{job.text()}"
-        assert slurm_cluster.job(job.job_id).get("JobState") in ("PENDING", "RUNNING"), job.text()
-        time.sleep(0.2)
+    _wait_for_log(slurm_cluster, job, "checkpoints/step-00000005")
     published = {
         n: len(list(_staged(slurm_cluster, job, n).glob("*.tar"))) for n in ("node1", "node2")
     }
@@ -122,11 +126,5 @@ def test_background_reference_reads_every_sample_in_epoch_0(slurm_cluster, jobs)
     text = reference.text()
     for node in ("node1", "node2"):
         assert f"[{node}] stage-in --background: done, 8 of 8 shard(s) staged" in text, text
-    first_epoch = [
-        k
-        for rank in (0, 1)
-        for step, keys in _key_log(reference, rank)
-        if step <= 20
-        for k in keys.split()
-    ]
+    first_epoch = _keys_up_to(reference, range(2), 20)
     assert len(first_epoch) == 320 and len(set(first_epoch)) == 320

@@ -122,6 +122,26 @@ def _key_log(job: Job, rank: int) -> list[tuple[int, str]]:
     return [(int(step), keys) for step, keys in (line.split(" ", 1) for line in lines)]
 
 
+def _wait_for_log(cluster, job: Job, text: str, timeout_s: float = 180) -> None:
+    """Wait until ``text`` shows in the job's output, failing if the job ends first."""
+    deadline = time.monotonic() + timeout_s
+    while text not in job.text():
+        assert time.monotonic() < deadline, f"no {text!r} in time:\n{job.text()}"
+        assert cluster.job(job.job_id).get("JobState") in ("PENDING", "RUNNING"), job.text()
+        time.sleep(0.2)
+
+
+def _keys_up_to(job: Job, ranks: range, last_step: int) -> list[str]:
+    """Every sample key the ranks logged in steps 1..``last_step``, repeats kept."""
+    return [
+        k
+        for rank in ranks
+        for step, keys in _key_log(job, rank)
+        if step <= last_step
+        for k in keys.split()
+    ]
+
+
 #: Weights of two runs fed the same batches differ only by float summation order: on this
 #: model and 40 SGD steps that was 1.5e-8 at most (weights ~0.2); another seed differs by ~0.3.
 MODEL_RTOL, MODEL_ATOL = 1e-4, 1e-5
@@ -154,23 +174,13 @@ def test_two_node_job_stages_in_per_node_trains_and_stages_out(slurm_cluster, jo
     assert (job.ckpt_dest / f"step-{STEPS:08d}" / "state.pt").is_file()
     assert f"stage-out: committed step-{STEPS:08d}" in text
     # DDP over 2 ranks reading disjoint samples: the first epoch covers all 160 samples once.
-    first_epoch = [
-        k
-        for rank in (0, 1)
-        for step, keys in _key_log(job, rank)
-        if step <= 10
-        for k in keys.split()
-    ]
+    first_epoch = _keys_up_to(job, range(2), 10)
     assert len(first_epoch) == 160 and len(set(first_epoch)) == 160
 
 
 def test_usr1_stages_out_requeues_and_resumes_exactly(slurm_cluster, jobs) -> None:
     job, reference = jobs["signalled"], jobs["reference"]
-    deadline = time.monotonic() + 180
-    while "checkpoints/step-00000010" not in job.text():
-        assert time.monotonic() < deadline, f"no first checkpoint in time:\n{job.text()}"
-        assert slurm_cluster.job(job.job_id).get("JobState") in ("PENDING", "RUNNING"), job.text()
-        time.sleep(0.3)
+    _wait_for_log(slurm_cluster, job, "checkpoints/step-00000010")
     slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job.job_id])
 
     # The trap requeues the job; the cluster's cred_expire (15 s) holds it back that long.
