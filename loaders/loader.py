@@ -19,6 +19,7 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from stager.errors import ResumeMismatch, StagingStopped, UsageError
+from stager.gcpause import collection_paused
 from stager.plan.elastic import remaining_after
 from stager.plan.ranks import PlanOptions, WorldLayout, fingerprint
 
@@ -119,9 +120,6 @@ class ShardedLoader(DataLoader):
             workers_per_rank=num_workers,
             ranks_per_node=options.ranks_per_node,
         )
-        self.shards: DatasetShards = resolve_dataset(
-            source, dest=options.dest, name=options.name, on_error=options.on_error
-        )
         self._to_tuple = tuple(to_tuple) if to_tuple is not None else None
         self._own_collate = collate_fn is None
         self._epoch, self._skip, self._consumed = 0, 0, 0
@@ -129,9 +127,17 @@ class ShardedLoader(DataLoader):
         self.metrics = LoaderMetrics(log_every=options.log_every)
         raw = decode is None and map is None and collate_fn is None
         pipeline = None if raw else SamplePipeline(decode, map, self._to_tuple)
-        self.reader: Reader = open_reader(
-            self.shards, options, pipeline, collate_fn, num_workers, self._to_tuple
-        )
+        # Reading the staged manifest builds a dict per shard and frees it at once; with torch
+        # imported (~170k tracked objects) each full collection pass they trigger costs ~0.1 s:
+        # three of them, 0.3 s of a 100k-shard start. Nothing built here holds a cycle (see
+        # stager.gcpause). The one pass the import heap makes due comes later either way.
+        with collection_paused():
+            self.shards: DatasetShards = resolve_dataset(
+                source, dest=options.dest, name=options.name, on_error=options.on_error
+            )
+            self.reader: Reader = open_reader(
+                self.shards, options, pipeline, collate_fn, num_workers, self._to_tuple
+            )
         self.skipped_shards: list[str] = self.reader.skipped_shards
         self.shard_samples = self.reader.counts
         self.fingerprint = fingerprint(self.shards.relpaths, self.shard_samples)

@@ -112,7 +112,7 @@ class StagedReader:
             expected_samples=shards.samples,
             cache_dir=StagedDataset.of(staged).index_dir if staged is not None else None,
             on_error=options.on_error,
-            stats=shards.stat_list(),
+            stats=shards.stats,
         )
         self.counts = self.index.shard_samples
         self._pipeline = pipeline

@@ -29,7 +29,7 @@ from stager.layout import StagedDataset
 from stager.plan.ranks import PlanOptions, WorldLayout
 from stager.plan.staging import StagingSpec
 from stager.shards.loader_index import build_flat_index
-from stager.shards.tarindex import is_compressed
+from stager.shards.tarindex import any_compressed
 from stager.slurm import SlurmEnv
 from stager.stagein.status import (
     PlanFacts,
@@ -126,7 +126,7 @@ def resolve_staging(
     columns, facts = loaded
     _check_same_root({"source": facts.source}, spec, staged.dir)
     outcome = read_outcome(staged, facts)
-    compressed = any(map(is_compressed, columns.relpaths))
+    compressed = any_compressed(columns.relpaths)
     if compressed and outcome is None:
         log.warning(
             "%s is compressed (.tgz): it cannot be read while stage-in --background copies it; "

@@ -43,6 +43,7 @@ __all__ = [
 log = logging.getLogger("stager_loaders")
 
 _CACHE_VERSION = 2  # 2: the dataset index narrows offsets and sizes to 32 bits where they fit
+_STAMP_FORMAT = 3  # the dataset index's key; 3: hashed column by column (see _dataset_stamp)
 
 #: The dataset's one index file, in the loader-index directory beside the staged copy.
 DATASET_INDEX_NAME = "dataset.index"
@@ -156,7 +157,7 @@ def build_flat_index(
     expected_samples: Sequence[int | None] | None = None,
     cache_dir: Path | None = None,
     on_error: str = "raise",
-    stats: Sequence[tuple[int, int] | None] | None = None,
+    stats: Sequence[tuple[int, int] | None] | np.ndarray | None = None,
 ) -> tuple[FlatIndex, list[str]]:
     """Index ``shards`` and flatten them; returns the index and the shards skipped as corrupt.
 
@@ -242,18 +243,34 @@ def _dataset_stamp(
     relpaths: Sequence[str],
     expected: Sequence[int | None],
     on_error: str,
-    stats: Sequence[tuple[int, int] | None] | None = None,
+    stats: Sequence[tuple[int, int] | None] | np.ndarray | None = None,
 ) -> bytes:
+    """A digest of every shard's path, size, mtime and expected count, in whole columns.
+
+    Hashed column by column (the paths joined by NUL, which no path holds; the numbers as int64
+    arrays) rather than one formatted string per shard: ~0.12 s of a 100k-shard start before.
+    ``stats`` rows of ``(size, mtime_ns)``; a None row, or -1 in an array, is stat'ed here.
+    """
     import hashlib
 
-    known = stats if stats is not None else [None] * len(shards)
-    parts = [f"v{_CACHE_VERSION}|{on_error}"]
-    for path, rel, want, stat in zip(shards, relpaths, expected, known, strict=True):
-        if stat is None:
-            found = os.stat(path)  # str paths: pathlib costs ~25 us per shard, 2.5 s at 100k
-            stat = (found.st_size, found.st_mtime_ns)
-        parts.append(f"|{rel}|{stat[0]}|{stat[1]}|{want}")
-    return hashlib.sha256("".join(parts).encode()).digest()
+    if isinstance(stats, np.ndarray):
+        table = stats.astype(np.int64, copy=True).reshape(-1, 2)
+    else:
+        known = list(stats) if stats is not None else [None] * len(shards)
+        table = np.asarray([(-1, -1) if st is None else st for st in known], np.int64)
+        table = table.reshape(-1, 2)
+    for i in np.flatnonzero(table[:, 1] < 0).tolist():
+        found = os.stat(shards[i])  # str paths: pathlib costs ~25 us per shard, 2.5 s at 100k
+        table[i] = (found.st_size, found.st_mtime_ns)
+    counts = np.asarray([-1 if n is None else n for n in expected], np.int64)
+    if not len(table) == len(counts) == len(relpaths) == len(shards):
+        raise ValueError("shards, relpaths, expected counts and stats differ in length")
+    head = f"v{_CACHE_VERSION}.{_STAMP_FORMAT}|{on_error}|{len(relpaths)}|"
+    digest = hashlib.sha256(head.encode())
+    digest.update("\0".join(relpaths).encode("utf-8", "surrogateescape"))
+    digest.update(table.tobytes())
+    digest.update(counts.tobytes())
+    return digest.digest()
 
 
 _ARRAYS = (

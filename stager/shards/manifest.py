@@ -161,19 +161,27 @@ def _fast_columns(payload: object) -> ManifestColumns | None:
     shards, meta = payload.get("shards"), payload.get("meta") or {}
     if not isinstance(shards, list) or not isinstance(meta, dict):
         return None
-    if not all(type(item) is dict for item in shards):
+    # Whole-column checks in C (set(map(type, ...)), min, all(map(...))): at 100k shards the
+    # per-item generator checks cost ~0.2 s of a loader's start. type(...) is int refuses
+    # bools, as _entry does.
+    if set(map(type, shards)) - {dict}:
         return None
     relpaths = [item.get("path") for item in shards]
     sizes = [item.get("size") for item in shards]
     samples = [item.get("samples") for item in shards]
     hashes = [item.get("hash") for item in shards]
-    # type(...) is int refuses bools, as _entry does
+    counts = [n for n in samples if n is not None]
+    digests = [h for h in hashes if h is not None]
     valid = (
-        all(type(p) is str and CANONICAL_RELPATH.fullmatch(p) for p in relpaths)
+        set(map(type, relpaths)) <= {str}
+        and all(map(CANONICAL_RELPATH.fullmatch, relpaths))
         and not any(p.endswith(PARTIAL_SUFFIX) for p in relpaths)
-        and all(type(s) is int and s >= 0 for s in sizes)
-        and all(n is None or (type(n) is int and n >= 0) for n in samples)
-        and all(h is None or (type(h) is str and h) for h in hashes)
+        and set(map(type, sizes)) <= {int}
+        and min(sizes, default=0) >= 0
+        and set(map(type, counts)) <= {int}
+        and min(counts, default=0) >= 0
+        and set(map(type, digests)) <= {str}
+        and all(digests)
     )
     if not valid:
         return None

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, BinaryIO
 from stager.errors import IntegrityError
 from stager.shards.members import (
     TarIndex,
+    any_compressed,
     duplicate_member,
     is_compressed,
     split_key,
@@ -45,6 +46,7 @@ __all__ = [
     "count_samples_stream",
     "split_key",
     "is_compressed",
+    "any_compressed",
 ]
 
 

@@ -190,7 +190,7 @@ def _save_loader_index(run: Staging, manifest: Manifest, indexes: dict[str, TarI
     from stager.shards import loader_index  # numpy: imported only once copies are done
 
     entries = manifest.entries
-    if not entries or any(tarindex.is_compressed(e.relpath) for e in entries):
+    if not entries or tarindex.any_compressed(e.relpath for e in entries):
         return  # compressed shards are streamed by the loader, never indexed
     paths = [run.staged.dir / e.relpath for e in entries]
     relpaths = [e.relpath for e in entries]
