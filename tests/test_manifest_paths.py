@@ -7,7 +7,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stager.errors import StagerError
-from stager.storage.paths import CANONICAL_RELPATH, normalised_relpath, safe_relpath
+from stager.storage.paths import (
+    CANONICAL_RELPATH,
+    all_canonical,
+    normalised_relpath,
+    safe_relpath,
+)
 
 PIECES = st.sampled_from(
     ["a", "b.tar", ".", "..", "...", "/", "\\", ":", "\x00", "\n", ".partial", "C:", " "]
@@ -30,11 +35,30 @@ def test_fast_path_agrees_with_safe_relpath(relpath: str) -> None:
     assert got == expected
 
 
+# whole parts joined by "/", so that "." and ".." parts land first, inside and last
+PARTS = st.lists(
+    st.sampled_from(["a", "b.tar", ".", "..", "...", "", "\\", "C:", ":", "\x00", "x.partial"]),
+    min_size=1,
+    max_size=4,
+).map("/".join)
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.lists(st.one_of(PARTS, st.lists(PIECES, max_size=6).map("".join)), max_size=4))
+def test_the_whole_column_check_agrees_with_the_fast_path(relpaths: list[str]) -> None:
+    one_by_one = all(
+        CANONICAL_RELPATH.fullmatch(p) and not p.endswith(".partial") for p in relpaths
+    )
+    assert all_canonical(relpaths) == one_by_one, relpaths
+
+
 def test_examples() -> None:
     for ok in ("a.tar", "d/e/f-000001.tar", ".hidden/x.tar", "a/...", "ab:c.tar"):
         assert CANONICAL_RELPATH.fullmatch(ok) and safe_relpath(ok) == ok
     for odd in ("./a", "a//b", "a/./b", "a\\b", "C:x", "/a", "a/..", "a\n/../b", "a\x00", "..."):
         assert not CANONICAL_RELPATH.fullmatch(odd)
+        assert not all_canonical(["a.tar", odd, "b.tar"])
+    assert all_canonical(["a.tar", "d/e/f-000001.tar", ".hidden/x.tar", "a/...", "ab:c.tar"])
 
 
 def test_read_columns_agrees_with_manifest_read(tmp_path) -> None:

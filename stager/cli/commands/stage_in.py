@@ -35,7 +35,7 @@ from stager.errors import (
     one_line,
 )
 from stager.fanout.group import FanoutOptions
-from stager.gcpause import collection_paused
+from stager.gcpause import collection_paused, freeze_after_pauses
 from stager.slurm import SlurmEnv
 from stager.stagein.options import PROGRESS_STYLES, SUBSETS, StageInOptions
 from stager.stagein.report import StageInReport
@@ -228,6 +228,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             "--fanout replicates the whole dataset on every node; it needs --subset all"
         )
+    freeze_after_pauses()  # this process is stage-in alone: see stager.gcpause
     slurm = SlurmEnv.from_environ()
     # Sizes of a walked directory are looked up after the manifest (fewer stats), except where
     # shard selection needs them first: --subset node partitions by size, --fanout plans by it.
