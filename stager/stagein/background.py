@@ -246,7 +246,7 @@ class _BackgroundRun:
                     plan,
                     options,
                     report,
-                    {k: e.samples for k, e in expected.items()},
+                    expected,
                     self.log,
                     journal=run.journal,
                     heartbeat=heartbeat,

@@ -108,7 +108,8 @@ class Copier:
         self.dropped: list[str] = []  # sized later and found gone or a directory: not shards
         self.held: list[str] = []  # copied, but kept .partial until the free-space verdict
         self.count_later: list[str] = []  # held copies to count once renamed
-        late = [item.shard for item in plan.to_copy if item.shard.relpath in plan.sized_later]
+        later = plan.sized_later
+        late = [item.shard for item in plan.to_copy if item.shard.relpath in later] if later else []
         self.late = {shard.relpath: i for i, shard in enumerate(late)}
         self.sizing: DeferredPreflight | None = None
         if late:
