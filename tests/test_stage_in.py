@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import filecmp
 import json
 import os
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from stager.errors import EXIT_FULL, EXIT_SOURCE, EXIT_USAGE
+from stager.errors import EXIT_FULL, EXIT_INTEGRITY, EXIT_SOURCE, EXIT_USAGE
 from stager.layout import StagedDataset
 from stager.shards.manifest import Manifest
 from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
@@ -364,6 +365,43 @@ def test_shards_missing_from_the_manifest_are_staged_with_a_warning(
     warning = [line for line in result.stderr.splitlines() if "not in the manifest" in line]
     assert len(warning) == 1 and "1 shard(s)" in warning[0] and "extra-000000.tar" in warning[0]
     assert (tmp_path / "s" / "ds" / "extra-000000.tar").is_file()
+
+
+@pytest.mark.parametrize("order", ["as listed", "reversed", "one missing from the source"])
+def test_a_manifest_in_any_order_is_checked_alike(
+    dataset_copy: Path, tmp_path: Path, order: str
+) -> None:
+    # A manifest naming the listing one for one, in order, takes a fast path (no dict by name,
+    # no set algebra); any other order or membership the general one. Both must stage the same
+    # files and refuse the same corrupt shard.
+    assert run_cli("stager", "index", str(dataset_copy)).returncode == 0
+    path = dataset_copy / "stager-manifest.json"
+    manifest = Manifest.read(path)
+    entries = list(manifest.entries)
+    bad = entries[2].relpath
+    entries[2] = dataclasses.replace(entries[2], hash="xxh3_64:0000000000000000")
+    if order == "reversed":
+        entries.reverse()
+    path.unlink()
+    Manifest(tuple(entries), manifest.meta).write(path)
+    if order == "one missing from the source":
+        (dataset_copy / entries[-1].relpath).unlink()
+    result = run_cli(
+        "stage-in", str(dataset_copy), "--dest", str(tmp_path / "s"),
+        "--report", str(tmp_path / "r.json"),
+    )  # fmt: skip
+    assert result.returncode == EXIT_INTEGRITY, result.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    failed = {f["url"].rsplit("/", 1)[-1]: f["reason"] for f in report["failures"]}
+    assert bad in failed and "hash" in failed[bad]
+    staged = tmp_path / "s" / "ds"
+    on_source = {p.name for p in dataset_copy.glob("*.tar")}
+    if order == "one missing from the source":
+        assert "missing from the source" in failed[entries[-1].relpath]
+    assert {p.name for p in staged.glob("*.tar")} == on_source - {bad}
+    for name in on_source - {bad}:
+        assert filecmp.cmp(dataset_copy / name, staged / name, shallow=False)
+    assert not list(staged.rglob("*.partial"))
 
 
 def test_space_check_on_sizes_found_while_copying_leaves_nothing_staged(tmp_path: Path) -> None:

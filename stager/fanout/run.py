@@ -126,7 +126,7 @@ def _import_torch_distributed() -> None:
 
 
 def _exchange_items(
-    run: Staging, expected: dict[str, ManifestEntry], kept: dict[str, ManifestEntry]
+    run: Staging, expected: Mapping[str, ManifestEntry], kept: dict[str, ManifestEntry]
 ) -> list[ExchangeShard]:
     items = []
     for shard in run.shards:

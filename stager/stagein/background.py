@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
 
@@ -78,7 +78,7 @@ class _OrderedCopier(Copier):
 
 
 def plan_entries(
-    shards: Sequence[SourceShard], plan: LocalPlan, expected: dict[str, ManifestEntry]
+    shards: Sequence[SourceShard], plan: LocalPlan, expected: Mapping[str, ManifestEntry]
 ) -> list[ManifestEntry]:
     """What the run will publish, in source order; refuses shards whose samples are unknown."""
     entries: list[ManifestEntry] = []
@@ -246,7 +246,6 @@ class _BackgroundRun:
                     plan,
                     options,
                     report,
-                    expected,
                     self.log,
                     journal=run.journal,
                     heartbeat=heartbeat,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TextIO
 
@@ -78,7 +78,6 @@ class Copier:
         plan: LocalPlan,
         options: StageInOptions,
         report: StageInReport,
-        expected: Mapping[str, ManifestEntry],
         log: TextIO,
         journal: Journal | None = None,
         heartbeat: Callable[[], None] = lambda: None,
@@ -86,10 +85,7 @@ class Copier:
     ):
         self.source, self.plan, self.options = source, plan, options
         self.report, self.log = report, log
-        # sample counts the manifest promises, and those a cache hit brought; not a dict of a
-        # million counts built before the first copy
-        self.expected = expected
-        self.served_samples: dict[str, int] = {}
+        self.served_samples: dict[str, int] = {}  # counts a cache hit brought
         self.journal = journal
         self.heartbeat = heartbeat  # tells tasks waiting on the node lock that we progress
         self.cache = cache  # the node cache (--cache): serves hits, is filled by misses
@@ -209,7 +205,7 @@ class Copier:
         counters: list[TarSampleCounter] = []
         sizing = self.sizing
 
-        want_samples = self._known_samples(item.shard.relpath)
+        want_samples = self._known_samples(item)
 
         def publish(partial: str, final_path: str) -> None:
             counted = counters[0].samples if counters else None
@@ -261,18 +257,16 @@ class Copier:
                 claim.release()
         self._staged(item, result, counters[0] if counters else None, published[0])
 
-    def _known_samples(self, relpath: str) -> int | None:
-        served = self.served_samples.get(relpath)
-        if served is not None:
-            return served
-        entry = self.expected.get(relpath)
-        return entry.samples if entry is not None else None
+    def _known_samples(self, item: CopyItem) -> int | None:
+        """The manifest's count, or the cache's for a shard it served."""
+        served = self.served_samples.get(item.shard.relpath)
+        return served if served is not None else item.want_samples
 
     def _staged(
         self, item: CopyItem, result: CopyResult, counter: TarSampleCounter | None, published: bool
     ) -> None:
         relpath = item.shard.relpath
-        samples = self._known_samples(relpath)
+        samples = self._known_samples(item)
         if counter is not None and counter.samples is not None:
             self.outcome.parsed[relpath] = counter  # arrays are built at the end, off this thread
             if samples is None:

@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 import shutil
 import stat
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, KeysView, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from operator import attrgetter
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from stager.errors import IntegrityError, ScratchFull, StagerError, UsageError
 from stager.layout import PARTIAL_SUFFIX, StagedDataset
@@ -31,6 +31,7 @@ from stager.units import human_bytes
 
 __all__ = [
     "CopyItem",
+    "EntriesByRelpath",
     "LocalPlan",
     "load_source_manifest",
     "read_previous",
@@ -60,6 +61,7 @@ class CopyItem:
     size: int | None  # the manifest's size, else the listing's; None: sized while copying
     want_hash: str | None  # the manifest's hash, if any
     from_manifest: bool  # size and hash come from the manifest: a difference is corruption
+    want_samples: int | None = None  # the manifest's sample count, if any
 
     @property
     def final(self) -> Path:
@@ -78,6 +80,38 @@ class LocalPlan:
     @property
     def bytes_to_copy(self) -> int:
         return sum(filter(None, map(attrgetter("size"), self.to_copy)))  # C loops: 1M in ~20 ms
+
+
+class EntriesByRelpath(Mapping[str, ManifestEntry]):
+    """A manifest's entries by relative path, the dict built on first use.
+
+    A first run whose listing matches the manifest one for one plans and copies without it;
+    at a million shards building it took 0.5 s before the first copy.
+    """
+
+    def __init__(self, manifest: Manifest | None) -> None:
+        self._manifest = manifest
+        self._by_relpath: dict[str, ManifestEntry] | None = None
+
+    def _built(self) -> dict[str, ManifestEntry]:
+        if self._by_relpath is None:
+            self._by_relpath = self._manifest.by_relpath() if self._manifest is not None else {}
+        return self._by_relpath
+
+    def __getitem__(self, relpath: str) -> ManifestEntry:
+        return self._built()[relpath]
+
+    def get(self, relpath: str, default: Any = None) -> Any:  # the dict's, not Mapping's
+        return self._built().get(relpath, default)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._built())
+
+    def __len__(self) -> int:
+        return len(self._built())
+
+    def keys(self) -> KeysView[str]:
+        return self._built().keys()
 
 
 def _fetch(source: SourceSet, remote: str, staged: StagedDataset) -> Path:
@@ -229,11 +263,12 @@ def _kept_entry(
 def plan_local(
     shards: Sequence[SourceShard],
     staged: StagedDataset,
-    expected: dict[str, ManifestEntry],
+    expected: Mapping[str, ManifestEntry],
     previous: dict[str, ManifestEntry],
     options: StageInOptions,
     log: TextIO,
     heartbeat: Callable[[], None] = lambda: None,
+    aligned: Sequence[ManifestEntry] | None = None,
 ) -> LocalPlan:
     """Split ``shards`` into those to copy and those already staged with the source's bytes.
 
@@ -241,6 +276,7 @@ def plan_local(
     copied without a metadata call of its own, so a first run over a million shards plans in
     about a second. Names that exist, and every name once a symlink is seen anywhere in the
     tree (it could lead outside), go through :class:`SafeJoiner`'s ``lstat`` and checks.
+    ``aligned``: the manifest's entries when they name ``shards`` one for one, in order.
     """
     to_copy: list[CopyItem] = []
     kept: dict[str, ManifestEntry] = {}
@@ -249,13 +285,19 @@ def plan_local(
     root = str(staged.dir)
     canonical = all_canonical([s.relpath for s in shards])  # else each is checked below
     if canonical and not linked and not present:  # a first run: every shard is copied
-        get, prefix = expected.get, root + "/"
-        for shard in shards:
-            want = get(shard.relpath)
+        prefix = root + "/"
+        # entries in the shards' order: no lookup by name (building that dict costs 0.5 s a
+        # million)
+        wants = aligned if aligned is not None else map(expected.get, (s.relpath for s in shards))
+        for shard, want in zip(shards, wants, strict=False):
             if want is None:
                 to_copy.append(CopyItem(shard, prefix + shard.relpath, shard.size, None, False))
             else:
-                to_copy.append(CopyItem(shard, prefix + shard.relpath, want.size, want.hash, True))
+                to_copy.append(
+                    CopyItem(
+                        shard, prefix + shard.relpath, want.size, want.hash, True, want.samples
+                    )
+                )
         return LocalPlan(to_copy, kept)
     for shard in shards:
         want = expected.get(shard.relpath)
@@ -271,10 +313,10 @@ def plan_local(
                 continue
         else:
             target = root + "/" + rel
-        size = want.size if want is not None else shard.size
-        to_copy.append(
-            CopyItem(shard, target, size, want.hash if want is not None else None, want is not None)
-        )
+        if want is None:
+            to_copy.append(CopyItem(shard, target, shard.size, None, False))
+        else:
+            to_copy.append(CopyItem(shard, target, want.size, want.hash, True, want.samples))
     return LocalPlan(to_copy, kept)
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from operator import attrgetter
 from typing import TextIO
 
@@ -34,6 +34,7 @@ from stager.stagein.finish import Staging, finish
 from stager.stagein.node import attach_report, run_once_per_node
 from stager.stagein.options import StageInOptions
 from stager.stagein.plan import (
+    EntriesByRelpath,
     LocalPlan,
     check_outside_source,
     check_same_source,
@@ -143,21 +144,26 @@ def prepare(
     *,
     size_later: bool,
     heartbeat: Callable[[], None] = lambda: None,
-) -> tuple[Staging, LocalPlan, dict[str, ManifestEntry]]:
+) -> tuple[Staging, LocalPlan, Mapping[str, ManifestEntry]]:
     """Steps 2-3 of the module doc, shared with ``--fanout``: what to copy, and what to delete.
 
     Returns the run (kept shards already in it), the local plan, and the source manifest's
-    entries by relpath (empty without a manifest).
+    entries by relpath (empty without a manifest; built on first use).
     """
     node = slurm.node_name
     check_same_source(staged, source)
     discard_plan(staged)  # a background run's plan would vouch for names this run may replace
     manifest = load_source_manifest(source, options, staged)
-    expected = manifest.by_relpath() if manifest is not None else {}
-    # Set algebra over relpaths (C loops) where a Python pass per shard would cost ~0.3 s each
-    # at a million shards, before the first copy.
-    listed = set(map(attrgetter("relpath"), shards))
-    undescribed = listed - expected.keys()  # shards the manifest does not describe
+    expected = EntriesByRelpath(manifest)
+    # A million shards: a Python pass per shard costs ~0.3 s, a dict of them 0.5 s, all before
+    # the first copy. A listing that the manifest names one for one, in order (as `stager
+    # index` writes it), needs neither: one list comparison in C shows nothing is undescribed
+    # or missing. Otherwise set algebra over relpaths (C loops) finds them.
+    relpaths = list(map(attrgetter("relpath"), shards))
+    aligned: Sequence[ManifestEntry] | None = None
+    if manifest is not None and list(map(attrgetter("relpath"), manifest.entries)) == relpaths:
+        aligned = manifest.entries
+    undescribed = set() if aligned is not None else set(relpaths) - expected.keys()
     sized_later = (
         sized_while_copying(source, shards, undescribed, staged.dir) if size_later else set()
     )
@@ -169,10 +175,12 @@ def prepare(
     all_hashed = manifest is not None and all(map(attrgetter("hash"), manifest.entries))
     if options.cache_dir is not None:
         shards = fill_sizes(source, shards, options.jobs, skipped=skipped)
+        aligned = None  # fill_sizes may have dropped some
     elif not (all_hashed and undescribed <= sized_later):  # else nothing is left to size now
         hashed = {relpath for relpath, entry in expected.items() if entry.hash}
         known = hashed | sized_later
         shards = fill_sizes(source, shards, options.jobs, known=known, skipped=skipped)
+        aligned = None  # fill_sizes may have dropped some
     for url in skipped:
         warn(log, node, f"skipped {one_line(url)!r}: not a regular file (a FIFO or device?)")
     if manifest is not None:
@@ -185,10 +193,7 @@ def prepare(
                 f"{len(unlisted)} shard(s) are not in the manifest (first: {first!r}); "
                 "they are verified by size only. Re-run `stager index` if the dataset changed",
             )
-        # listed minus undescribed is in the manifest: when they are as many as its entries,
-        # none of its entries is missing from the source (a set difference spared at 1M)
-        listed_and_described = len(shards) - len(unlisted)
-        if source.walked and options.subset == "all" and listed_and_described != len(expected):
+        if source.walked and options.subset == "all" and aligned is None:
             listed = {s.relpath for s in shards}
             for relpath in sorted(expected.keys() - listed):
                 report.add_failure(
@@ -200,7 +205,7 @@ def prepare(
     clean_partials(staged.dir)
     previous = read_previous(staged)
     remove_unlisted(staged, previous, shards)
-    plan = plan_local(shards, staged, expected, previous, options, log, heartbeat)
+    plan = plan_local(shards, staged, expected, previous, options, log, heartbeat, aligned)
     plan.sized_later = sized_later
     report.files_total = len(shards) + len(source.missing)
     report.files_skipped = len(plan.kept)
@@ -252,7 +257,6 @@ def copy_per_node(
                 plan,
                 options,
                 report,
-                expected,
                 log,
                 journal=run.journal,
                 heartbeat=heartbeat,
