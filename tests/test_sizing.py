@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from stager.errors import EXIT_FULL, EXIT_SOURCE
 from stager.layout import StagedDataset
@@ -225,3 +227,47 @@ def test_a_shard_that_cannot_be_stat_ed_fails_alone(
         shards[0].name,
         shards[2].name,
     ]
+
+
+# names a staged tree and a listing draw from: files, directories and symlinks collide on them
+_NAMES = ["a.tar", "b.tar", "d", "d/a.tar", "d/e", "d/e/b.tar", "l", "l/a.tar"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    staged=st.dictionaries(
+        st.sampled_from(_NAMES), st.sampled_from(["file", "dir", "link-file", "link-dir"])
+    ),
+    listed=st.sets(st.sampled_from([n for n in _NAMES if n.endswith(".tar")])),
+)
+def test_which_shards_are_sized_while_copying_agrees_with_lexists(
+    tmp_path_factory: pytest.TempPathFactory, staged: dict[str, str], listed: set[str]
+) -> None:
+    # The staged tree is walked once (StagedNames) instead of an lexists per shard; the verdict
+    # must be the same for any tree of files, directories and symlinks, including names that
+    # sit under a file or a symlinked directory.
+    from stager.stagein.plan import StagedNames, sized_while_copying
+    from stager.storage.sources import SourceSet, SourceShard
+
+    root = tmp_path_factory.mktemp("staged")
+    elsewhere = tmp_path_factory.mktemp("elsewhere")
+    (elsewhere / "a.tar").write_bytes(b"x")
+    for name, kind in sorted(staged.items()):
+        path = root / name
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if kind == "file":
+                path.write_bytes(b"x")
+            elif kind == "dir":
+                path.mkdir()
+            elif kind == "link-file":
+                path.symlink_to(elsewhere / "a.tar")
+            else:
+                path.symlink_to(elsewhere, target_is_directory=True)
+        except (FileExistsError, NotADirectoryError):
+            continue  # a name already taken by another kind, or under a file
+    shards = [SourceShard(f"/src/{r}", f"/src/{r}", r, None) for r in sorted(listed)]
+    source = SourceSet("/src", "ds", tuple(shards), walked=True)
+    undescribed = set(listed)
+    walked = sized_while_copying(source, shards, undescribed, root, StagedNames.walk(str(root)))
+    assert walked == sized_while_copying(source, shards, undescribed, root)

@@ -18,6 +18,7 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import TYPE_CHECKING, TextIO
 
 from stager.errors import (
@@ -106,7 +107,8 @@ class Copier:
         self.count_later: list[str] = []  # held copies to count once renamed
         later = plan.sized_later
         late = [item.shard for item in plan.to_copy if item.shard.relpath in later] if later else []
-        self.late = {shard.relpath: i for i, shard in enumerate(late)}
+        relpaths = map(attrgetter("relpath"), late)
+        self.late = dict(zip(relpaths, range(len(late)), strict=False))  # C loops
         self.sizing: DeferredPreflight | None = None
         if late:
             self.sizing = DeferredPreflight(

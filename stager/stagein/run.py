@@ -36,6 +36,7 @@ from stager.stagein.options import StageInOptions
 from stager.stagein.plan import (
     EntriesByRelpath,
     LocalPlan,
+    StagedNames,
     check_outside_source,
     check_same_source,
     clean_partials,
@@ -164,8 +165,12 @@ def prepare(
     if manifest is not None and list(map(attrgetter("relpath"), manifest.entries)) == relpaths:
         aligned = manifest.entries
     undescribed = set() if aligned is not None else set(relpaths) - expected.keys()
+    # the staged tree before anything is removed from it: what is already there
+    staged_names = StagedNames.walk(str(staged.dir))
     sized_later = (
-        sized_while_copying(source, shards, undescribed, staged.dir) if size_later else set()
+        sized_while_copying(source, shards, undescribed, staged.dir, staged_names)
+        if size_later
+        else set()
     )
     skipped = list(source.skipped)
     # A listing made without stats (resolve_source(stat_listed=False)): a manifest hash stands
@@ -176,7 +181,9 @@ def prepare(
     if options.cache_dir is not None:
         shards = fill_sizes(source, shards, options.jobs, skipped=skipped)
         aligned = None  # fill_sizes may have dropped some
-    elif not (all_hashed and undescribed <= sized_later):  # else nothing is left to size now
+    elif not ((manifest is None or all_hashed) and undescribed <= sized_later):
+        # (else nothing is left to size now: described shards have hashes, the rest are
+        # sized while copying)
         hashed = {relpath for relpath, entry in expected.items() if entry.hash}
         known = hashed | sized_later
         shards = fill_sizes(source, shards, options.jobs, known=known, skipped=skipped)
@@ -205,7 +212,9 @@ def prepare(
     clean_partials(staged.dir)
     previous = read_previous(staged)
     remove_unlisted(staged, previous, shards)
-    plan = plan_local(shards, staged, expected, previous, options, log, heartbeat, aligned)
+    plan = plan_local(
+        shards, staged, expected, previous, options, log, heartbeat, aligned, staged_names
+    )
     plan.sized_later = sized_later
     report.files_total = len(shards) + len(source.missing)
     report.files_skipped = len(plan.kept)
