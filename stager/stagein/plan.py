@@ -14,6 +14,7 @@ import stat
 from collections.abc import Callable, Iterator, KeysView, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from itertools import repeat
 from operator import attrgetter
 from pathlib import Path
 from typing import Any, TextIO
@@ -289,22 +290,11 @@ def plan_local(
     names = staged_names if staged_names is not None else StagedNames.walk(str(staged.dir))
     present, linked = names.files, names.linked
     root = str(staged.dir)
-    canonical = all_canonical([s.relpath for s in shards])  # else each is checked below
+    # Aligned entries came out of safe_relpath (or its whole-column check), which returns its
+    # own output unchanged: the listing's names, equal to them, need no second check.
+    canonical = aligned is not None or all_canonical([s.relpath for s in shards])
     if canonical and not linked and not present:  # a first run: every shard is copied
-        prefix = root + "/"
-        # entries in the shards' order: no lookup by name (building that dict costs 0.5 s a
-        # million)
-        wants = aligned if aligned is not None else map(expected.get, (s.relpath for s in shards))
-        for shard, want in zip(shards, wants, strict=False):
-            if want is None:
-                to_copy.append(CopyItem(shard, prefix + shard.relpath, shard.size, None, False))
-            else:
-                to_copy.append(
-                    CopyItem(
-                        shard, prefix + shard.relpath, want.size, want.hash, True, want.samples
-                    )
-                )
-        return LocalPlan(to_copy, kept)
+        return LocalPlan(_first_run_items(shards, root, expected, aligned), kept)
     for shard in shards:
         want = expected.get(shard.relpath)
         rel = shard.relpath if canonical else safe_relpath(shard.relpath)
@@ -324,6 +314,39 @@ def plan_local(
         else:
             to_copy.append(CopyItem(shard, target, want.size, want.hash, True, want.samples))
     return LocalPlan(to_copy, kept)
+
+
+def _first_run_items(
+    shards: Sequence[SourceShard],
+    root: str,
+    expected: Mapping[str, ManifestEntry],
+    aligned: Sequence[ManifestEntry] | None,
+) -> list[CopyItem]:
+    """Every shard to copy, nothing staged yet: built column by column (C loops, ~0.3 s less
+    than a loop at a million). Entries in the shards' order need no lookup by name."""
+    relpaths = [s.relpath for s in shards]
+    wants = list(aligned) if aligned is not None else list(map(expected.get, relpaths))
+    prefix = root + "/"
+    targets = [prefix + r for r in relpaths]
+    if all(w is not None for w in wants):  # a manifest describes every shard
+        described: list[ManifestEntry] = wants  # type: ignore[assignment]
+        return list(
+            map(
+                CopyItem,
+                shards,
+                targets,
+                [w.size for w in described],
+                [w.hash for w in described],
+                repeat(True),
+                [w.samples for w in described],
+            )
+        )
+    return [
+        CopyItem(shard, target, shard.size, None, False)
+        if want is None
+        else CopyItem(shard, target, want.size, want.hash, True, want.samples)
+        for shard, target, want in zip(shards, targets, wants, strict=True)
+    ]
 
 
 @dataclass

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from stager.errors import SourceError, UsageError
-from stager.layout import is_shard_name
+from stager.layout import SHARD_SUFFIXES
 from stager.storage.identity import local_version, remote_version
 from stager.storage.workers import map_in_threads
 
@@ -81,7 +81,7 @@ def walk_local(root: str) -> list[str]:
                 # Shard-like names are taken without asking is_dir(): where readdir gives no file
                 # type (FUSE, some NFS), each is_dir() is a serial stat round trip. The parallel
                 # stat that follows drops the rare directory named like a shard.
-                if is_shard_name(entry.name):
+                if entry.name.endswith(SHARD_SUFFIXES):  # is_shard_name, inlined: 1M calls
                     found.append(entry.path)
                 elif entry.is_dir(follow_symlinks=False):
                     pending.append(entry.path)
