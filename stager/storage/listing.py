@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import os
 import stat
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from stager.errors import SourceError, UsageError
 from stager.layout import SHARD_SUFFIXES
 from stager.storage.identity import local_version, remote_version
 from stager.storage.workers import map_in_threads
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 if TYPE_CHECKING:
     import fsspec
@@ -71,21 +76,61 @@ def translate(exc: BaseException, url: str) -> SourceError:
     return SourceError(f"cannot list source {url}: {exc}; check the URL and credentials")
 
 
-def walk_local(root: str) -> list[str]:
-    """Shard file names under ``root``, sorted, from directory reads only (no stat per file)."""
-    found, pending = [], [root]
-    while pending:
-        directory = pending.pop()
-        with os.scandir(directory) as entries:
-            for entry in entries:
-                # Shard-like names are taken without asking is_dir(): where readdir gives no file
-                # type (FUSE, some NFS), each is_dir() is a serial stat round trip. The parallel
-                # stat that follows drops the rare directory named like a shard.
-                if entry.name.endswith(SHARD_SUFFIXES):  # is_shard_name, inlined: 1M calls
-                    found.append(entry.path)
-                elif entry.is_dir(follow_symlinks=False):
-                    pending.append(entry.path)
-    return sorted(found)
+#: A directory read slower than this on average is a network round trip: list in parallel.
+SLOW_DIRECTORY_S = 0.005
+
+
+def walk_local(root: str, jobs: int = 1) -> list[str]:
+    """Shard file names under ``root``, sorted, from directory reads only (no stat per file).
+
+    The tree is read level by level. On NFS each directory costs a lookup and a read round
+    trip, so a dataset of 1,000 directories listed one by one waits 1,000 round trips before
+    its first copy: once directory reads prove slow (over :data:`SLOW_DIRECTORY_S` on average),
+    the directories of a level are read on up to ``jobs`` threads. On a local filesystem they
+    stay on one thread, where threads only contend for the interpreter (a million names on
+    tmpfs: 0.8 s on one thread, 1.5 s on 16). Shard-like names are taken without asking whether
+    they are directories; the other names are asked, on the same threads (where readdir gives
+    no file type, on FUSE and some NFS, each answer is a stat round trip). The parallel stat
+    that follows drops the rare directory named like a shard.
+    """
+    found: list[str] = []
+    level = [root]
+    threads = 1
+    while level:
+        started = time.monotonic()
+        others: list[os.DirEntry[str]] = []
+        for shards, rest in _in_threads(_list_dir, level, threads):
+            found += shards
+            others += rest
+        if threads == 1 and (time.monotonic() - started) / len(level) > SLOW_DIRECTORY_S:
+            threads = max(1, jobs)
+        directories = _in_threads(_is_directory, others, threads)
+        level = [entry.path for entry, yes in zip(others, directories, strict=True) if yes]
+    found.sort()
+    return found
+
+
+def _in_threads(fn: Callable[[T], R], items: list[T], jobs: int) -> list[R]:
+    if jobs > 1 and len(items) > 1:
+        return map_in_threads(fn, items, jobs, name="list")
+    return [fn(item) for item in items]
+
+
+def _list_dir(directory: str) -> tuple[list[str], list[os.DirEntry[str]]]:
+    """The shard-like paths in one directory, and its other entries."""
+    shards: list[str] = []
+    others: list[os.DirEntry[str]] = []
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            if entry.name.endswith(SHARD_SUFFIXES):  # is_shard_name, inlined: 1M calls
+                shards.append(entry.path)
+            else:
+                others.append(entry)
+    return shards, others
+
+
+def _is_directory(entry: os.DirEntry[str]) -> bool:
+    return entry.is_dir(follow_symlinks=False)
 
 
 def info_of(info: dict[str, Any]) -> Info:

@@ -233,7 +233,7 @@ def _walk(
     if fs is None:
         # NFS answers each stat with a round trip: list names (readdir) serially, stat in parallel.
         try:
-            names = walk_local(root)
+            names = walk_local(root, jobs)
         except OSError as exc:
             raise translate(exc, spec) from exc
         # The walk joins readdir names with "/" under root: the tail is already a canonical

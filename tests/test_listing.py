@@ -1,0 +1,76 @@
+"""The local walk reads a slow tree's directories on threads; the names it finds must not depend
+on that, whatever the tree holds (nested directories, directories named like shards, symlinks,
+FIFOs, unreadable directories)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from stager.storage import listing
+
+_PATHS = st.lists(
+    st.tuples(
+        st.lists(st.sampled_from(["a", "b", "c.tar", "d"]), min_size=0, max_size=3),
+        st.sampled_from(["s.tar", "t.tgz", "u.tar.gz", "notes.txt", "x.tar"]),
+        st.sampled_from(["file", "dir", "fifo", "link"]),
+    ),
+    max_size=25,
+)
+
+
+def _build(root: Path, entries: list[tuple[list[str], str, str]]) -> None:
+    for parts, name, kind in entries:
+        path = root.joinpath(*parts, name)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if kind == "file":
+                path.write_bytes(b"x")
+            elif kind == "dir":
+                path.mkdir(exist_ok=True)
+            elif kind == "fifo":
+                os.mkfifo(path)
+            else:
+                path.symlink_to(root, target_is_directory=True)  # a loop, if it were followed
+        except (FileExistsError, NotADirectoryError, IsADirectoryError):
+            continue
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(entries=_PATHS)
+def test_threaded_walk_finds_what_the_serial_walk_finds(
+    tmp_path_factory: pytest.TempPathFactory, entries: list
+) -> None:
+    root = tmp_path_factory.mktemp("tree")
+    _build(root, entries)
+    serial = listing.walk_local(str(root), 1)
+    old = listing.SLOW_DIRECTORY_S
+    listing.SLOW_DIRECTORY_S = -1.0  # every read counts as slow: threads from the first level
+    try:
+        threaded = listing.walk_local(str(root), 8)
+    finally:
+        listing.SLOW_DIRECTORY_S = old
+    assert threaded == serial == sorted(serial)
+
+
+def test_an_unreadable_directory_fails_the_threaded_walk_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for d in ("a", "b", "c"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "s.tar").write_bytes(b"x")
+    monkeypatch.setattr(listing, "SLOW_DIRECTORY_S", -1.0)
+    real = listing._list_dir
+
+    def failing(directory: str):  # noqa: ANN202 - the test's stand-in
+        if directory.endswith("/b"):
+            raise PermissionError(13, "Permission denied", directory)
+        return real(directory)
+
+    monkeypatch.setattr(listing, "_list_dir", failing)
+    with pytest.raises(PermissionError):
+        listing.walk_local(str(tmp_path), 8)
