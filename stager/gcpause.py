@@ -16,21 +16,27 @@ import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["collection_paused", "freeze_after_pauses"]
+__all__ = ["collection_paused", "freezing_after_pauses"]
 
 _freeze = False
 
 
-def freeze_after_pauses() -> None:
-    """In a process that runs stage-in alone (the command line): freeze what a pause built.
+@contextmanager
+def freezing_after_pauses() -> Iterator[None]:
+    """For a command-line run of stage-in: freeze what each pause inside the block built.
 
     After a pause the collector's next full pass would still walk every object built in it
     (0.6 s at a million shards, right as the copies start); frozen (``gc.freeze``), they are
-    left out of every pass. Only the command line asks for this: a user's program calling the
-    Python API keeps its collector as it was.
+    left out of every pass. Only the command line asks for this, and only while its command
+    runs: a user's program calling the Python API, or a loader created after a command was run
+    in the same process, keeps its collector as it was.
     """
     global _freeze
-    _freeze = True
+    previous, _freeze = _freeze, True
+    try:
+        yield
+    finally:
+        _freeze = previous
 
 
 @contextmanager

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from stager.errors import IntegrityError
 from stager.shards.arrayfile import map_arrays, write_arrays
 from stager.shards.loader_index import (
     FlatIndex,
@@ -117,3 +118,21 @@ def test_build_flat_index_maps_what_it_wrote_and_rebuilds_a_damaged_file(tmp_pat
     assert dataset_index_path(cache).read_bytes() == raw
     in_memory, _ = build_flat_index(shards)  # no cache directory: arrays in memory
     assert in_memory.source is None and in_memory.keys.tolist() == built.keys.tolist()
+
+
+@pytest.mark.parametrize("promised", [2**63, 2**64 + 5, 8])
+def test_a_count_past_int64_is_a_mismatch_not_a_crash(tmp_path: Path, promised: int) -> None:
+    # A manifest may promise any integer; the index's key must take it, and the count must be
+    # refused as a mismatch (or the shard left out with on_error="skip"), as any wrong count is.
+    shards = write_synthetic_dataset(
+        tmp_path / "ds", SyntheticSpec(num_shards=3, samples_per_shard=7)
+    )
+    relpaths = [p.name for p in shards]
+    cache = tmp_path / "ds" / ".stager" / "index"
+    expected: list[int | None] = [7, promised, None]
+    with pytest.raises(IntegrityError, match=f"manifest says {promised}"):
+        build_flat_index(shards, relpaths=relpaths, expected_samples=expected, cache_dir=cache)
+    flat, skipped = build_flat_index(
+        shards, relpaths=relpaths, expected_samples=expected, cache_dir=cache, on_error="skip"
+    )
+    assert skipped == [relpaths[1]] and flat.shard_samples.tolist() == [7, 0, 7]

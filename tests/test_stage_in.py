@@ -459,3 +459,58 @@ def test_staged_files_take_their_mode_from_the_umask_like_cp(
     assert result.returncode == 0, result.stderr
     modes = {stat.S_IMODE(p.stat().st_mode) for p in _shards(tmp_path / "s" / "ds")}
     assert modes == {0o664}
+
+
+@pytest.mark.parametrize("spelling", ["bare", "upper-case bare", "prefixed upper-case"])
+def test_sha256sum_digests_in_a_manifest_verify_copies(
+    dataset_copy: Path, tmp_path: Path, spelling: str
+) -> None:
+    # A manifest from another tool may carry sha256sum's bare hex (split_digest reads a bare
+    # digest as sha256). It must verify the copies, not refuse every one for its spelling.
+    import hashlib
+
+    entries = []
+    for shard in sorted(dataset_copy.glob("*.tar")):
+        hexdigest = hashlib.sha256(shard.read_bytes()).hexdigest()
+        digest = {
+            "bare": hexdigest,
+            "upper-case bare": hexdigest.upper(),
+            "prefixed upper-case": "sha256:" + hexdigest.upper(),
+        }[spelling]
+        entries.append({"path": shard.name, "size": shard.stat().st_size, "hash": digest})
+    manifest = {"format": "stager-manifest", "version": 1, "meta": {}, "shards": entries}
+    (dataset_copy / "stager-manifest.json").write_text(json.dumps(manifest))
+    result = run_cli("stage-in", str(dataset_copy), "--dest", str(tmp_path / "s"))
+    assert result.returncode == 0, result.stderr
+    rerun = run_cli("stage-in", str(dataset_copy), "--dest", str(tmp_path / "s"))
+    assert rerun.returncode == 0 and " 0 copied, 8 skipped" in rerun.stderr, rerun.stderr
+    entries[1]["hash"] = "0" * 64  # a wrong digest is still refused
+    (dataset_copy / "stager-manifest.json").write_text(json.dumps(manifest))
+    wrong = run_cli("stage-in", str(dataset_copy), "--dest", str(tmp_path / "t"))
+    assert wrong.returncode == EXIT_INTEGRITY, wrong.stderr
+
+
+def test_the_command_freezes_its_planning_objects_only_while_it_runs(
+    small_dataset: Path, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The command line freezes (gc.freeze) what planning built, so the collector never walks a
+    # million shards' objects again; run in a user's process, it must leave later pauses (a
+    # loader's) as they were: pausing, not freezing.
+    import gc
+
+    from stager.gcpause import collection_paused
+
+    from .inproc import clean_process_env, run_main
+
+    clean_process_env(monkeypatch)
+    try:
+        result = run_main(capsys, "stage-in", str(small_dataset), "--dest", str(tmp_path / "s"))
+        assert result.returncode == 0, result.stderr
+        assert gc.get_freeze_count() > 0, "the command froze nothing"
+        gc.unfreeze()
+        with collection_paused():
+            assert not gc.isenabled()
+            _ = [[] for _ in range(100)]
+        assert gc.get_freeze_count() == 0 and gc.isenabled()
+    finally:
+        gc.unfreeze()

@@ -245,9 +245,12 @@ def _entry(
         )
     if hash_ is not None:
         try:
-            split_digest(hash_)
+            algorithm, hexpart = split_digest(hash_)
         except UsageError as exc:
             raise UsageError(f"manifest {where}: {exc} (shard {relpath!r})") from None
+        # one spelling, the one a copy computes: a bare or upper-case sha256sum digest would
+        # otherwise never equal "sha256:<lower-case hex>", and every copy would be refused
+        hash_ = f"{algorithm}:{hexpart.lower()}"
     if version is not None and not isinstance(version, str):
         raise UsageError(f"manifest {where}: version {version!r} of {relpath!r} is not a string")
     return ManifestEntry(safe_relpath(relpath), size, hash_, samples, version)
@@ -353,9 +356,14 @@ def _entries_checked_by_column(
     if len(hashes) > hashes.null_count:
         if pc.min(pc.utf8_length(hashes)).as_py() == 0:
             return None
-        # the algorithm before the first ":" (a bare hex digest is sha256), in pyarrow's kernels
-        named = hashes.filter(pc.match_substring(hashes, ":"))
-        heads = pc.list_element(pc.split_pattern(named, ":", max_splits=1), 0)
+        # the algorithm before the first ":", in pyarrow's kernels; a bare digest (sha256) or
+        # upper-case hex takes the row path, which writes it the way a copy computes it
+        present = hashes.drop_null()
+        if not pc.all(pc.match_substring(present, ":")).as_py():
+            return None
+        if not pc.all(pc.equal(present, pc.utf8_lower(present))).as_py():
+            return None
+        heads = pc.list_element(pc.split_pattern(present, ":", max_splits=1), 0)
         if not set(pc.unique(heads).to_pylist()) <= set(ALGORITHMS):
             return None
     paths_list = columns["path"]

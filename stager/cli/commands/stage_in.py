@@ -35,7 +35,7 @@ from stager.errors import (
     one_line,
 )
 from stager.fanout.group import FanoutOptions
-from stager.gcpause import collection_paused, freeze_after_pauses
+from stager.gcpause import collection_paused, freezing_after_pauses
 from stager.slurm import SlurmEnv
 from stager.stagein.options import PROGRESS_STYLES, SUBSETS, StageInOptions
 from stager.stagein.report import StageInReport
@@ -219,6 +219,11 @@ def options_from_args(args: argparse.Namespace, slurm: SlurmEnv) -> StageInOptio
 
 
 def run(args: argparse.Namespace) -> int:
+    with freezing_after_pauses():  # this command runs stage-in alone: see stager.gcpause
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.checkpoint is not None:
         return _restore(args)
     check_background_arguments(args)
@@ -228,7 +233,6 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             "--fanout replicates the whole dataset on every node; it needs --subset all"
         )
-    freeze_after_pauses()  # this process is stage-in alone: see stager.gcpause
     slurm = SlurmEnv.from_environ()
     # Sizes of a walked directory are looked up after the manifest (fewer stats), except where
     # shard selection needs them first: --subset node partitions by size, --fanout plans by it.
