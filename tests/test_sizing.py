@@ -246,7 +246,8 @@ def test_which_shards_are_sized_while_copying_agrees_with_lexists(
     # The staged tree is walked once (StagedNames) instead of an lexists per shard; the verdict
     # must be the same for any tree of files, directories and symlinks, including names that
     # sit under a file or a symlinked directory.
-    from stager.stagein.plan import StagedNames, sized_while_copying
+    from stager.stagein.plan import sized_while_copying
+    from stager.stagein.stagedtree import StagedNames
     from stager.storage.sources import SourceSet, SourceShard
 
     root = tmp_path_factory.mktemp("staged")

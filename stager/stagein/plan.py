@@ -11,13 +11,13 @@ from __future__ import annotations
 import os
 import shutil
 import stat
-from collections.abc import Callable, Iterator, KeysView, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from itertools import repeat
 from operator import attrgetter
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 from stager.errors import IntegrityError, ScratchFull, StagerError, UsageError
 from stager.layout import PARTIAL_SUFFIX, StagedDataset
@@ -25,6 +25,7 @@ from stager.shards import tarindex
 from stager.shards.manifest import MANIFEST_NAMES, Manifest, ManifestEntry, find_manifest
 from stager.stagein.journal import Journal
 from stager.stagein.options import StageInOptions
+from stager.stagein.stagedtree import StagedNames
 from stager.storage.hashing import hash_file
 from stager.storage.paths import SafeJoiner, all_canonical, safe_relpath
 from stager.storage.sources import SourceSet, SourceShard
@@ -32,14 +33,12 @@ from stager.units import human_bytes
 
 __all__ = [
     "CopyItem",
-    "EntriesByRelpath",
     "LocalPlan",
     "load_source_manifest",
     "read_previous",
     "clean_partials",
     "sized_while_copying",
     "plan_local",
-    "StagedNames",
     "preflight",
     "remove_unlisted",
     "check_same_source",
@@ -82,38 +81,6 @@ class LocalPlan:
     @property
     def bytes_to_copy(self) -> int:
         return sum(filter(None, map(attrgetter("size"), self.to_copy)))  # C loops: 1M in ~20 ms
-
-
-class EntriesByRelpath(Mapping[str, ManifestEntry]):
-    """A manifest's entries by relative path, the dict built on first use.
-
-    A first run whose listing matches the manifest one for one plans and copies without it;
-    at a million shards building it took 0.5 s before the first copy.
-    """
-
-    def __init__(self, manifest: Manifest | None) -> None:
-        self._manifest = manifest
-        self._by_relpath: dict[str, ManifestEntry] | None = None
-
-    def _built(self) -> dict[str, ManifestEntry]:
-        if self._by_relpath is None:
-            self._by_relpath = self._manifest.by_relpath() if self._manifest is not None else {}
-        return self._by_relpath
-
-    def __getitem__(self, relpath: str) -> ManifestEntry:
-        return self._built()[relpath]
-
-    def get(self, relpath: str, default: Any = None) -> Any:  # the dict's, not Mapping's
-        return self._built().get(relpath, default)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._built())
-
-    def __len__(self) -> int:
-        return len(self._built())
-
-    def keys(self) -> KeysView[str]:
-        return self._built().keys()
 
 
 def _fetch(source: SourceSet, remote: str, staged: StagedDataset) -> Path:
@@ -347,42 +314,6 @@ def _first_run_items(
         else CopyItem(shard, target, want.size, want.hash, True, want.samples)
         for shard, target, want in zip(shards, targets, wants, strict=True)
     ]
-
-
-@dataclass
-class StagedNames:
-    """What a staged tree holds, from one walk: names (files, symlinks and the like) and
-    directories, relative to its root, and whether any symlink is among them."""
-
-    files: set[str] = field(default_factory=set)
-    dirs: set[str] = field(default_factory=set)
-    linked: bool = False
-
-    @classmethod
-    def walk(cls, root: str) -> StagedNames:
-        """Walk ``root``; symlinked directories are not followed, an unreadable directory
-        counts as a symlink (every name then takes the per-shard checks)."""
-        found = cls()
-        pending = [("", root)]
-        while pending:
-            prefix, directory = pending.pop()
-            try:
-                with os.scandir(directory) as listing:
-                    for entry in listing:
-                        # Where readdir gives no file type these stat the entry, and may fail.
-                        if entry.is_symlink():
-                            found.linked = True
-                        elif entry.is_dir(follow_symlinks=False):
-                            found.dirs.add(prefix + entry.name)
-                            pending.append((prefix + entry.name + "/", entry.path))
-                            continue
-                        found.files.add(prefix + entry.name)
-            except (FileNotFoundError, NotADirectoryError):
-                continue
-            except OSError:
-                found.linked = True
-                return found
-        return found
 
 
 def remove_unlisted(

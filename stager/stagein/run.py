@@ -30,13 +30,12 @@ from stager.shards.manifest import ManifestEntry
 from stager.slurm import SlurmEnv
 from stager.stagein.cache import StageCache
 from stager.stagein.copier import Copier
+from stager.stagein.expected import EntriesByRelpath
 from stager.stagein.finish import Staging, finish
 from stager.stagein.node import attach_report, run_once_per_node
 from stager.stagein.options import StageInOptions
 from stager.stagein.plan import (
-    EntriesByRelpath,
     LocalPlan,
-    StagedNames,
     check_outside_source,
     check_same_source,
     clean_partials,
@@ -48,6 +47,7 @@ from stager.stagein.plan import (
     sized_while_copying,
 )
 from stager.stagein.report import StageInReport
+from stager.stagein.stagedtree import StagedNames
 from stager.stagein.status import discard_plan
 from stager.storage.sources import SourceSet, SourceShard, fill_sizes
 
