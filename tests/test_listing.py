@@ -26,6 +26,8 @@ _PATHS = st.lists(
 def _build(root: Path, entries: list[tuple[list[str], str, str]]) -> None:
     for parts, name, kind in entries:
         path = root.joinpath(*parts, name)
+        if os.path.lexists(path):
+            continue  # taken already: writing to a FIFO there would block forever
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             if kind == "file":
