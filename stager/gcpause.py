@@ -4,10 +4,11 @@ Listing a source and planning a run build one or two small objects per shard and
 nothing; CPython's collector still runs a full pass each time enough objects were allocated, and
 every pass walks all that were built so far: at a million shards the passes cost more than the
 work (a 1M-entry manifest read in 4.7 s instead of 2.0 s). These objects hold no reference
-cycles, so nothing is lost by pausing collection while they are built. They are not frozen
-(``gc.freeze``) on the way out: stage-in also runs inside a user's process (the Python API),
-where freezing would keep every cycle of theirs alive; after the pause, a full pass comes only
-once the heap has grown by a quarter (CPython's rule), so the copy phase rarely pays for them.
+cycles, so nothing is lost by pausing collection while they are built. Only the command line
+freezes them (``gc.freeze``) on the way out, and only while its command runs
+(:func:`freezing_after_pauses`): stage-in also runs inside a user's process (the Python API)
+and the loader always does, where freezing would keep every cycle of theirs alive; there, after
+the pause, a full pass comes once the heap has grown by a quarter (CPython's rule).
 """
 
 from __future__ import annotations

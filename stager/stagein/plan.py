@@ -259,9 +259,10 @@ def plan_local(
     root = str(staged.dir)
     # Aligned entries came out of safe_relpath (or its whole-column check), which returns its
     # own output unchanged: the listing's names, equal to them, need no second check.
-    canonical = aligned is not None or all_canonical([s.relpath for s in shards])
+    relpaths = [s.relpath for s in shards]
+    canonical = aligned is not None or all_canonical(relpaths)
     if canonical and not linked and not present:  # a first run: every shard is copied
-        return LocalPlan(_first_run_items(shards, root, expected, aligned), kept)
+        return LocalPlan(_first_run_items(shards, relpaths, root, expected, aligned), kept)
     for shard in shards:
         want = expected.get(shard.relpath)
         rel = shard.relpath if canonical else safe_relpath(shard.relpath)
@@ -276,22 +277,27 @@ def plan_local(
                 continue
         else:
             target = root + "/" + rel
-        if want is None:
-            to_copy.append(CopyItem(shard, target, shard.size, None, False))
-        else:
-            to_copy.append(CopyItem(shard, target, want.size, want.hash, True, want.samples))
+        to_copy.append(_copy_item(shard, target, want))
     return LocalPlan(to_copy, kept)
+
+
+def _copy_item(shard: SourceShard, target: str, want: ManifestEntry | None) -> CopyItem:
+    """What a copy of ``shard`` to ``target`` must hold: the manifest's entry, else the listing's
+    size alone."""
+    if want is None:
+        return CopyItem(shard, target, shard.size, None, False)
+    return CopyItem(shard, target, want.size, want.hash, True, want.samples)
 
 
 def _first_run_items(
     shards: Sequence[SourceShard],
+    relpaths: list[str],
     root: str,
     expected: Mapping[str, ManifestEntry],
     aligned: Sequence[ManifestEntry] | None,
 ) -> list[CopyItem]:
     """Every shard to copy, nothing staged yet: built column by column (C loops, ~0.3 s less
     than a loop at a million). Entries in the shards' order need no lookup by name."""
-    relpaths = [s.relpath for s in shards]
     wants = list(aligned) if aligned is not None else list(map(expected.get, relpaths))
     prefix = root + "/"
     targets = [prefix + r for r in relpaths]
@@ -308,12 +314,7 @@ def _first_run_items(
                 [w.samples for w in described],
             )
         )
-    return [
-        CopyItem(shard, target, shard.size, None, False)
-        if want is None
-        else CopyItem(shard, target, want.size, want.hash, True, want.samples)
-        for shard, target, want in zip(shards, targets, wants, strict=True)
-    ]
+    return list(map(_copy_item, shards, targets, wants))
 
 
 def remove_unlisted(

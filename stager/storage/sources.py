@@ -231,7 +231,8 @@ def _walk(
 ) -> SourceSet:
     spec_id = canonical_spec(spec)
     if fs is None:
-        # NFS answers each stat with a round trip: list names (readdir) serially, stat in parallel.
+        # NFS answers each stat with a round trip: list names (readdir; in parallel once reads
+        # prove slow, see walk_local), then stat in parallel.
         try:
             names = walk_local(root, jobs)
         except OSError as exc:
