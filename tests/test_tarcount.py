@@ -93,13 +93,16 @@ def _same_index(got, want) -> None:
 
 
 @pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
-@pytest.mark.parametrize("read", ["whole", "walk", "map"])
+@pytest.mark.parametrize("read", ["small", "whole", "walk", "map"])
 def test_index_tar_fast_path_agrees_with_tarfile(
     tmp_path: Path, fmt: int, read: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import stager.shards.tarindex as tarindex
+    import stager.shards.tarwalk as tarwalk
 
-    if read != "whole":  # past WHOLE_READ_BYTES: header by header (large members), or mapped
+    if read != "small":  # past the small-shard walk's limit: the scanner's paths
+        monkeypatch.setattr(tarwalk, "MAX_HEADERS", 0)
+    if read in ("walk", "map"):  # past WHOLE_READ_BYTES: header by header, or mapped
         monkeypatch.setattr(tarindex, "WHOLE_READ_BYTES", 0)
         monkeypatch.setattr(tarindex, "_WALK_PROBE", 4)
         monkeypatch.setattr(tarindex, "_WALK_MIN_STRIDE", 0 if read == "walk" else 1 << 40)
@@ -111,9 +114,14 @@ def test_index_tar_fast_path_agrees_with_tarfile(
     )
     fast = tarindex._index_fast(path)
     assert fast is not None  # the fast path vouched for it
-    assert [w is not None for w in walks] == {"whole": [], "walk": [True], "map": [False]}[read]
+    expected_walks = {"small": [], "whole": [], "walk": [True], "map": [False]}[read]
+    assert [w is not None for w in walks] == expected_walks
     _same_index(fast, tarindex.index_with_tarfile(path))
     _same_index(tarindex.index_tar(path), fast)
+    if read == "small":  # the walk vouches for plain names and hands the rest to the scanner
+        data = path.read_bytes()
+        walked = tarwalk.walk_tar(lambda offset, nbytes: data[offset : offset + nbytes])
+        assert (walked is not None) == (fmt == tarfile.USTAR_FORMAT)
 
 
 def test_fast_index_leaves_what_it_does_not_vouch_for_to_tarfile(tmp_path: Path) -> None:

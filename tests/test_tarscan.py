@@ -1,10 +1,12 @@
-"""The vectorised tar scanner against ``tarfile``, on random tars, whole and damaged.
+"""The fast tar indexers against ``tarfile``, on random tars, whole and damaged: the
+vectorised scanner (:func:`scan_tar`) and the small-shard walk (:func:`walk_tar`).
 
-The contract: where :func:`scan_tar` returns an index it is exactly the index ``tarfile`` gives
+The contract: where an indexer returns an index it is exactly the index ``tarfile`` gives
 (``index_with_tarfile``: same keys, extensions, offsets, sizes and sample boundaries); where
-``tarfile`` raises, the scanner returns None and :func:`index_tar` raises
+``tarfile`` raises, the indexer returns None and :func:`index_tar` raises
 :class:`IntegrityError` naming the shard. On tars that ``tarfile`` itself writes, the scanner
-must vouch (otherwise the fast path would silently be the slow one).
+must vouch, and the walk too where the names are plain (otherwise the fast path would silently
+be the slow one).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from hypothesis import strategies as st
 from stager.errors import IntegrityError
 from stager.shards.tarindex import TarIndex, index_tar, index_with_tarfile
 from stager.shards.tarscan import TarScanner, scan_tar
+from stager.shards.tarwalk import MANY, walk_tar
 
 PROPERTY = settings(
     max_examples=250,
@@ -109,15 +112,26 @@ def _same(got: TarIndex, want: TarIndex) -> None:
     assert got.member_start.tolist() == want.member_start.tolist()
 
 
-def _check(data: bytes, path: Path, *, must_vouch: bool = False) -> None:
+def _walk(data: bytes) -> TarIndex | None:
+    """The small-shard walk with no header limit, over bytes in memory."""
+    got = walk_tar(lambda offset, nbytes: data[offset : offset + nbytes], max_headers=10**6)
+    assert got != MANY
+    return got  # type: ignore[return-value]
+
+
+#: The fast indexers, each held to tarfile's answer by the properties below.
+INDEXERS = pytest.mark.parametrize("indexer", [scan_tar, _walk], ids=["scanner", "walk"])
+
+
+def _check(data: bytes, path: Path, *, must_vouch: bool = False, indexer=scan_tar) -> None:
     path.write_bytes(data)
     want = _reference(path)
-    got = scan_tar(data)
+    got = indexer(data)
     if got is not None:
-        assert not isinstance(want, IntegrityError), f"scanner vouched, tarfile said: {want}"
+        assert not isinstance(want, IntegrityError), f"indexer vouched, tarfile said: {want}"
         _same(got, want)
     elif must_vouch:
-        pytest.fail(f"the scanner left a tar written by tarfile to the slow path: {want}")
+        pytest.fail(f"the indexer left a tar written by tarfile to the slow path: {want}")
     if isinstance(want, IntegrityError):
         with pytest.raises(IntegrityError, match=path.name):
             index_tar(path)
@@ -128,19 +142,31 @@ def _check(data: bytes, path: Path, *, must_vouch: bool = False) -> None:
 _FORMATS = st.sampled_from([tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
 
 
+def _plain_names(items: list) -> bool:
+    """Whether the walk must vouch for these members: ASCII names that fit the name field,
+    and link targets short enough to need no GNU or PAX long link."""
+    return all(
+        name.isascii() and len(name) < 100 and not (kind == tarfile.SYMTYPE and len(name) > 50)
+        for name, kind, _, _ in items
+    )
+
+
 @PROPERTY
+@INDEXERS
 @given(items=members(), fmt=_FORMATS)
-def test_scanner_equals_tarfile_on_tars_tarfile_writes(
-    tmp_path: Path, items: list, fmt: int
+def test_indexers_equal_tarfile_on_tars_tarfile_writes(
+    tmp_path: Path, indexer, items: list, fmt: int
 ) -> None:
     try:
         data = _write(items, fmt)
     except ValueError:  # e.g. a name too long for ustar
         assume(False)
-    _check(data, tmp_path / "s.tar", must_vouch=True)
+    must_vouch = indexer is scan_tar or _plain_names(items)
+    _check(data, tmp_path / "s.tar", must_vouch=must_vouch, indexer=indexer)
 
 
 @PROPERTY
+@INDEXERS
 @given(
     items=members(),
     fmt=_FORMATS,
@@ -149,7 +175,7 @@ def test_scanner_equals_tarfile_on_tars_tarfile_writes(
     bit=st.integers(0, 7),
 )
 def test_damaged_tars_are_vouched_for_only_where_tarfile_agrees(
-    tmp_path: Path, items: list, fmt: int, damage: str, where: float, bit: int
+    tmp_path: Path, indexer, items: list, fmt: int, damage: str, where: float, bit: int
 ) -> None:
     try:
         data = bytearray(_write(items, fmt))
@@ -166,7 +192,7 @@ def test_damaged_tars_are_vouched_for_only_where_tarfile_agrees(
         data += b"\x01garbage" * 100
     else:
         data = data.rstrip(b"\0")
-    _check(bytes(data), tmp_path / "d.tar")
+    _check(bytes(data), tmp_path / "d.tar", indexer=indexer)
 
 
 @PROPERTY
@@ -207,6 +233,14 @@ def _raw_header(name: bytes, size: int, kind: bytes, *, magic: bytes = b"ustar\x
     return bytes(block)
 
 
+def _record(key: bytes, value: bytes) -> bytes:
+    """One well-formed PAX record: its length counts its own digits."""
+    body = b" " + key + b"=" + value + b"\n"
+    length = len(body) + len(str(len(body)))
+    length = len(body) + len(str(length))
+    return str(length).encode() + body
+
+
 def _padded(payload: bytes) -> bytes:
     return payload + bytes(-len(payload) % 512)
 
@@ -223,10 +257,17 @@ def _padded(payload: bytes) -> bytes:
         "pax_malformed",
         "base256_size",
         "spaced_numbers",
+        "signed_checksum",
+        "pax_mtime_only",
+        "pax_before_end",
+        "pax_size_zero",
+        "pax_sparse_name",
+        "unknown_type_with_payload",
     ],
 )
-def test_hand_made_forms(tmp_path: Path, case: str) -> None:
-    """Forms tarfile reads but never writes: the scanner agrees or steps aside."""
+@INDEXERS
+def test_hand_made_forms(tmp_path: Path, case: str, indexer) -> None:
+    """Forms tarfile reads but never writes: each indexer agrees or steps aside."""
     end = bytes(1024)
     body = b"x" * 700
     if case == "meta_run_first_wins":  # L then x then the file: the L name wins
@@ -250,7 +291,7 @@ def test_hand_made_forms(tmp_path: Path, case: str) -> None:
     elif case == "no_magic":
         data = _raw_header(b"k.jpg", len(body), b"0", magic=b"") + _padded(body) + end
     elif case == "pax_size":
-        pax = b"13 size=700\n"
+        pax = _record(b"size", b"700")
         data = _raw_header(b"p", len(pax), b"x") + _padded(pax)
         data += _raw_header(b"k.jpg", 0, b"0") + _padded(body) + end
     elif case == "global_pax":
@@ -269,6 +310,37 @@ def test_hand_made_forms(tmp_path: Path, case: str) -> None:
         header[148:156] = b"        "
         header[148:156] = b"%06o\x00 " % sum(header)
         data = bytes(header) + _padded(body) + end
+    elif case == "signed_checksum":  # old tars summed the bytes as signed chars
+        header = bytearray(_raw_header(b"k.jpg", len(body), b"0"))
+        header[265:270] = b"\xe9user"  # a non-ASCII owner name
+        header[148:156] = b"        "
+        signed = sum(b - 256 if b >= 128 else b for b in header)
+        header[148:156] = b"%06o\x00 " % signed
+        data = bytes(header) + _padded(body) + end
+    elif case == "pax_mtime_only":  # as webdataset writes every member: a float mtime
+        pax = b"30 mtime=1700000000.123456789\n"
+        data = _raw_header(b"p", len(pax), b"x") + _padded(pax)
+        data += _raw_header(b"k.jpg", len(body), b"0") + _padded(body) + end
+    elif case == "pax_before_end":  # records for a member that never comes
+        pax = _record(b"mtime", b"1.5")
+        data = _raw_header(b"p", len(pax), b"x") + _padded(pax) + end
+    elif case in ("pax_size_zero", "pax_sparse_name", "unknown_type_with_payload"):
+        # the header's size (512) says the next block is payload, a header of its own; the
+        # PAX size record (0) or the unknown type decides whether tarfile reads it
+        inner = _raw_header(b"inner.cls", 0, b"0")
+        kind, pax = (
+            b"0",
+            {
+                "pax_size_zero": _record(b"size", b"0"),
+                "pax_sparse_name": _record(b"GNU.sparse.name", b"other.jpg"),
+                "unknown_type_with_payload": b"",
+            }[case],
+        )
+        if case == "unknown_type_with_payload":
+            kind = b"V"  # a GNU volume label: tarfile skips its payload
+        data = (_raw_header(b"p", len(pax), b"x") + _padded(pax)) if pax else b""
+        data += _raw_header(b"k.jpg", 512, kind) + inner + _raw_header(b"k.cls", 3, b"0")
+        data += _padded(b"abc") + end
     else:  # numbers padded with spaces instead of zeros, as some old tars write them
         header = bytearray(_raw_header(b"k.jpg", len(body), b"0"))
         header[100:108] = b"   644 \x00"
@@ -276,72 +348,32 @@ def test_hand_made_forms(tmp_path: Path, case: str) -> None:
         header[148:156] = b"        "
         header[148:156] = b"%06o\x00 " % sum(header)
         data = bytes(header) + _padded(body) + end
-    _check(data, tmp_path / f"{case}.tar")
-    if case in ("meta_run_first_wins", "v7_dir_skips_no_payload", "spaced_numbers"):
-        assert scan_tar(data) is not None, "a form the scanner claims to read"
+    _check(data, tmp_path / f"{case}.tar", indexer=indexer)
+    read_by_all = ("v7_dir_skips_no_payload", "spaced_numbers", "signed_checksum", "pax_mtime_only")
+    if case in read_by_all or (case == "meta_run_first_wins" and indexer is scan_tar):
+        assert indexer(data) is not None, "a form the indexer claims to read"
     if case == "meta_run_first_wins":
         assert index_tar(tmp_path / f"{case}.tar").keys == ["from"]
 
 
-def test_empty_archive_and_short_files(tmp_path: Path) -> None:
-    _check(bytes(1024), tmp_path / "empty.tar", must_vouch=True)
+@INDEXERS
+def test_empty_archive_and_short_files(tmp_path: Path, indexer) -> None:
+    _check(bytes(1024), tmp_path / "empty.tar", must_vouch=True, indexer=indexer)
     for data in (b"", b"\0" * 100, b"x" * 600):
-        _check(data, tmp_path / "short.tar")
+        _check(data, tmp_path / "short.tar", indexer=indexer)
 
 
-_RECORD_KEYS = st.sampled_from(
-    [b"mtime", b"path", b"size", b"GNU.sparse.map", b"uname", b"", b"a=b"]
-)
+def test_the_walk_hands_over_past_its_header_limit(tmp_path: Path) -> None:
+    """Past ``max_headers`` the walk says MANY and the scanner takes over: index_tar gives
+    tarfile's answer either side of the limit."""
+    from stager.shards.tarwalk import MAX_HEADERS
 
-
-@st.composite
-def pax_payloads(draw) -> bytes:
-    """PAX record sets, mostly well formed, with every way of being malformed mixed in."""
-    out = b""
-    for _ in range(draw(st.integers(0, 5))):
-        key = draw(_RECORD_KEYS)
-        value = draw(st.binary(max_size=30))
-        body = b" " + key + b"=" + value + b"\n"
-        length = len(body) + len(str(len(body) + 3))
-        length = len(body) + len(str(length))
-        field = str(length).encode()
-        fault = draw(st.sampled_from(["none"] * 6 + ["short", "long", "zeros", "no_nl"]))
-        if fault == "short":
-            field = str(length - 1).encode()
-        elif fault == "long":
-            field = str(length + 2).encode()
-        elif fault == "zeros":  # leading zeros: still well formed, if the length says so
-            field = b"000000" + field
-            body = body  # the length now counts the zeros too, unless corrected below
-            field = str(len(body) + len(field)).encode().rjust(len(field), b"0")
-        elif fault == "no_nl":
-            body = body[:-1] + b"x"
-        out += field + body
-    if draw(st.booleans()):
-        out += draw(st.binary(max_size=4))  # trailing garbage
-    return out[:512]
-
-
-@PROPERTY
-@given(payloads=st.lists(pax_payloads(), min_size=1, max_size=8))
-def test_pax_records_checked_as_arrays_as_one_by_one(payloads: list[bytes]) -> None:
-    """_pax_check (all rows at once) against _pax_records (one payload at a time)."""
-    import numpy as np
-
-    from stager.shards.tarnames import _pax_check, _pax_records
-
-    rows = np.zeros((len(payloads), 512), dtype=np.uint8)
-    for i, payload in enumerate(payloads):
-        rows[i, : len(payload)] = np.frombuffer(payload, dtype=np.uint8)
-    sizes = np.asarray([len(p) for p in payloads], dtype=np.int64)
-    ok, plain = _pax_check(rows, sizes)
-    for i, payload in enumerate(payloads):
-        records = _pax_records(payload)
-        usable = records is not None and b"size" not in records
-        usable = usable and not any(k.startswith(b"GNU.sparse.") for k in records or {})
-        if plain[i]:  # vouched without Python: must be usable and set no name
-            assert usable and b"path" not in records, payload
-        elif ok[i]:  # left to _pax_records, which decides
-            pass
-        else:  # refused: _pax_records must refuse too
-            assert not usable, payload
+    for count in (6, MAX_HEADERS + 5):
+        items = [(f"s{i}.jpg", tarfile.REGTYPE, 10, 1_700_000_000) for i in range(count)]
+        data = _write(items, tarfile.USTAR_FORMAT)
+        read = lambda offset, nbytes, data=data: data[offset : offset + nbytes]  # noqa: E731
+        assert walk_tar(read, max_headers=count - 1) == MANY
+        assert walk_tar(read, max_headers=count) not in (None, MANY)
+        path = tmp_path / f"{count}.tar"
+        path.write_bytes(data)
+        _same(index_tar(path), index_with_tarfile(path))

@@ -36,7 +36,7 @@ def vouch(hdr: np.ndarray):
     mtime = (words[:, 4] >> thirty_two) | (words[:, 5] << thirty_two)
     ok &= size_ok & _octal12(mtime, words[:, 5] >> thirty_two, value=False)[1]
     for row in np.flatnonzero(~ok).tolist():  # rare: numbers spaced unusually, or base-256
-        ok[row], chksum[row], size[row] = _numbers_general(hdr[row].tobytes())
+        ok[row], chksum[row], size[row] = numbers_general(hdr[row].tobytes())
     # The checksum counts its own field as eight spaces; tarfile accepts the sum of the bytes
     # as unsigned or as signed chars. Halves of 256 bytes sum in uint16 without overflow.
     halves = hdr.reshape(count, 2, 256).sum(axis=2, dtype=np.uint16)
@@ -193,7 +193,7 @@ def _nti(field: bytes, *, base256: bool = True) -> int | None:
     return int(text, 8)
 
 
-def _numbers_general(header: bytes) -> tuple[bool, int, int]:
+def numbers_general(header: bytes) -> tuple[bool, int, int]:
     """(ok, checksum, size) for a header whose numbers are not in a usual form."""
     chksum = _nti(header[148:156], base256=False)
     size = _nti(header[124:136], base256=False)

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 #: ``tarfile`` decodes names with the filesystem encoding; the byte-level split below equals
 #: the split of the decoded name only for UTF-8 (ASCII ``/`` and ``.`` never occur inside a
 #: multi-byte sequence).
-_UTF8 = sys.getfilesystemencoding().lower().replace("-", "") == "utf8"
+UTF8 = sys.getfilesystemencoding().lower().replace("-", "") == "utf8"
 
 
 def sample_starts(keys: np.ndarray) -> np.ndarray:
@@ -68,11 +68,11 @@ def apply_meta(
     a name wins: tarfile processes each by reading the next header recursively and patching it
     afterwards, so the outermost patch is the last applied. PAX headers whose records fit in
     one block and set no path (a float mtime on every member, as webdataset writes them) are
-    checked as arrays (:func:`_pax_check`); the rest run :func:`_pax_records` one by one.
+    checked as arrays (:func:`_pax_check`); the rest run :func:`pax_records` one by one.
     """
     positions = np.flatnonzero(is_meta)
     is_pax = np.isin(rows.kind[positions], PAX_TYPES)
-    if is_pax.any() and not _UTF8:
+    if is_pax.any() and not UTF8:
         return False
     one_by_one = ~is_pax
     if is_pax.any():
@@ -99,7 +99,7 @@ def apply_meta(
             name = padded.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
             names[target] = name.removesuffix("/") if rows.kind[target] == ord("5") else name
         elif code in PAX_TYPES:
-            records = _pax_records(read_at(start, nbytes))
+            records = pax_records(read_at(start, nbytes))
             if records is None or b"size" in records:
                 return False
             if any(key.startswith(b"GNU.sparse.") for key in records):
@@ -131,12 +131,12 @@ _MAX_RECORDS = 16  # more records than this in one block: checked one by one
 
 
 def _pax_check(payloads: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Check PAX record sets as :func:`_pax_records` would, a record at a time for all rows.
+    """Check PAX record sets as :func:`pax_records` would, a record at a time for all rows.
 
     Returns ``ok`` (well formed, without ``size`` or ``GNU.sparse.*`` records) and ``plain``
     (ok, and without a ``path`` record nor anything this check leaves to
-    :func:`_pax_records`: length fields of more than 6 digits, more than ``_MAX_RECORDS``
-    records). Rows that are ok but not plain go through :func:`_pax_records`.
+    :func:`pax_records`: length fields of more than 6 digits, more than ``_MAX_RECORDS``
+    records). Rows that are ok but not plain go through :func:`pax_records`.
     """
     count = len(sizes)
     rows = np.arange(count)
@@ -201,7 +201,7 @@ _PATH = np.frombuffer(b"path", dtype=np.uint8)
 _SPARSE = np.frombuffer(b"GNU.sparse.", dtype=np.uint8)
 
 
-def _pax_records(payload: bytes) -> dict[bytes, bytes] | None:
+def pax_records(payload: bytes) -> dict[bytes, bytes] | None:
     """The records of a PAX extended header, or None unless it is well formed.
 
     Strict on purpose: ``"%d %s=%s\\n"`` records that end exactly at the payload's end. Python
