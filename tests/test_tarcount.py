@@ -34,9 +34,34 @@ def _tar(path: Path, fmt: int, long_names: bool) -> Path:
     return path
 
 
+@pytest.fixture(params=["held", "scanned", "held_then_scanned"])
+def hold(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """How the counter takes the bytes: all held for the small-shard walk (the test tars are
+    small), all fed to the scanner, or held until the tar outgrows the hold midway."""
+    import stager.shards.tarparse as tarparse
+
+    limit = {"held": tarparse._HOLD_BYTES, "scanned": 0, "held_then_scanned": 5000}
+    monkeypatch.setattr(tarparse, "_HOLD_BYTES", limit[request.param])
+    return request.param
+
+
+@pytest.fixture
+def fast_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail where the counter falls back to tarfile: on tars tarfile writes, the walk or the
+    scanner must vouch, however the bytes were held or chunked."""
+    import stager.shards.tarparse as tarparse
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("the counter fell back to tarfile")
+
+    monkeypatch.setattr(tarparse, "index_with_tarfile", refuse)
+
+
 @pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
 @pytest.mark.parametrize("chunk", [1, 13, 512, 4096, 1 << 20])
-def test_counts_like_tarfile_for_any_chunking(tmp_path: Path, fmt: int, chunk: int) -> None:
+def test_counts_like_tarfile_for_any_chunking(
+    tmp_path: Path, fmt: int, chunk: int, hold: str, fast_only: None
+) -> None:
     path = _tar(tmp_path / "s.tar", fmt, long_names=fmt != tarfile.USTAR_FORMAT)
     data = path.read_bytes()
     counter = _counted(data, chunk)
@@ -51,8 +76,11 @@ def _counted(data: bytes, chunk: int) -> TarSampleCounter:
     return counter
 
 
-def test_truncated_or_corrupt_streams_give_none(tmp_path: Path) -> None:
-    path = _tar(tmp_path / "s.tar", tarfile.GNU_FORMAT, long_names=True)
+@pytest.mark.parametrize("long_names", [True, False])
+def test_truncated_or_corrupt_streams_give_none(
+    tmp_path: Path, hold: str, long_names: bool
+) -> None:
+    path = _tar(tmp_path / "s.tar", tarfile.GNU_FORMAT, long_names=long_names)
     data = path.read_bytes()
     with tarfile.open(path) as tar:
         header_at = tar.getmembers()[5].offset
@@ -67,7 +95,9 @@ def test_truncated_or_corrupt_streams_give_none(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
-def test_index_from_the_stream_equals_index_tar(tmp_path: Path, fmt: int) -> None:
+def test_index_from_the_stream_equals_index_tar(
+    tmp_path: Path, fmt: int, hold: str, fast_only: None
+) -> None:
     from stager.shards.tarindex import (
         index_with_tarfile as index_tar,
     )  # the tarfile reference, not the fast path

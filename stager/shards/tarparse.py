@@ -85,6 +85,12 @@ def _read_back(read_at: Callable[[int, int], bytes], nbytes: int, scanner: TarSc
             offset += got
 
 
+def _walk_limit() -> int:
+    from stager.shards import tarwalk  # imported with numpy
+
+    return tarwalk.MAX_HEADERS
+
+
 def _new_scanner() -> TarScanner | None:
     """A scanner; None where numpy cannot be imported (the shard is counted the slow way)."""
     try:
@@ -94,14 +100,15 @@ def _new_scanner() -> TarScanner | None:
     return TarScanner()
 
 
-#: Tars up to this size are read back whole for the small-shard walk (one read, from the page
-#: cache); larger ones a header at a time.
-_WALK_WHOLE_BYTES = 64 << 10
+#: The first bytes of every tar are held (copied) rather than scanned: up to this size the tar
+#: is indexed by the small-shard walk alone, and the scanner never sees it.
+_HOLD_BYTES = 64 << 10
 
 
-def _walk_small(read_at: Callable[[int, int], bytes], size: int) -> TarIndex | None:
-    """The index by the small-shard walk (:mod:`stager.shards.tarwalk`), or None where it
-    does not vouch or the tar has more headers than it walks (then the scanner decides).
+def _walk_small(source: bytes | Callable[[int, int], bytes]) -> TarIndex | None:
+    """The index by the small-shard walk (:mod:`stager.shards.tarwalk`) over the held bytes or
+    ``read_at``; None where it does not vouch or the tar has more headers than it walks (then
+    the scanner decides).
 
     Why: the scanner's work at the end costs ~0.7 ms per shard whatever its size, which was
     most of the cost of staging a shard of a few small samples.
@@ -110,11 +117,11 @@ def _walk_small(read_at: Callable[[int, int], bytes], size: int) -> TarIndex | N
         from stager.shards.tarwalk import walk_tar
     except ImportError:  # no numpy: the caller counts the shard the slow way
         return None
-    if size <= _WALK_WHOLE_BYTES:
-        data = read_at(0, size)
+    if isinstance(source, bytes):
+        data = source
         walked = walk_tar(lambda offset, nbytes: data[offset : offset + nbytes])
     else:
-        walked = walk_tar(read_at)
+        walked = walk_tar(source)
     return walked if isinstance(walked, TarIndex) else None
 
 
@@ -128,16 +135,28 @@ class TarSampleCounter:
         self._late = False  # the scanner was not importable when the bytes passed
         self._index: TarIndex | None = None
         self._fed = 0
+        self._held: bytearray | None = bytearray()  # the bytes fed, while under _HOLD_BYTES
         _start_import()
 
     def feed(self, chunk: bytes | bytearray | memoryview) -> None:
         """Look at the next bytes of the tar (not kept: the caller may reuse its buffer)."""
+        if self._held is not None:
+            if self._fed + len(chunk) <= _HOLD_BYTES:
+                self._held += chunk
+                self._fed += len(chunk)
+                return
+            held, self._held = self._held, None  # not a small tar: the scanner takes over
+            if held:
+                self._scan(held)
+        self._scan(chunk)
+        self._fed += len(chunk)
+
+    def _scan(self, chunk: bytes | bytearray | memoryview) -> None:
         if self._scanner is None and not self._late:
             self._scanner = _new_scanner() if _imported.is_set() else None
             self._late = self._scanner is None  # then finish() reads the copy back
         if self._scanner is not None:
             self._scanner.feed(chunk)
-        self._fed += len(chunk)
 
     def finish(self, read_at: Callable[[int, int], bytes]) -> None:
         """Build the index; ``read_at(offset, nbytes)`` re-reads bytes that were fed.
@@ -145,9 +164,13 @@ class TarSampleCounter:
         Errors of the tar itself leave :attr:`samples` None; I/O errors of ``read_at``
         propagate (the copy is then not trustworthy either).
         """
+        held, self._held = self._held, None
         scanner, self._scanner = self._scanner, None
         _imported.wait()  # at once, unless this is one of the first copies
-        self._index = _walk_small(read_at, self._fed)
+        if held is not None:
+            self._index = _walk_small(bytes(held))
+        elif scanner is None or scanner.candidates <= _walk_limit():
+            self._index = _walk_small(read_at)  # few headers (large members): walked by pread
         if self._index is None:
             if scanner is None:
                 scanner = _new_scanner()

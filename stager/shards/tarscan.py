@@ -77,6 +77,11 @@ class TarScanner:
         self._pax_blocks: list[np.ndarray] = []
         self._pax_payloads: list[np.ndarray] = []
 
+    @property
+    def candidates(self) -> int:
+        """Blocks fed so far that carry the ustar magic: at least the headers of the tar."""
+        return self._pending + sum(len(batch.blocks) for batch in self._batches)
+
     def feed(self, chunk: bytes | bytearray | memoryview) -> None:
         """Look at the next ``chunk`` of the tar; nothing of it is kept past the call but the
         candidate headers (copies), so the caller may reuse or unmap its buffer."""
@@ -117,7 +122,9 @@ class TarScanner:
             self._rows.append(blocks[cand])
             self._row_blocks.append(numbered)
             if isinstance(numbers, int):  # consecutive blocks: keep PAX payloads seen here
-                pax = cand[np.isin(blocks[cand, 156], PAX_TYPES) & (cand + 1 < len(blocks))]
+                kinds = blocks[cand, 156]
+                is_pax = (kinds == PAX_TYPES[0]) | (kinds == PAX_TYPES[1])  # isin costs 10x
+                pax = cand[is_pax & (cand + 1 < len(blocks))]
                 if pax.size:
                     self._pax_blocks.append(pax + numbers)
                     self._pax_payloads.append(blocks[pax + 1])
