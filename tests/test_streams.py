@@ -106,21 +106,19 @@ def test_stage_in_reports_transfer_without_the_local_rename(
     src = tmp_path / "ds"
     write_synthetic_dataset(src, SyntheticSpec(num_shards=3, samples_per_shard=2))
     timings: list[tuple[float, float]] = []
-    real_release, real_replace = StreamController.release, os.replace
+    real_record, real_replace = StreamController._record, os.replace
 
-    def release(
-        self: StreamController, first: float | None = None, last: float | None = None
-    ) -> None:
+    def record(self: StreamController, first: float | None, last: float | None) -> None:
         if first is not None and last is not None:
             timings.append((first, last))
-        real_release(self, first, last)
+        real_record(self, first, last)
 
     def slow_replace(partial: str | Path, final: str | Path) -> None:
         if str(partial).endswith(".tar.partial"):
             time.sleep(0.05)
         real_replace(partial, final)
 
-    monkeypatch.setattr(StreamController, "release", release)
+    monkeypatch.setattr(StreamController, "_record", record)
     monkeypatch.setattr(stager.storage.copy.os, "replace", slow_replace)
     result = run_main(
         capsys, "stage-in", str(src), "--dest", str(tmp_path / "s"), "--jitter-max", "0", "--quiet"
@@ -128,3 +126,49 @@ def test_stage_in_reports_transfer_without_the_local_rename(
     assert result.returncode == 0, result.stderr
     assert len(timings) == 3
     assert all(last - first < 0.05 for first, last in timings)
+
+
+def test_files_whole_in_their_first_read_start_from_the_ratio() -> None:
+    """No transfer time to measure (T = 0): the rate search starts from the ratio with T taken
+    as 0.1 ms, which behind 10 ms round trips is the ceiling; local files start low."""
+    remote = StreamController(32, floor=4)
+    _feed(remote, first_byte_s=0.010, last_byte_s=0.010)
+    assert remote.limit == 32
+    local = StreamController(32, floor=4)
+    _feed(local, first_byte_s=0.0002, last_byte_s=0.0002)
+    assert local.limit == 4  # floor: (0.2 + 0.1) / 0.1 rounds up to 3
+
+
+def test_a_kept_slot_never_exceeds_the_limit() -> None:
+    """Threads that keep their slot from file to file (``finished`` True) still run at most
+    ``limit`` at once, and give the slot back when the limit falls below their number."""
+    ctl = StreamController(3, floor=3)
+    active, peak, lock = [0], [0], threading.Lock()
+    kept_after_cut: list[bool] = []
+
+    def work() -> None:
+        held = False
+        for _ in range(5):
+            if not held:
+                ctl.acquire()
+            with lock:
+                active[0] += 1
+                peak[0] = max(peak[0], active[0])
+            time.sleep(0.002)
+            with lock:
+                active[0] -= 1
+            held = ctl.finished()
+        if held:
+            ctl.release()
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert peak[0] == 3 and ctl._active == 0
+    for _ in range(3):
+        ctl.acquire()
+    ctl.limit = 1  # as the search would set it
+    kept_after_cut = [ctl.finished() for _ in range(3)]
+    assert kept_after_cut == [False, False, True] and ctl._active == 1

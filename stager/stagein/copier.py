@@ -126,13 +126,20 @@ class Copier:
         pending = len(plan.to_copy) if cache is None else cache.misses(plan)
         ceiling = max(1, min(options.jobs, pending))
         self.streams = StreamController(ceiling, floor=options.min_jobs, adaptive=options.adaptive)
+        self._slot = threading.local()  # .held: this thread kept its stream slot for the next
 
     def run(self) -> CopyOutcome:
         """Copy every planned shard; failures are in the report, the staged ones in the outcome."""
         if self.sizing is not None:
             self.sizing.start()
         try:
-            run_in_threads(self._copy_one, self.plan.to_copy, self.streams.ceiling, name="stage-in")
+            run_in_threads(
+                self._copy_one,
+                self.plan.to_copy,
+                self.streams.ceiling,
+                name="stage-in",
+                on_exit=self._give_back_slot,
+            )
             if self.sizing is not None:
                 # Not on an error or interrupt: the probe's threads are daemons.
                 self.sizing.finish()
@@ -178,8 +185,20 @@ class Copier:
         shard = dataclasses.replace(item.shard, version=self.sizing.probe.versions[index])
         return dataclasses.replace(item, shard=shard, size=size)
 
+    def _give_back_slot(self) -> None:
+        """Release the stream slot this thread kept from its last file, if it kept one."""
+        if getattr(self._slot, "held", False):
+            self._slot.held = False
+            self.streams.release()
+
     def _copy_one(self, item: CopyItem) -> None:
-        if self.sizing is not None and item.shard.relpath in self.late:
+        sizing = self.sizing
+        late = sizing is not None and item.shard.relpath in self.late
+        if self.cache is not None or (
+            sizing is not None and late and not sizing.probe.ready(self.late[item.shard.relpath])
+        ):
+            self._give_back_slot()  # not while waiting for a size or another job's fill
+        if late:
             sized = self._late_size(item)
             if sized is None:
                 return
@@ -239,7 +258,9 @@ class Copier:
                 publish=publish,
             )
 
-        self.streams.acquire()
+        if not getattr(self._slot, "held", False):
+            self.streams.acquire()
+            self._slot.held = True
         result = None
         try:
             result = call_with_retries(attempt, self.options.retry, on_retry=self._on_retry)
@@ -252,7 +273,7 @@ class Copier:
             self._fail(item, one_line(exc), kind)
             return
         finally:
-            self.streams.release(
+            self._slot.held = self.streams.finished(
                 result.first_byte_s if result else None, result.last_byte_s if result else None
             )
             if claim is not None:

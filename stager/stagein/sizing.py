@@ -88,6 +88,10 @@ class SizeProbe:
                 result = self._results[index]
         return result  # type: ignore[return-value]
 
+    def ready(self, index: int) -> bool:
+        """Whether :meth:`get` would answer without waiting."""
+        return self._results[index] is not _PENDING
+
     def error(self, index: int) -> str:
         """Why ``paths[index]`` is :data:`UNKNOWN`."""
         return self._errors.get(index, "the size probe stopped before reaching it")

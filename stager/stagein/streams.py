@@ -13,9 +13,12 @@ slow link made the limit sag below the ceiling on small files. (The hashing and 
 earlier blocks, between reads, still count: they are small next to a multi-block transfer.)
 
 When the link is shared, ``T`` grows as streams are added, so the target falls back by itself:
-it never overloads a server that is slow for lack of bandwidth. Except for shards that arrive
-whole in the first read (64 KiB): their ``T`` is 0 and they run at the ceiling, as they did
-before in practice (their local work was all that ``T`` measured); ``--bw-limit`` caps those.
+it never overloads a server that is slow for lack of bandwidth. Shards that arrive whole in
+the first read (64 KiB) have no ``T`` to measure: while the window's median ``T`` is 0, the
+limit is searched by completion rate instead (:mod:`stager.stagein.rateprobe`), starting from
+the ratio above with ``T`` taken as 0.1 ms (the ceiling behind NFS round trips). From a
+memory-speed source that search ends at one or two streams, below ``--min-jobs``: there the
+copies' own Python work is the cost, and more threads only pass the interpreter around.
 """
 
 from __future__ import annotations
@@ -23,7 +26,10 @@ from __future__ import annotations
 import math
 import statistics
 import threading
+import time
 from collections import deque
+
+from stager.stagein.rateprobe import RateProbe
 
 __all__ = ["StreamController", "DEFAULT_JOBS"]
 
@@ -50,6 +56,7 @@ class StreamController:
         self._latency_s: deque[float] = deque(maxlen=window)
         self._transfer_s: deque[float] = deque(maxlen=window)
         self._cond = threading.Condition()
+        self._probe: RateProbe | None = None  # searching, while transfers are too short to time
 
     def acquire(self) -> None:
         with self._cond:
@@ -64,17 +71,50 @@ class StreamController:
         """
         with self._cond:
             self._active -= 1
-            if self.adaptive and first_byte_s is not None and last_byte_s is not None:
-                self._latency_s.append(max(0.0, first_byte_s))
-                self._transfer_s.append(max(0.0, last_byte_s - first_byte_s))
-                self.limit = self.target()
-                self.peak = max(self.peak, self.limit)
-            # Wake only as many waiters as there are free slots: waking all of them on every
-            # file (notify_all) makes dozens of threads fight for the GIL to find one slot,
-            # which on small files cost more than the copies themselves.
-            free = self.limit - self._active
-            if free > 0:
-                self._cond.notify(free)
+            self._record(first_byte_s, last_byte_s)
+            self._wake()
+
+    def finished(self, first_byte_s: float | None = None, last_byte_s: float | None = None) -> bool:
+        """Report a finished file as :meth:`release` does, but keep the slot for the caller's
+        next file while the limit allows it: True when kept (then :meth:`release` it once the
+        caller has no next file), False when given back.
+
+        Why: handing the slot to a parked thread costs two thread switches per file, and from
+        a memory-speed source those were most of a small shard's copy time.
+        """
+        with self._cond:
+            self._record(first_byte_s, last_byte_s)
+            keep = self._active <= self.limit
+            if not keep:
+                self._active -= 1
+            self._wake()
+            return keep
+
+    def _record(self, first_byte_s: float | None, last_byte_s: float | None) -> None:
+        if self.adaptive and first_byte_s is not None and last_byte_s is not None:
+            self._latency_s.append(max(0.0, first_byte_s))
+            self._transfer_s.append(max(0.0, last_byte_s - first_byte_s))
+            self.limit = self._next_limit()
+            self.peak = max(self.peak, self.limit)
+
+    def _wake(self) -> None:
+        # Wake only as many waiters as there are free slots: waking all of them on every
+        # file (notify_all) makes dozens of threads fight for the GIL to find one slot,
+        # which on small files cost more than the copies themselves.
+        free = self.limit - self._active
+        if free > 0:
+            self._cond.notify(free)
+
+    def _next_limit(self) -> int:
+        """The model's target, or while the window's files were too small to time, the rate
+        search's limit (started from the model's target)."""
+        if statistics.median(self._transfer_s) > 0:
+            self._probe = None
+            return self.target()
+        if self._probe is None:
+            self._probe = RateProbe(self.ceiling)
+            self._probe.start(self.target())
+        return self._probe.completed(time.monotonic())
 
     def target(self) -> int:
         """The stream count the current window of timings asks for."""

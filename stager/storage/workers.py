@@ -19,28 +19,38 @@ R = TypeVar("R")
 
 
 def run_in_threads(
-    fn: Callable[[T], object], items: Iterable[T], threads: int, *, name: str = "worker"
+    fn: Callable[[T], object],
+    items: Iterable[T],
+    threads: int,
+    *,
+    name: str = "worker",
+    on_exit: Callable[[], object] | None = None,
 ) -> None:
     """Call ``fn(item)`` for every item on up to ``threads`` threads; return when all are done.
 
     The first exception raised by ``fn`` stops the other threads from taking new items and is
-    re-raised here once they have finished their current one.
+    re-raised here once they have finished their current one. ``on_exit()`` runs on each
+    thread as it stops taking items (to give back what the thread held between items).
     """
     source = iter(items)
     take = threading.Lock()
     failures: list[BaseException] = []
 
     def loop() -> None:
-        while not failures:
-            with take:
-                item = next(source, _DONE)
-            if item is _DONE:
-                return
-            try:
-                fn(item)  # type: ignore[arg-type]
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller below
-                failures.append(exc)
-                return
+        try:
+            while not failures:
+                with take:
+                    item = next(source, _DONE)
+                if item is _DONE:
+                    return
+                try:
+                    fn(item)  # type: ignore[arg-type]
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+                    failures.append(exc)
+                    return
+        finally:
+            if on_exit is not None:
+                on_exit()
 
     count = max(1, threads)
     if count == 1:
