@@ -1,10 +1,11 @@
 """Benchmark: stage-in against ``cp -r``, ``rsync -a`` and the read ceiling (``dd``), warm and cold.
 
 Run: ``.venv/bin/python -m benchmarks.bench_stage_in [--repeats N] [--jobs N] [--scale F]
-[--conditions warm,cold] [--sweep] [--data DIR]``.
+[--conditions warm,cold] [--sweep] [--data DIR] [--rows large,small,tiny-samples,tiny-shards]``.
 
-Rows (issue 22): few large shards, many small shards, and shards of ~1 KB samples (50,000
-members per shard: the case where indexing, not copying, used to cost). Conditions, as
+Rows (issue 22): few large shards, many small shards, shards of ~1 KB samples (50,000
+members per shard: the case where indexing, not copying, used to cost), and 10,000 tiny
+shards of 4 samples (where a copy's fixed cost per file is all there is). Conditions, as
 docs/benchmarks.md and BENCHMARKING.md describe this machine:
 
 - ``warm``: the source on a tmpfs (this machine evicts clean page-cache pages within ~2 s, so
@@ -15,8 +16,10 @@ docs/benchmarks.md and BENCHMARKING.md describe this machine:
 Every tool runs in the same repeat, alternating (A B C D A B C D ...), and the median of the
 repeats is reported as a ratio to ``cp -r`` of the same row and condition; absolute MB/s are
 context only. stage-in runs with its defaults (hash verification, sample counting and the
-loader index handed over) plus ``--jobs``. ``dd`` reads every shard to ``/dev/null`` in 4 MiB
-blocks, one after the other: the ceiling a single sequential reader sees. "CPU stolen" is the
+loader index handed over) plus ``--jobs``, and once with no flags at all (``stage-in
+(defaults)``: 64 adaptive streams), as users run it. ``dd`` reads every shard to
+``/dev/null`` in 4 MiB blocks, one after the other: the ceiling a single sequential reader
+sees. "CPU stolen" is the
 hypervisor's share during each tool's runs (:func:`benchmarks.common.stolen_fraction`), and the
 load average at the start of the row says how busy the 2 cores were with other work.
 
@@ -53,11 +56,13 @@ SIZES = {
     "large": [("400 x 2 MB", 400, 20, 100_000), ("16 x 64 MB", 16, 640, 100_000)],
 }
 #: The rows of issue 22's table; ``--scale`` shrinks the shard counts for a quick run.
-ROWS = [
-    ("few large shards: 16 x 64 MB, ~100 KB samples", 16, 640, 100_000),
-    ("many small shards: 400 x 2.5 MB, ~100 KB samples", 400, 25, 100_000),
-    ("~1 KB samples: 16 x 77 MB, 25,000 samples each", 16, 25_000, 1024),
-]
+#: Picked by key with ``--rows``.
+ROWS = {
+    "large": ("few large shards: 16 x 64 MB, ~100 KB samples", 16, 640, 100_000),
+    "small": ("many small shards: 400 x 2.5 MB, ~100 KB samples", 400, 25, 100_000),
+    "tiny-samples": ("~1 KB samples: 16 x 77 MB, 25,000 samples each", 16, 25_000, 1024),
+    "tiny-shards": ("tiny shards: 10,000 x 20 KB, 4 ~1 KB samples each", 10_000, 4, 1024),
+}
 WARM_SRC = Path("/dev/shm")  # tmpfs
 DISK = Path("/var/tmp")  # ext4 on the virtio disk
 
@@ -185,6 +190,7 @@ def matrix_tools(jobs: int, sweep: bool) -> dict[str, list[str]]:
         "cp -r": ["cp", "-r", "SRC", "DST"],
         "rsync -a": ["rsync", "-a", "SRC/", "DST/"],
         f"stage-in --jobs {jobs}": [*stage_in, "--jobs", str(jobs)],
+        "stage-in (defaults)": stage_in,
     }
     if sweep:
         tools[f"stage-in --jobs {jobs}, 1 core"] = [
@@ -221,10 +227,11 @@ def bench_matrix(
     scale: float,
     data_dir: Path,
     sweep: bool,
+    keys: list[str],
 ) -> list[dict]:
     rows: list[dict] = []
     cold_ok = os.geteuid() == 0
-    for label, shards, samples, sample_bytes in ROWS:
+    for label, shards, samples, sample_bytes in (ROWS[key] for key in keys):
         shards = max(2, round(shards * scale))
         stored = _dataset(data_dir, label, shards, samples, sample_bytes)
         files = sorted(stored.iterdir())
@@ -309,7 +316,7 @@ def bench_sample_sizes(
     """Issue 22's second goal, measured head to head: stage-in on the shards of ~100 KB samples
     and on those of ~1 KB samples, alternating within each repeat (with ``cp -r`` on both for
     reference), so that the MB/s ratio is not two rows measured minutes apart."""
-    pair = [ROWS[0], ROWS[2]]
+    pair = [ROWS["large"], ROWS["tiny-samples"]]
     stored = [
         _dataset(data_dir, label, max(2, round(shards * scale)), samples, sample_bytes)
         for label, shards, samples, sample_bytes in pair
@@ -428,7 +435,14 @@ def main(argv: list[str] | None = None) -> int:
         "--data", type=Path, help="keep the generated shards here and reuse them (on disk)"
     )
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    parser.add_argument(
+        "--rows", default=",".join(ROWS), help=f"which datasets, of {', '.join(ROWS)}"
+    )
     args = parser.parse_args(argv)
+    keys = [k for k in args.rows.split(",") if k]
+    unknown = sorted(set(keys) - set(ROWS))
+    if unknown:
+        parser.error(f"unknown --rows {unknown}; choose from {', '.join(ROWS)}")
     compile_bytecode()
     conditions = [c for c in args.conditions.split(",") if c]
 
@@ -438,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
                 conditions, args.repeats, args.jobs, args.scale, args.data or workdir
             )
         return bench_matrix(
-            conditions, args.repeats, args.jobs, args.scale, args.data or workdir, args.sweep
+            conditions, args.repeats, args.jobs, args.scale, args.data or workdir, args.sweep, keys
         )
 
     rows = in_workdir(None, "bench-stage-in-", run, parent=str(DISK))
