@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import shutil
 import statistics
 import subprocess
@@ -177,10 +176,12 @@ def bench(size: str, repeats: int, jobs: int, workdir: Path) -> list[dict]:
     return rows
 
 
-def dd_command(files: list[Path]) -> list[str]:
-    """One shell command reading every file with dd, in order: the sequential read ceiling."""
-    reads = "; ".join(f"dd if={shlex.quote(str(f))} of=/dev/null bs=4M status=none" for f in files)
-    return ["sh", "-c", reads]
+def dd_command(files: list[Path], list_file: Path) -> list[str]:
+    """One shell command reading every file with dd, in order: the sequential read ceiling.
+    The names go through ``list_file``: 10,000 of them overflow an argument list."""
+    list_file.write_text("".join(f"{f}\n" for f in files))
+    loop = 'while IFS= read -r f; do dd if="$f" of=/dev/null bs=4M status=none; done < "$0"'
+    return ["sh", "-c", loop, str(list_file)]
 
 
 def matrix_tools(jobs: int, sweep: bool) -> dict[str, list[str]]:
@@ -264,7 +265,8 @@ def _bench_condition(
         else:
             src = stored
         tools = matrix_tools(jobs, sweep)
-        tools = {"read ceiling (dd)": dd_command(sorted(src.iterdir())), **tools}
+        dd = dd_command(sorted(src.iterdir()), dst_root / "dd-files.txt")
+        tools = {"read ceiling (dd)": dd, **tools}
         times: dict[str, list[float]] = {name: [] for name in tools}
         stolen: dict[str, list[float]] = {name: [] for name in tools}
         load = os.getloadavg()[0]
