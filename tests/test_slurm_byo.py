@@ -76,7 +76,13 @@ def _submit(cluster, name: str, template: str, sbatch_args: tuple[str, ...], **e
 
 def _done(cluster, job: Job, state: str = "COMPLETED", exit_code: str = "0:0") -> str:
     record = cluster.wait_job(job.job_id, timeout_s=300, output=job.output)
-    assert (record["JobState"], record["ExitCode"]) == (state, exit_code), (record, job.text())
+    if (record["JobState"], record["ExitCode"]) != (state, exit_code):
+        # the whole output: an assertion's repr would cut it to its first and last lines
+        pytest.fail(
+            f"job {job.job_id}: {record['JobState']} {record['ExitCode']}, wanted {state} "
+            f"{exit_code}\n--- output ---\n{job.text()}",
+            pytrace=False,
+        )
     return job.text()
 
 
