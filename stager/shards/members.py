@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "COMPRESSED_SUFFIXES",
+    "SampleGrouper",
     "TarColumns",
     "TarIndex",
     "any_compressed",
@@ -82,6 +83,44 @@ class TarIndex:
         """``(ext, offset, size)`` of each member of sample number ``sample``."""
         lo, hi = int(self.member_start[sample]), int(self.member_start[sample + 1])
         return [(self.exts[j], int(self.offsets[j]), int(self.sizes[j])) for j in range(lo, hi)]
+
+
+class SampleGrouper:
+    """Builds a :class:`TarIndex` from file members met in archive order, grouped into samples
+    the way WebDataset groups them (consecutive members with the same key). The ``tarfile``
+    parser and the small-shard walk both feed it, so they group alike."""
+
+    def __init__(self) -> None:
+        self._keys: list[str] = []
+        self._starts: list[int] = []
+        self._exts: list[str] = []
+        self._offsets: list[int] = []
+        self._sizes: list[int] = []
+
+    def add(self, name: str, offset: int, size: int) -> None:
+        """A file member ``name`` whose payload is ``size`` bytes at ``offset``; names without
+        an extension are not sample members and are skipped."""
+        parts = split_key(name)
+        if parts is None:
+            return
+        key, ext = parts
+        if not self._keys or self._keys[-1] != key:
+            self._keys.append(key)
+            self._starts.append(len(self._exts))
+        self._exts.append(ext)
+        self._offsets.append(offset)
+        self._sizes.append(size)
+
+    def index(self) -> TarIndex:
+        import numpy as np  # deferred: stage-in's start-up should not pay for numpy
+
+        return TarIndex(
+            keys=self._keys,
+            member_start=np.asarray([*self._starts, len(self._exts)], dtype=np.int64),
+            exts=self._exts,
+            offsets=np.asarray(self._offsets, dtype=np.int64),
+            sizes=np.asarray(self._sizes, dtype=np.int64),
+        )
 
 
 def duplicate_member(index: TarIndex) -> str | None:

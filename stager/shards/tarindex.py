@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, BinaryIO
 
 from stager.errors import IntegrityError
 from stager.shards.members import (
+    SampleGrouper,
     TarIndex,
     any_compressed,
     duplicate_member,
@@ -191,11 +192,7 @@ def index_with_tarfile(path: Path, fileobj: BinaryIO | None = None) -> TarIndex:
     else:
         file_size = fileobj.seek(0, os.SEEK_END)
         fileobj.seek(0)
-    keys: list[str] = []
-    starts: list[int] = []
-    exts: list[str] = []
-    offsets: list[int] = []
-    sizes: list[int] = []
+    samples = SampleGrouper()
     last_name = "<start of archive>"
     with _open_tar(path, "r:", fileobj) as tar:
         try:
@@ -208,16 +205,7 @@ def index_with_tarfile(path: Path, fileobj: BinaryIO | None = None) -> TarIndex:
                         f"{path}: member {info.name!r} is truncated "
                         f"(needs {info.offset_data + info.size} bytes, file has {file_size})"
                     )
-                parts = split_key(info.name)
-                if parts is None:
-                    continue
-                key, ext = parts
-                if not keys or keys[-1] != key:
-                    keys.append(key)
-                    starts.append(len(exts))
-                exts.append(ext)
-                offsets.append(info.offset_data)
-                sizes.append(info.size)
+                samples.add(info.name, info.offset_data, info.size)
         except (tarfile.TarError, EOFError) as exc:
             raise IntegrityError(
                 f"{path}: corrupt tar header after member {last_name!r} ({exc}); "
@@ -225,16 +213,7 @@ def index_with_tarfile(path: Path, fileobj: BinaryIO | None = None) -> TarIndex:
             ) from exc
         tar.fileobj.seek(tar.offset)
         _check_end(tar.fileobj.read(tarfile.BLOCKSIZE), str(path), tar.offset, last_name)
-    starts.append(len(exts))
-    import numpy as np  # deferred: stage-in's start-up should not pay for numpy
-
-    return TarIndex(
-        keys=keys,
-        member_start=np.asarray(starts, dtype=np.int64),
-        exts=exts,
-        offsets=np.asarray(offsets, dtype=np.int64),
-        sizes=np.asarray(sizes, dtype=np.int64),
-    )
+    return samples.index()
 
 
 def count_samples(path: str | Path) -> int:

@@ -12,9 +12,10 @@ reads (:func:`stager.shards.tarfields.numbers_general`); files, directories, lin
 PAX records that rename nothing (webdataset writes one before every member, for its float
 mtime), read by :func:`stager.shards.tarnames.pax_records`. The walk follows the sizes from
 block 0 as ``tarfile`` does, so a tar inside a payload is never seen, and it must end on a
-zero block. Names are split by :func:`stager.shards.members.split_key`, which the ``tarfile``
-path uses too. Anything else -- a ustar prefix, a GNU long name, a PAX path, a non-ASCII name,
-an unknown type, damage -- returns None, and the caller asks the scanner, then ``tarfile``.
+zero block. Members are grouped into samples by :class:`stager.shards.members.SampleGrouper`,
+as on the ``tarfile`` path. Anything else -- a ustar prefix, a GNU long name, a PAX path, a
+non-ASCII name, an unknown type, damage -- returns None, and the caller asks the scanner, then
+``tarfile``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Final, Literal
 
 import numpy as np
 
-from stager.shards.members import TarIndex, split_key
+from stager.shards.members import SampleGrouper, TarIndex
 from stager.shards.tarfields import BLOCK, numbers_general
 from stager.shards.tarnames import UTF8, pax_records
 
@@ -63,11 +64,7 @@ def walk_tar(
     ``read_at(offset, nbytes)`` reads the tar's bytes (fewer at its end).
     """
     limit = MAX_HEADERS if max_headers is None else max_headers
-    keys: list[str] = []
-    starts: list[int] = []
-    exts: list[str] = []
-    offsets: list[int] = []
-    sizes: list[int] = []
+    samples = SampleGrouper()
     headers: list[bytes] = []  # checked together at the end: the path never depends on them
     checksums: list[int] = []
     offset = 0
@@ -77,14 +74,7 @@ def walk_tar(
         if header == _ZERO_BLOCK:
             if after_meta or not _checksums_ok(headers, checksums):
                 return None  # tarfile raises on a metadata header right before the end
-            starts.append(len(exts))
-            return TarIndex(
-                keys=keys,
-                member_start=np.asarray(starts, dtype=np.int64),
-                exts=exts,
-                offsets=np.asarray(offsets, dtype=np.int64),
-                sizes=np.asarray(sizes, dtype=np.int64),
-            )
+            return samples.index()
         if len(header) < BLOCK or header[257:262] != b"ustar":
             return None
         numbers = _numbers(header)
@@ -104,15 +94,7 @@ def walk_tar(
                 return None  # a ustar prefix or a non-ASCII name: left to the scanner
             else:
                 payload = size
-                parts = split_key(name.decode("ascii"))
-                if parts is not None:
-                    key, ext = parts
-                    if not keys or keys[-1] != key:
-                        keys.append(key)
-                        starts.append(len(exts))
-                    exts.append(ext)
-                    offsets.append(offset + BLOCK)
-                    sizes.append(size)
+                samples.add(name.decode("ascii"), offset + BLOCK, size)
         elif kind in _PAX_TYPES:
             if not UTF8 or not _renames_nothing(read_at(offset + BLOCK, size)):
                 return None
