@@ -51,26 +51,40 @@ def test_fixed_mode_and_failures_do_not_adapt() -> None:
     assert adaptive.limit == 2
 
 
-def test_limit_bounds_concurrency() -> None:
-    ctl = StreamController(3, floor=3)
-    active, peak, lock = [0], [0], threading.Lock()
+class _Occupancy:
+    """Counts the threads inside a copy at once, and the most there ever were."""
 
-    def work() -> None:
-        ctl.acquire()
-        with lock:
-            active[0] += 1
-            peak[0] = max(peak[0], active[0])
-        time.sleep(0.01)
-        with lock:
-            active[0] -= 1
-        ctl.release()
+    def __init__(self) -> None:
+        self.active, self.peak, self._lock = 0, 0, threading.Lock()
 
-    threads = [threading.Thread(target=work) for _ in range(12)]
+    def copy(self, seconds: float) -> None:
+        with self._lock:
+            self.active += 1
+            self.peak = max(self.peak, self.active)
+        time.sleep(seconds)
+        with self._lock:
+            self.active -= 1
+
+
+def _run_threads(work, count: int) -> None:
+    threads = [threading.Thread(target=work) for _ in range(count)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert peak[0] == 3
+
+
+def test_limit_bounds_concurrency() -> None:
+    ctl = StreamController(3, floor=3)
+    occupancy = _Occupancy()
+
+    def work() -> None:
+        ctl.acquire()
+        occupancy.copy(0.01)
+        ctl.release()
+
+    _run_threads(work, 12)
+    assert occupancy.peak == 3
 
 
 def test_transfer_time_stops_at_the_last_byte_read(tmp_path: Path) -> None:
@@ -143,30 +157,20 @@ def test_a_kept_slot_never_exceeds_the_limit() -> None:
     """Threads that keep their slot from file to file (``finished`` True) still run at most
     ``limit`` at once, and give the slot back when the limit falls below their number."""
     ctl = StreamController(3, floor=3)
-    active, peak, lock = [0], [0], threading.Lock()
-    kept_after_cut: list[bool] = []
+    occupancy = _Occupancy()
 
     def work() -> None:
         held = False
         for _ in range(5):
             if not held:
                 ctl.acquire()
-            with lock:
-                active[0] += 1
-                peak[0] = max(peak[0], active[0])
-            time.sleep(0.002)
-            with lock:
-                active[0] -= 1
+            occupancy.copy(0.002)
             held = ctl.finished()
         if held:
             ctl.release()
 
-    threads = [threading.Thread(target=work) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert peak[0] == 3 and ctl._active == 0
+    _run_threads(work, 8)
+    assert occupancy.peak == 3 and ctl._active == 0
     for _ in range(3):
         ctl.acquire()
     ctl.limit = 1  # as the search would set it
