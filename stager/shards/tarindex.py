@@ -98,21 +98,20 @@ def _index_fast(path: Path) -> TarIndex | None:
     shards of large samples both read only the headers.
     """
     from stager.shards.tarscan import TarScanner, scan_tar  # numpy: imported on first use
-    from stager.shards.tarwalk import walk_tar
+    from stager.shards.tarwalk import walk_index
 
     with open(path, "rb", buffering=0) as handle:
         fd = handle.fileno()
         size = os.fstat(fd).st_size
         if size <= WHOLE_READ_BYTES:
             data = handle.readall()
-            walked = walk_tar(lambda offset, nbytes: data[offset : offset + nbytes])
-            return walked if isinstance(walked, TarIndex) else scan_tar(data)
+            return walk_index(data) or scan_tar(data)
 
         def read_at(offset: int, nbytes: int) -> bytes:
             return os.pread(fd, nbytes, offset)
 
-        walked = walk_tar(read_at)
-        if isinstance(walked, TarIndex):
+        walked = walk_index(read_at)
+        if walked is not None:
             return walked
         headers = _walk_headers(read_at, size)
         if headers is not None:

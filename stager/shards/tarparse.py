@@ -114,15 +114,10 @@ def _walk_small(source: bytes | Callable[[int, int], bytes]) -> TarIndex | None:
     most of the cost of staging a shard of a few small samples.
     """
     try:
-        from stager.shards.tarwalk import walk_tar
+        from stager.shards.tarwalk import walk_index
     except ImportError:  # no numpy: the caller counts the shard the slow way
         return None
-    if isinstance(source, bytes):
-        data = source
-        walked = walk_tar(lambda offset, nbytes: data[offset : offset + nbytes])
-    else:
-        walked = walk_tar(source)
-    return walked if isinstance(walked, TarIndex) else None
+    return walk_index(source)
 
 
 class TarSampleCounter:

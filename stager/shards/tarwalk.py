@@ -30,7 +30,7 @@ from stager.shards.members import SampleGrouper, TarIndex
 from stager.shards.tarfields import BLOCK, numbers_general
 from stager.shards.tarnames import UTF8, pax_records
 
-__all__ = ["MANY", "walk_tar"]
+__all__ = ["MANY", "walk_index", "walk_tar"]
 
 #: Returned by :func:`walk_tar` when the tar has more than ``max_headers`` headers.
 MANY: Final = "many"
@@ -103,6 +103,17 @@ def walk_tar(
             return None  # GNU long names, global PAX headers, sparse files, unknown types
         offset += BLOCK + -(-payload // BLOCK) * BLOCK
     return MANY
+
+
+def walk_index(source: bytes | Callable[[int, int], bytes]) -> TarIndex | None:
+    """:func:`walk_tar` over bytes in memory or a ``read_at``, with its default limit; None
+    where the walk does not vouch or stopped at the limit (the scanner decides then)."""
+    if isinstance(source, bytes):
+        data = source
+        walked = walk_tar(lambda offset, nbytes: data[offset : offset + nbytes])
+    else:
+        walked = walk_tar(source)
+    return walked if isinstance(walked, TarIndex) else None
 
 
 def _numbers(header: bytes) -> tuple[int, int] | None:
