@@ -23,7 +23,7 @@ class StageInOptions:
     dest_root: Path
     name: str | None = None  # default: stager.layout.dataset_name of the source
     jobs: int = DEFAULT_JOBS  # most concurrent copy streams per node
-    min_jobs: int = 4  # fewest streams the controller settles at
+    min_jobs: int = 4  # fewest streams the latency model settles at (small files: see rateprobe)
     adaptive: bool = True  # False: always ``jobs`` streams
     bw_limit_mbps: float | None = None  # cap on source reads per node, MB/s
     retry: RetryPolicy = field(default_factory=RetryPolicy)

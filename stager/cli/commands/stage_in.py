@@ -106,7 +106,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=positive_count,
         default=_d("min_jobs"),
         metavar="N",
-        help=f"fewest concurrent streams (default {_d('min_jobs')})",
+        help=f"fewest concurrent streams (default {_d('min_jobs')}); shards small enough to "
+        "arrive in one read may run on fewer, found by measuring (docs/tuning.md)",
     )
     add("--fixed-jobs", action="store_true", help="always run --jobs streams (no adaptation)")
     add("--bw-limit", type=mbps, metavar="MBPS", help="cap on source reads per node, in MB/s")
