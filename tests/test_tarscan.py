@@ -12,6 +12,9 @@ be the slow one).
 from __future__ import annotations
 
 import io
+import os
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -263,6 +266,9 @@ def _padded(payload: bytes) -> bytes:
         "pax_size_zero",
         "pax_sparse_name",
         "unknown_type_with_payload",
+        "pax_path_in_padding",
+        "pax_size_in_padding",
+        "long_pax_path_in_padding",
     ],
 )
 @INDEXERS
@@ -324,6 +330,15 @@ def test_hand_made_forms(tmp_path: Path, case: str, indexer) -> None:
     elif case == "pax_before_end":  # records for a member that never comes
         pax = _record(b"mtime", b"1.5")
         data = _raw_header(b"p", len(pax), b"x") + _padded(pax) + end
+    elif case.endswith("_in_padding"):
+        # tarfile parses records on into the block's padding, past the header's size: a record
+        # hidden there renames the member or changes its size behind the header's back
+        pax = _record(b"mtime", b"1700000000.5")
+        if case.startswith("long"):  # over one block: the records are read one by one
+            pax += _record(b"comment", b"c" * 600)
+        hidden = _record(b"size", b"0") if "size" in case else _record(b"path", b"evil.png")
+        data = _raw_header(b"p", len(pax), b"x") + _padded(pax + hidden)
+        data += _raw_header(b"good.jpg", len(body), b"0") + _padded(body) + end
     elif case in ("pax_size_zero", "pax_sparse_name", "unknown_type_with_payload"):
         # the header's size (512) says the next block is payload, a header of its own; the
         # PAX size record (0) or the unknown type decides whether tarfile reads it
@@ -377,3 +392,42 @@ def test_the_walk_hands_over_past_its_header_limit(tmp_path: Path) -> None:
         path = tmp_path / f"{count}.tar"
         path.write_bytes(data)
         _same(index_tar(path), index_with_tarfile(path))
+
+
+_OTHER_LOCALE_CHECK = """
+import io, sys, tarfile
+from pathlib import Path
+from stager.shards.tarindex import index_tar, index_with_tarfile
+from stager.shards.tarscan import scan_tar
+assert sys.getfilesystemencoding() == "ascii", sys.getfilesystemencoding()
+buf = io.BytesIO()
+with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT, encoding="utf-8") as tar:
+    for name in ["\\u00e9t\\u00e9.jpg", "\\u00e9t\\u00e9.cls", "x" * 120 + "/\\u00fc.jpg", "k.jpg"]:
+        info = tarfile.TarInfo(name)
+        info.size = 3
+        tar.addfile(info, io.BytesIO(b"abc"))
+data = buf.getvalue()
+path = Path(sys.argv[1])
+path.write_bytes(data)
+want = index_with_tarfile(path)
+for got in (scan_tar(data), index_tar(path)):
+    if got is not None:
+        assert (got.keys, got.exts) == (want.keys, want.exts), (got.keys, want.keys)
+print("same", [ascii(k) for k in want.keys])
+"""
+
+
+def test_non_ascii_names_read_as_tarfile_reads_them_in_a_non_utf8_locale(tmp_path: Path) -> None:
+    """tarfile decodes header names with the filesystem encoding (ASCII under ``LC_ALL=C``
+    without UTF-8 mode): the scanner must give the same keys, or step aside."""
+    env = {**os.environ, "PYTHONUTF8": "0", "LC_ALL": "C", "LANG": "C"}
+    env.pop("PYTHONIOENCODING", None)
+    done = subprocess.run(
+        [sys.executable, "-c", _OTHER_LOCALE_CHECK, str(tmp_path / "names.tar")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "\\udcc3" in done.stdout  # the undecodable bytes kept, as tarfile keeps them

@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 #: the split of the decoded name only for UTF-8 (ASCII ``/`` and ``.`` never occur inside a
 #: multi-byte sequence).
 UTF8 = sys.getfilesystemencoding().lower().replace("-", "") == "utf8"
+#: How tarfile decodes the names in headers and GNU long-name records (its ``ENCODING``), so
+#: that a non-ASCII name reads the same here in any locale.
+NAME_ENCODING = sys.getfilesystemencoding()
 
 
 def sample_starts(keys: np.ndarray) -> np.ndarray:
@@ -96,10 +99,10 @@ def apply_meta(
         code = int(rows.kind[pos])
         if code == ord("L"):  # tarfile reads the padded blocks and stops at the first NUL
             padded = read_at(start, -(-nbytes // BLOCK) * BLOCK)
-            name = padded.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+            name = padded.split(b"\0", 1)[0].decode(NAME_ENCODING, "surrogateescape")
             names[target] = name.removesuffix("/") if rows.kind[target] == ord("5") else name
         elif code in PAX_TYPES:
-            records = pax_records(read_at(start, nbytes))
+            records = padded_pax_records(read_at(start, -(-nbytes // BLOCK) * BLOCK), nbytes)
             if records is None or b"size" in records:
                 return False
             if any(key.startswith(b"GNU.sparse.") for key in records):
@@ -180,6 +183,9 @@ def _pax_check(payloads: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.
         ok &= ~active | long_field | (good & ~is_size & ~is_sparse)
         plain &= ~(active & is_path)
         pos = np.where(active, end, pos)
+    # tarfile parses on into the block's padding: only a NUL right after the records ends them
+    # (sizes of whole blocks have no padding; see padded_pax_records)
+    ok &= (sizes % BLOCK == 0) | (payloads[rows, sizes % BLOCK] == 0)
     leftover = ok & plain & (pos < sizes)  # more records than checked here
     plain &= ~leftover
     ok &= ~(plain & (pos != sizes))
@@ -199,6 +205,19 @@ def _gather(rows: np.ndarray, start: np.ndarray, width: int) -> np.ndarray:
 _SIZE = np.frombuffer(b"size", dtype=np.uint8)
 _PATH = np.frombuffer(b"path", dtype=np.uint8)
 _SPARSE = np.frombuffer(b"GNU.sparse.", dtype=np.uint8)
+
+
+def padded_pax_records(padded: bytes, size: int) -> dict[bytes, bytes] | None:
+    """:func:`pax_records` of a PAX header's ``size`` bytes, read with its block's padding.
+
+    tarfile reads the padded blocks and goes on parsing records past ``size`` into the padding
+    (3.11.7 while they match, later releases up to a NUL, raising on anything else), so a
+    record hidden there could rename a member or change its size behind the header's back:
+    None unless the padding starts with a NUL (or there is none).
+    """
+    if len(padded) > size and padded[size] != 0:
+        return None
+    return pax_records(padded[:size])
 
 
 def pax_records(payload: bytes) -> dict[bytes, bytes] | None:
@@ -306,7 +325,9 @@ def split_any(
             header = rows.odd_hdr[j]
             raw = header[: rows.odd_name_len[j]].tobytes()
             prefix = header[345:500].tobytes().split(b"\0", 1)[0]
-            full = ((prefix + b"/" if prefix else b"") + raw).decode("utf-8", "surrogateescape")
+            full = ((prefix + b"/" if prefix else b"") + raw).decode(
+                NAME_ENCODING, "surrogateescape"
+            )
         parts = split_key(full)
         if parts is not None:
             keys[i], exts[i] = parts

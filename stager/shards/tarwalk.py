@@ -28,7 +28,7 @@ import numpy as np
 
 from stager.shards.members import SampleGrouper, TarIndex
 from stager.shards.tarfields import BLOCK, numbers_general
-from stager.shards.tarnames import UTF8, pax_records
+from stager.shards.tarnames import UTF8, padded_pax_records
 
 __all__ = ["MANY", "walk_index", "walk_tar"]
 
@@ -96,7 +96,8 @@ def walk_tar(
                 payload = size
                 samples.add(name.decode("ascii"), offset + BLOCK, size)
         elif kind in _PAX_TYPES:
-            if not UTF8 or not _renames_nothing(read_at(offset + BLOCK, size)):
+            padded = read_at(offset + BLOCK, -(-size // BLOCK) * BLOCK)
+            if not UTF8 or not _renames_nothing(padded, size):
                 return None
             payload, after_meta = size, True
         elif kind not in _NO_PAYLOAD_TYPES:
@@ -142,11 +143,11 @@ def _checksums_ok(headers: list[bytes], stored: list[int]) -> bool:
     return bool(((unsigned[bad] - 256 * high) == want[bad]).all())
 
 
-def _renames_nothing(payload: bytes) -> bool:
-    """Whether a PAX header's records are well formed and change neither the next member's
-    name nor its size (those tars are left to the scanner). A payload cut short by the end of
-    the file may parse; the walk then finds no header after it."""
-    records = pax_records(payload)
+def _renames_nothing(padded: bytes, size: int) -> bool:
+    """Whether a PAX header's records (``size`` bytes of ``padded``) are well formed and change
+    neither the next member's name nor its size (those tars are left to the scanner). A payload
+    cut short by the end of the file may parse; the walk then finds no header after it."""
+    records = padded_pax_records(padded, size)
     if records is None or b"path" in records or b"size" in records:
         return False
     return not any(key.startswith(b"GNU.sparse.") for key in records)
