@@ -176,3 +176,17 @@ def test_a_kept_slot_never_exceeds_the_limit() -> None:
     ctl.limit = 1  # as the search would set it
     kept_after_cut = [ctl.finished() for _ in range(3)]
     assert kept_after_cut == [False, False, True] and ctl._active == 1
+
+
+def test_a_kept_slot_is_checked_again_before_the_next_file() -> None:
+    """The limit can fall between a thread keeping its slot and starting its next file
+    (another file's end lowered it): the slots over the limit go back before any file starts."""
+    ctl = StreamController(3, floor=3)
+    for _ in range(3):
+        ctl.acquire()
+    assert [ctl.finished() for _ in range(3)] == [True, True, True]
+    ctl.limit = 1  # as another thread's finished file would set it
+    assert [ctl.still_kept() for _ in range(3)] == [False, False, True]
+    assert ctl._active == 1
+    ctl.release()
+    assert ctl._active == 0

@@ -258,7 +258,7 @@ class Copier:
                 publish=publish,
             )
 
-        if not getattr(self._slot, "held", False):
+        if not (getattr(self._slot, "held", False) and self.streams.still_kept()):
             self.streams.acquire()
             self._slot.held = True
         result = None

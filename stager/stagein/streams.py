@@ -90,6 +90,17 @@ class StreamController:
             self._wake()
             return keep
 
+    def still_kept(self) -> bool:
+        """Whether a slot kept by :meth:`finished` may start the caller's next file now; False
+        when it was given back, because another file's end lowered the limit in between (the
+        caller then waits in :meth:`acquire` like any other thread)."""
+        with self._cond:
+            if self._active <= self.limit:
+                return True
+            self._active -= 1
+            self._wake()
+            return False
+
     def _record(self, first_byte_s: float | None, last_byte_s: float | None) -> None:
         if self.adaptive and first_byte_s is not None and last_byte_s is not None:
             self._latency_s.append(max(0.0, first_byte_s))
