@@ -27,6 +27,7 @@ from torch.utils.data import Dataset, get_worker_info
 from stager.errors import IntegrityError
 from stager.shards.loader_index import FlatIndex
 
+from .packedstrings import PackedStrings
 from .samples import SamplePipeline, select_fields
 from .shardio import open_shards
 
@@ -128,7 +129,9 @@ class StagedTarDataset(Dataset):
         self.index = index
         self.pipeline = pipeline
         # per process (a fork or a pickle reopens); holds the paths without a str per shard
-        self.files = open_shards([os.fspath(p) for p in shard_paths])
+        if not isinstance(shard_paths, PackedStrings):
+            shard_paths = PackedStrings([os.fspath(p) for p in shard_paths])
+        self.files = open_shards(shard_paths)
 
     def __len__(self) -> int:
         return self.index.num_samples

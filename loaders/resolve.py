@@ -30,6 +30,8 @@ from stager.stagein.status import PlanFacts
 from stager.storage.dest import resolve_dest_root
 from stager.storage.sources import SourceSet, resolve_source
 
+from .packedstrings import PackedStrings
+
 __all__ = ["ShardRef", "DatasetShards", "resolve_dataset"]
 
 log = logging.getLogger("stager_loaders")
@@ -65,8 +67,8 @@ class DatasetShards:
     every forked worker's PSS. :attr:`shards` builds the objects on demand, for tools and tests.
     """
 
-    relpaths: list[str]
-    locations: list[str]  # a local path, or a URL for a shard read from a remote source
+    relpaths: Sequence[str]  # a PackedStrings: see loaders.packedstrings for why
+    locations: Sequence[str]  # a local path, or a URL for a shard read from a remote source
     local: np.ndarray  # bool per shard: a plain local file (random access possible)
     from_source_flags: np.ndarray  # bool per shard: read from the source, not a staged copy
     samples: list[int | None]  # from a manifest; None means "count by reading headers"
@@ -86,8 +88,8 @@ class DatasetShards:
     ) -> DatasetShards:
         stats = np.asarray([r.stat or (-1, -1) for r in refs], dtype=np.int64).reshape(-1, 2)
         return cls(
-            [r.relpath for r in refs],
-            [r.location for r in refs],
+            PackedStrings([r.relpath for r in refs]),
+            PackedStrings([r.location for r in refs]),
             np.asarray([r.local for r in refs], dtype=bool),
             np.asarray([r.from_source for r in refs], dtype=bool),
             [r.samples for r in refs],
@@ -178,7 +180,7 @@ def _from_source(root: str, relpath: str, samples: int | None) -> ShardRef:
     return ShardRef(relpath, url, not remote, True, samples)
 
 
-def _staged_mtimes(locations: list[str], sizes: list[int]) -> tuple[list[int], list[int]]:
+def _staged_mtimes(locations: Sequence[str], sizes: list[int]) -> tuple[list[int], list[int]]:
     """Each staged copy's mtime (-1 where it is missing or not whole), and those positions.
 
     One ``stat`` per shard, the floor of a start (~3 us each on a local disk); each result is
@@ -209,13 +211,13 @@ def _from_staged(
     # str concatenation: pathlib costs ~30 us per shard and os.path.join ~3 us (0.3 s at 100k);
     # relpaths are canonical and relative (checked by read_columns)
     prefix = os.fspath(dataset_dir).rstrip("/") + "/"
-    locations = [prefix + rel for rel in columns.relpaths]
+    locations = PackedStrings.prefixed(prefix, columns.relpaths)
     mtimes, missing = _staged_mtimes(locations, columns.sizes)
     failures = _failures(dataset_dir)
     if not missing and not failures:
         count = len(locations)
         return DatasetShards(
-            columns.relpaths,
+            PackedStrings(columns.relpaths),
             locations,
             np.ones(count, dtype=bool),
             np.zeros(count, dtype=bool),

@@ -42,6 +42,7 @@ from stager.stagein.status import (
 from stager.stagein.wait import GONE_AFTER_S
 
 from .options import LoaderOptions
+from .packedstrings import PackedStrings
 from .readers import StagedReader, _Collate
 from .resolve import DatasetShards, _check_same_root, _from_staged
 from .sampler import RankBatchSampler
@@ -143,8 +144,8 @@ def resolve_staging(
     if any(n is None for n in columns.samples):
         raise UsageError(f"{staged.staging_path} lacks sample counts; rerun stage-in --background")
     return DatasetShards(
-        columns.relpaths,
-        [prefix + rel for rel in columns.relpaths],
+        PackedStrings(columns.relpaths),
+        PackedStrings.prefixed(prefix, columns.relpaths),
         np.ones(count, dtype=bool),
         np.zeros(count, dtype=bool),
         columns.samples,
