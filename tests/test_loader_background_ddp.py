@@ -6,6 +6,7 @@ the next epoch, started once both copies are done, in the full shuffle on both."
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -41,6 +42,7 @@ def rank_main(rank: int, job: dict[str, Any]) -> None:
             to_tuple=("__key__",),
             options=LoaderOptions(dest=job["dests"][rank]),
         )
+        Path(job["out"], f"constructed{rank}").touch()  # the test lets the copier go on now
         epochs = []
         for epoch in (0, 1):
             loader.set_epoch(epoch)
@@ -59,6 +61,16 @@ def rank_main(rank: int, job: dict[str, Any]) -> None:
     Path(job["out"], f"rank{rank}.json").write_text(json.dumps({"epochs": epochs, "reader": kind}))
 
 
+def _wait_for_markers(out: Path, procs: list[subprocess.Popen], timeout_s: float = 240) -> None:
+    """Until every rank has built its loader (or one of them has ended: the test then fails
+    on its exit code)."""
+    deadline = time.monotonic() + timeout_s
+    while not all((out / f"constructed{rank}").exists() for rank in range(WORLD)):
+        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
+
+
 def test_ranks_agree_on_the_staging_order_while_any_node_copies(tmp_path: Path) -> None:
     src = dataset(tmp_path)
     done, copying = tmp_path / "node0", tmp_path / "node1"
@@ -73,6 +85,10 @@ def test_ranks_agree_on_the_staging_order_while_any_node_copies(tmp_path: Path) 
     )
     try:
         wait_plan(copying)
+        # Paused (its lock still held, so it is not "gone") until both loaders are built: on a
+        # loaded machine the ranks' start-up could outlast the throttled copy, and rank 1 would
+        # then find it finished instead of still copying.
+        copier.send_signal(signal.SIGSTOP)
         procs = [
             subprocess.Popen(
                 [sys.executable, "-c", code, str(rank), json.dumps(job)],
@@ -82,6 +98,8 @@ def test_ranks_agree_on_the_staging_order_while_any_node_copies(tmp_path: Path) 
             for rank in range(WORLD)
         ]
         try:
+            _wait_for_markers(out, procs)
+            copier.send_signal(signal.SIGCONT)
             codes = [p.wait(timeout=240) for p in procs]
         finally:
             for p in procs:
@@ -91,6 +109,8 @@ def test_ranks_agree_on_the_staging_order_while_any_node_copies(tmp_path: Path) 
         assert codes == [0] * WORLD
         assert finished(copier) == 0
     finally:
+        if copier.poll() is None:
+            copier.send_signal(signal.SIGCONT)  # a stopped process would not see the SIGTERM
         stop(copier)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
     assert [r["reader"] for r in ranks] == ["StagedReader", "StagingReader"]
