@@ -50,13 +50,19 @@ def test_threaded_walk_finds_what_the_serial_walk_finds(
     root = tmp_path_factory.mktemp("tree")
     _build(root, entries)
     serial = listing.walk_local(str(root), 1)
-    old = listing.SLOW_DIRECTORY_S
+    old, old_batch = listing.SLOW_DIRECTORY_S, listing.FOUND_BATCH
     listing.SLOW_DIRECTORY_S = -1.0  # every read counts as slow: threads from the first level
+    listing.FOUND_BATCH = 2  # a directory's shards are handed over in several batches
+    told: list[list[str]] = []
     try:
         threaded = listing.walk_local(str(root), 8)
+        streamed = listing.walk_local(str(root), 8, on_found=told.append)
     finally:
-        listing.SLOW_DIRECTORY_S = old
-    assert threaded == serial == sorted(serial)
+        listing.SLOW_DIRECTORY_S, listing.FOUND_BATCH = old, old_batch
+    assert threaded == serial == sorted(serial) == streamed
+    # what the walk hands over as it goes is exactly what it returns, each path once
+    assert sorted(path for batch in told for path in batch) == serial
+    assert all(batch for batch in told)
 
 
 def test_an_unreadable_directory_fails_the_threaded_walk_too(

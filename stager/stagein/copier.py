@@ -32,6 +32,7 @@ from stager.errors import (
 )
 from stager.shards.manifest import ManifestEntry
 from stager.shards.tarparse import TarSampleCounter
+from stager.stagein.feed import ItemFeed
 from stager.stagein.journal import Journal
 from stager.stagein.options import StageInOptions
 from stager.stagein.plan import CopyItem, LocalPlan, count_samples_of, space_error
@@ -83,7 +84,9 @@ class Copier:
         journal: Journal | None = None,
         heartbeat: Callable[[], None] = lambda: None,
         cache: StageCache | None = None,
+        streamed: bool = False,
     ):
+        """``streamed``: items also arrive by :meth:`add` until :meth:`close` (streamed.py)."""
         self.source, self.plan, self.options = source, plan, options
         self.report, self.log = report, log
         self.served_samples: dict[str, int] = {}  # counts a cache hit brought
@@ -110,7 +113,9 @@ class Copier:
         relpaths = map(attrgetter("relpath"), late)
         self.late = dict(zip(relpaths, range(len(late)), strict=False))  # C loops
         self.sizing: DeferredPreflight | None = None
-        if late:
+        self.feed = ItemFeed(plan.to_copy, closed=not streamed)
+        self.stopped_by: BaseException | None = None  # why a streamed listing ended early
+        if late or streamed:
             self.sizing = DeferredPreflight(
                 [shard.path for shard in late],
                 # Half the copy ceiling: a stat is one round trip where a copy makes three, so
@@ -121,10 +126,11 @@ class Copier:
                 free_bytes=plan.free_bytes,
                 min_free_bytes=options.min_free_bytes,
                 on_sized=lambda nbytes, gone: self.progress.add_totals(nbytes, -gone),
+                more=streamed,
             )
         # Shards the cache serves need no stream: a full hit runs on this thread alone.
         pending = len(plan.to_copy) if cache is None else cache.misses(plan)
-        ceiling = max(1, min(options.jobs, pending))
+        ceiling = options.jobs if streamed else max(1, min(options.jobs, pending))
         self.streams = StreamController(ceiling, floor=options.min_jobs, adaptive=options.adaptive)
         self._slot = threading.local()  # .held: this thread kept its stream slot for the next
 
@@ -135,7 +141,7 @@ class Copier:
         try:
             run_in_threads(
                 self._copy_one,
-                self.plan.to_copy,
+                self.feed,
                 self.streams.ceiling,
                 name="stage-in",
                 on_exit=self._give_back_slot,
@@ -149,6 +155,33 @@ class Copier:
         if self.sizing is not None:
             self._settle_sized_later(self.sizing)
         return self.outcome
+
+    # -- a streamed listing feeds it ------------------------------------------------------
+    def add(self, items: list[CopyItem]) -> None:
+        """Copy these too, each sized while it copies (a copier made with ``streamed=True``)."""
+        assert self.sizing is not None
+        with self.lock:
+            first = self.sizing.probe.add([item.shard.path for item in items])
+            for offset, item in enumerate(items):
+                self.late[item.shard.relpath] = first + offset
+            self.plan.to_copy.extend(items)
+            self.report.files_total += len(items)
+            self.feed.add(items)
+        self.progress.add_totals(0, len(items))
+
+    def close(self) -> None:
+        """The listing is complete: the copies and the free-space verdict end with the last."""
+        if self.sizing is not None:
+            self.sizing.probe.close()
+        self.feed.close()
+
+    def abort(self, exc: BaseException) -> None:
+        """The listing failed: nothing copied so far is published (held copies are deleted),
+        and :meth:`run` raises ``exc`` once the copies in progress have ended."""
+        self.stopped_by = exc
+        if self.sizing is not None:
+            self.sizing.gate.refuse()
+        self.close()
 
     # -- one shard, on a copy thread -------------------------------------------------------
     def _fail(self, item: CopyItem, reason: str, kind: str = "source") -> None:
@@ -340,6 +373,8 @@ class Copier:
         if not sizing.gate.passed:
             for relpath in self.held:
                 self._unstage(relpath)
+            if self.stopped_by is not None:
+                raise self.stopped_by
             if sizing.probe.failure is not None:
                 raise SourceError(
                     f"[{report.node}] sizing the source's shards failed: "

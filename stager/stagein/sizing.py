@@ -16,7 +16,7 @@ import contextlib
 import os
 import stat
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from stager.storage.identity import local_version
 from stager.storage.paths import discard
@@ -52,10 +52,14 @@ class SizeProbe:
         *,
         on_size: Callable[[int], None] | None = None,
         on_done: Callable[[], None] | None = None,
+        more: bool = False,
     ):
         self._paths = list(paths)
         self._results: list[object] = [_PENDING] * len(self._paths)
-        self._threads = max(1, min(threads, len(self._paths)))
+        # more: paths keep arriving (:meth:`add`) until :meth:`close`; the probe ends after
+        self._closed = not more
+        self._ended = False
+        self._threads = max(1, threads if more else min(threads, len(self._paths)))
         self._on_size = on_size
         self._on_done = on_done
         self._cond = threading.Condition()
@@ -68,6 +72,35 @@ class SizeProbe:
 
     def __len__(self) -> int:
         return len(self._paths)
+
+    def add(self, paths: Sequence[str]) -> int:
+        """Probe these paths too (a probe made with ``more=True``); returns the first one's
+        index. After the probe has ended (it broke), they are :data:`UNKNOWN` at once."""
+        with self._cond:
+            first = len(self._paths)
+            self._paths.extend(paths)
+            self._results.extend([UNKNOWN if self._ended else _PENDING] * len(paths))
+            self.versions.extend([None] * len(paths))
+            self._cond.notify_all()
+        return first
+
+    def close(self) -> None:
+        """No more paths: the probe ends once it has probed those it has."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _indexes(self) -> Iterator[int]:
+        """0, 1, 2, ... as paths arrive, until the probe is closed and all are handed out."""
+        index = 0
+        while True:
+            with self._cond:
+                while index >= len(self._paths) and not self._closed:
+                    self._cond.wait()
+                if index >= len(self._paths):
+                    return
+            yield index
+            index += 1
 
     def start(self) -> SizeProbe:
         self._runner.start()
@@ -122,11 +155,12 @@ class SizeProbe:
 
     def _run(self) -> None:
         try:
-            run_in_threads(self._probe, range(len(self._paths)), self._threads, name="size-probe")
+            run_in_threads(self._probe, self._indexes(), self._threads, name="size-probe")
         except BaseException as exc:  # noqa: BLE001 - kept for the caller; no copy may wait forever
             self.failure = exc
         finally:
             with self._cond:  # whatever went wrong, no copy may wait forever
+                self._ended = True
                 for i, result in enumerate(self._results):
                     if result is _PENDING:
                         self._results[i] = UNKNOWN
@@ -216,6 +250,7 @@ class DeferredPreflight:
         free_bytes: int,
         min_free_bytes: int = 0,
         on_sized: Callable[[int, int], None] | None = None,
+        more: bool = False,
     ):
         self.gate = PublishGate()
         self.needed_bytes = known_bytes
@@ -224,7 +259,7 @@ class DeferredPreflight:
         self._limit = free_bytes - min_free_bytes
         self._lock = threading.Lock()
         self._on_sized = on_sized
-        self.probe = SizeProbe(paths, threads, on_size=self._add, on_done=self._done)
+        self.probe = SizeProbe(paths, threads, on_size=self._add, on_done=self._done, more=more)
         self.failed_renames: list[tuple[str, OSError]] = []
 
     def start(self) -> DeferredPreflight:

@@ -13,6 +13,7 @@ import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from stager.errors import SourceError, UsageError
@@ -80,7 +81,9 @@ def translate(exc: BaseException, url: str) -> SourceError:
 SLOW_DIRECTORY_S = 0.005
 
 
-def walk_local(root: str, jobs: int = 1) -> list[str]:
+def walk_local(
+    root: str, jobs: int = 1, on_found: Callable[[list[str]], object] | None = None
+) -> list[str]:
     """Shard file names under ``root``, sorted, from directory reads only (no stat per file).
 
     The tree is read level by level. On NFS each directory costs a lookup and a read round
@@ -92,6 +95,9 @@ def walk_local(root: str, jobs: int = 1) -> list[str]:
     they are directories; the other names are asked, on the same threads (where readdir gives
     no file type, on FUSE and some NFS, each answer is a stat round trip). The parallel stat
     that follows drops the rare directory named like a shard.
+
+    ``on_found(paths)`` is called with each directory's shard paths as soon as they are read
+    (in no particular order across directories), so copies can start while the walk goes on.
     """
     found: list[str] = []
     level = [root]
@@ -99,7 +105,8 @@ def walk_local(root: str, jobs: int = 1) -> list[str]:
     while level:
         started = time.monotonic()
         others: list[os.DirEntry[str]] = []
-        for shards, rest in _in_threads(_list_dir, level, threads):
+        read = _list_dir if on_found is None else partial(_list_dir, on_found=on_found)
+        for shards, rest in _in_threads(read, level, threads):
             found += shards
             others += rest
         if threads == 1 and (time.monotonic() - started) / len(level) > SLOW_DIRECTORY_S:
@@ -116,16 +123,29 @@ def _in_threads(fn: Callable[[T], R], items: list[T], jobs: int) -> list[R]:
     return [fn(item) for item in items]
 
 
-def _list_dir(directory: str) -> tuple[list[str], list[os.DirEntry[str]]]:
+#: A directory's shard paths are handed to ``on_found`` this many at a time while it is read
+#: (a directory of a million shards is read in thousands of round trips on NFS).
+FOUND_BATCH = 4096
+
+
+def _list_dir(
+    directory: str, on_found: Callable[[list[str]], object] | None = None
+) -> tuple[list[str], list[os.DirEntry[str]]]:
     """The shard-like paths in one directory, and its other entries."""
     shards: list[str] = []
     others: list[os.DirEntry[str]] = []
+    told = 0
     with os.scandir(directory) as entries:
         for entry in entries:
             if entry.name.endswith(SHARD_SUFFIXES):  # is_shard_name, inlined: 1M calls
                 shards.append(entry.path)
+                if on_found is not None and len(shards) - told >= FOUND_BATCH:
+                    on_found(shards[told:])
+                    told = len(shards)
             else:
                 others.append(entry)
+    if on_found is not None and len(shards) > told:
+        on_found(shards[told:])
     return shards, others
 
 

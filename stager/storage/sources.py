@@ -49,6 +49,7 @@ __all__ = [
     "protocol_of",
     "SHARD_SUFFIXES",
     "is_shard_name",
+    "check_encodable",
 ]
 
 _GLOB_CHARS = "*?["
@@ -285,15 +286,15 @@ def resolve_source(
     shard that is not valid UTF-8 (no manifest, index or report could record it).
     """
     source = _resolve(spec, from_list=from_list, name=name, jobs=jobs, stat_listed=stat_listed)
-    _check_encodable(source.root_url, "source")
-    _check_encodable(source.name, "dataset name")
+    check_encodable(source.root_url, "source")
+    check_encodable(source.name, "dataset name")
     for shard in source.shards:
         if not shard.relpath.isascii():
-            _check_encodable(shard.url, "source shard name")
+            check_encodable(shard.url, "source shard name")
     return source
 
 
-def _check_encodable(text: str, what: str) -> None:
+def check_encodable(text: str, what: str) -> None:
     """Refuse a name with bytes that are not UTF-8 (read from the OS as lone surrogates)."""
     try:
         text.encode()

@@ -1,4 +1,4 @@
-"""``stage-in``: flags and the call into :func:`stager.stagein.run.stage_in`."""
+"""``stage-in``: flags and the call into :func:`stager.stagein.run.stage_in` or a variant."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ from stager.gcpause import collection_paused, freezing_after_pauses
 from stager.slurm import SlurmEnv
 from stager.stagein.options import PROGRESS_STYLES, SUBSETS, StageInOptions
 from stager.stagein.report import StageInReport
-from stager.stagein.run import stage_in
+from stager.stagein.streamed import stage_in_foreground
 from stager.storage.dest import resolve_dest_root
 from stager.storage.retry import RetryPolicy
 from stager.storage.sources import SourceSet, resolve_source
@@ -284,8 +284,8 @@ def _run(args: argparse.Namespace) -> int:
 
             source = list_source()
             report = fanout_stage_in(source, options, fanout_options_from_args(args), slurm=slurm)
-        else:
-            report = stage_in(list_source(), options, slurm=slurm, select=select)
+        else:  # a directory's first run copies while its walk goes on
+            report = stage_in_foreground(args.source, options, slurm, list_source, select)
     except Exception as exc:
         report = getattr(exc, "report", None)
         if report is not None and (report.files_total or report.failures):

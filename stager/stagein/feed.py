@@ -1,0 +1,52 @@
+"""The copier's work list: every item known up front (a plan), or items arriving while the
+source is still being listed (a first run of a walked directory, :mod:`stager.stagein.streamed`).
+
+Copy threads iterate it; an open feed blocks them until more items arrive or it is closed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Generic, TypeVar
+
+__all__ = ["ItemFeed"]
+
+T = TypeVar("T")
+
+
+class ItemFeed(Generic[T]):
+    """Items in arrival order; one iterator over it may be shared by many threads."""
+
+    def __init__(self, items: Iterable[T] = (), *, closed: bool = True) -> None:
+        self._items: list[T] = list(items)
+        self._closed = closed
+        self._cond = threading.Condition()
+
+    def add(self, items: Iterable[T]) -> None:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("items added to a closed feed")
+            self._items.extend(items)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """No more items: iteration ends once those added are handed out."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[T]:
+        position = 0
+        while True:
+            with self._cond:
+                while position >= len(self._items) and not self._closed:
+                    self._cond.wait()
+                if position >= len(self._items):
+                    return
+                item = self._items[position]
+            yield item
+            position += 1

@@ -1,0 +1,205 @@
+"""A first stage-in of a directory without a manifest copies while the walk goes on
+(:mod:`stager.stagein.streamed`): its copies must start before the walk ends, a walk that fails
+half way must leave nothing staged, and whatever the tree holds, the result must be the one
+the list-first path gives (same files, same manifest, same exit code)."""
+
+from __future__ import annotations
+
+import filecmp
+import os
+import threading
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import stager.stagein.copier
+from stager.errors import EXIT_SOURCE, StagerError
+from stager.layout import StagedDataset
+from stager.shards.manifest import Manifest
+from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
+from stager.slurm import SlurmEnv
+from stager.stagein.options import StageInOptions
+from stager.stagein.run import stage_in
+from stager.storage import listing
+from stager.storage.sources import resolve_source
+
+from .inproc import clean_process_env, run_main
+
+
+def _two_directories(root: Path) -> Path:
+    src = root / "ds"
+    for part, seed in (("a", 1), ("b", 2)):
+        write_synthetic_dataset(
+            src / part, SyntheticSpec(num_shards=3, samples_per_shard=4, seed=seed)
+        )
+    return src
+
+
+def _gate_second_directory(monkeypatch: pytest.MonkeyPatch, before) -> list[object]:  # noqa: ANN001
+    """Make the walk call ``before()`` when it comes to read the second of the two directories
+    (in whatever order it reads them); returns what those calls returned."""
+    real = listing._list_dir
+    seen: list[object] = []
+    subdirectories: list[str] = []
+
+    def gated(directory: str, on_found=None):  # noqa: ANN001, ANN202 - the walk's reader
+        if directory.rstrip("/").rsplit("/", 1)[-1] in ("a", "b"):
+            subdirectories.append(directory)
+            if len(subdirectories) == 2:
+                seen.append(before())
+        return real(directory, on_found=on_found)
+
+    monkeypatch.setattr(listing, "_list_dir", gated)
+    return seen
+
+
+def _copies_signal(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Events set when the first copy starts, and when the first copy has ended."""
+    started, ended = threading.Event(), threading.Event()
+    real = stager.stagein.copier.copy_file
+
+    def copy_file(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - the copier's call
+        started.set()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            ended.set()
+
+    monkeypatch.setattr(stager.stagein.copier, "copy_file", copy_file)
+    return started, ended
+
+
+def test_copies_start_while_the_walk_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    clean_process_env(monkeypatch)
+    src = _two_directories(tmp_path)
+    started, _ = _copies_signal(monkeypatch)
+    # the walk reads its second directory only once a shard of the first is being copied (or
+    # gives up after 30 s)
+    waited = _gate_second_directory(monkeypatch, lambda: started.wait(30))
+    dest = tmp_path / "scratch"
+    result = run_main(capsys, "stage-in", str(src), "--dest", str(dest), "--jitter-max", "0")
+    assert result.returncode == 0, result.stderr
+    assert waited == [True], "no copy started before the walk reached the second directory"
+    shards = sorted(p.relative_to(src) for p in src.rglob("*.tar"))
+    staged = sorted(p.relative_to(dest / "ds") for p in (dest / "ds").rglob("*.tar"))
+    assert staged == shards and len(shards) == 6
+    assert all(filecmp.cmp(src / p, dest / "ds" / p, shallow=False) for p in shards)
+    manifest = Manifest.read(StagedDataset(dest, "ds").manifest_path)
+    assert [e.relpath for e in manifest.entries] == [str(p) for p in shards]
+    assert all(e.samples == 4 for e in manifest.entries)
+    rerun = run_main(capsys, "stage-in", str(src), "--dest", str(dest), "--jitter-max", "0")
+    assert rerun.returncode == 0 and "0 copied, 6 skipped" in rerun.stderr
+
+
+def test_a_walk_that_fails_half_way_leaves_nothing_staged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    clean_process_env(monkeypatch)
+    src = _two_directories(tmp_path)
+    _, ended = _copies_signal(monkeypatch)
+
+    def fail_after_a_copy() -> None:
+        ended.wait(30)  # a copy from the first directory has finished (held as .partial)
+        raise PermissionError(13, "Permission denied", str(src / "b"))
+
+    _gate_second_directory(monkeypatch, fail_after_a_copy)
+    dest = tmp_path / "scratch"
+    result = run_main(capsys, "stage-in", str(src), "--dest", str(dest), "--jitter-max", "0")
+    assert ended.is_set()
+    assert result.returncode == EXIT_SOURCE, result.stderr
+    assert "permission denied" in result.stderr.lower() and str(src) in result.stderr
+    left = [p for p in (dest / "ds").rglob("*") if p.is_file() and ".stager" not in p.parts]
+    assert left == [], "a failed walk left files staged"
+
+
+# ---- whatever the tree holds, streamed or listed first, the same outcome -------------------
+
+_ENTRIES = st.lists(
+    st.tuples(
+        st.lists(st.sampled_from(["a", "b", "c.tar"]), max_size=2),
+        st.sampled_from(["s.tar", "t.tar", "u.tgz", "notes.txt", "bad.tar", "x.tar"]),
+        st.sampled_from(["shard", "shard", "dir", "fifo", "garbage", "loop", "link", "bad name"]),
+    ),
+    max_size=10,
+)
+
+
+def _build(root: Path, entries: list[tuple[list[str], str, str]], template_path: Path) -> None:
+    template = template_path.read_bytes()
+    root.mkdir(parents=True)
+    for parts, name, kind in entries:
+        path = root.joinpath(*parts, name)
+        if os.path.lexists(path):
+            continue  # taken already: writing to a FIFO there would block forever
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if kind == "dir":
+                path.mkdir()
+            elif kind == "fifo":
+                os.mkfifo(path)
+            elif kind == "loop":  # a symlinked directory: never followed
+                path.symlink_to(root, target_is_directory=True)
+            elif kind == "link":  # a symlink to a shard outside the tree: copied as that shard
+                path.symlink_to(template_path)
+            elif kind == "bad name":  # not UTF-8: refused, nothing staged
+                with open(os.fsencode(path.parent) + b"/\xff" + os.fsencode(name), "wb") as out:
+                    out.write(template_path.read_bytes())
+            else:
+                path.write_bytes(template if kind == "shard" else b"not a tar" * 70)
+        except (FileExistsError, NotADirectoryError):
+            continue
+
+
+def _outcome(dest: Path, code: int) -> tuple[object, ...]:
+    staged = dest / "ds"
+    files = sorted(
+        (str(p.relative_to(staged)), p.read_bytes())
+        for p in staged.rglob("*")
+        if p.is_file() and ".stager" not in p.parts
+    )
+    manifest_path = StagedDataset(dest, "ds").manifest_path
+    entries = (
+        [(e.relpath, e.size, e.hash, e.samples) for e in Manifest.read(manifest_path).entries]
+        if manifest_path.is_file()
+        else None
+    )
+    return code, files, entries
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(entries=_ENTRIES)
+def test_streamed_and_listed_first_runs_agree(
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    entries: list,
+) -> None:
+    clean_process_env(monkeypatch)
+    root = tmp_path_factory.mktemp("tree")
+    template_dir = root / "template"
+    write_synthetic_dataset(template_dir, SyntheticSpec(num_shards=1, samples_per_shard=3))
+    src = root / "ds"
+    _build(src, entries, next(template_dir.glob("*.tar")))
+    streamed_dest, listed_dest = root / "streamed", root / "listed"
+    streamed = run_main(
+        capsys, "stage-in", str(src), "--dest", str(streamed_dest), "--jitter-max", "0"
+    )
+    try:
+        options = StageInOptions(dest_root=listed_dest, progress="none", jitter_max_s=0)
+        stage_in(
+            resolve_source(str(src), stat_listed=False), options, slurm=SlurmEnv.from_environ({})
+        )
+        listed_code = 0
+    except StagerError as exc:
+        listed_code = exc.exit_code
+    assert _outcome(streamed_dest, streamed.returncode) == _outcome(listed_dest, listed_code), (
+        streamed.stderr
+    )
