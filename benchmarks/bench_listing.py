@@ -50,6 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--data", default="/dev/shm", help="a tmpfs for the tree")
+    parser.add_argument(
+        "--baseline",
+        metavar="CHECKOUT",
+        help="also time stage-in's first byte written through the shim, this code against "
+        "another checkout (e.g. `git worktree add /tmp/old <commit>`), alternately",
+    )
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="bench-listing-", dir=args.data))
     expected = args.dirs * args.files
@@ -62,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
                 for jobs in (1, args.jobs):
                     key = f"{args.delay_ms:g} ms per op ({shim['impl']} shim), jobs={jobs}"
                     rows.setdefault(key, []).append(timed(str(work / "mnt"), jobs, expected))
+            if args.baseline:
+                first_bytes = _first_bytes(work, args.baseline, args.repeats)
         for _ in range(args.repeats):
             for jobs in (1, args.jobs):
                 key = f"local tmpfs, jobs={jobs}"
@@ -76,7 +84,35 @@ def main(argv: list[str] | None = None) -> int:
         base = medians[key.rsplit("jobs=", 1)[0] + "jobs=1"]
         runs = ", ".join(f"{t:.2f}" for t in times)
         print(f"| {key} | {medians[key]:.3f} | {runs} | {medians[key] / base:.2f}x |")
+    if args.baseline:
+        print(f"\nstage-in's first byte written, {args.delay_ms:g} ms per op, --jobs 64 (default)")
+        print("| code | first byte s (median) | runs (s) | x baseline |")
+        print("|---|---|---|---|")
+        base = statistics.median(first_bytes["baseline"])
+        for name, times in first_bytes.items():
+            runs = ", ".join(f"{t:.2f}" for t in times)
+            median = statistics.median(times)
+            print(f"| {name} | {median:.2f} | {runs} | {median / base:.2f}x |")
     return 0
+
+
+def _first_bytes(work: Path, baseline: str, repeats: int) -> dict[str, list[float]]:
+    """stage-in from the shim's mount to a first byte written: this code and ``baseline``,
+    alternately (a first run each time: the destination is removed before every run)."""
+    import os
+
+    from benchmarks.bench_manifest_start import first_byte_s
+
+    times: dict[str, list[float]] = {"this code": [], "baseline": []}
+    for _ in range(repeats):
+        for name in times:
+            if name == "baseline":
+                os.environ["PYTHONPATH"] = str(Path(baseline).resolve())
+            try:
+                times[name].append(first_byte_s(work / "mnt", work / "dest"))
+            finally:
+                os.environ.pop("PYTHONPATH", None)
+    return times
 
 
 if __name__ == "__main__":
