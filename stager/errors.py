@@ -57,6 +57,7 @@ __all__ = [
     "ShardsFailed",
     "ShardFailure",
     "FAILURE_KINDS",
+    "failure_kind",
     "one_line",
     "rebuild_error",
     "IntegrityError",
@@ -164,6 +165,17 @@ class ShardFailure:
 
     def __str__(self) -> str:
         return f"FAILED {one_line(self.url)}: {self.reason}"
+
+
+def failure_kind(exc: BaseException) -> str:
+    """The :data:`FAILURE_KINDS` entry of a shard whose copy raised ``exc``."""
+    if isinstance(exc, ScratchFull):
+        return "full"
+    if isinstance(exc, DestinationError):
+        return "dest"
+    if isinstance(exc, IntegrityError) and not exc.transient:
+        return "corrupt"
+    return "source"
 
 
 def one_line(value: object) -> str:

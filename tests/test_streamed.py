@@ -8,6 +8,7 @@ from __future__ import annotations
 import filecmp
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -15,13 +16,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import stager.stagein.copier
-from stager.errors import EXIT_SOURCE, StagerError
+from stager.errors import EXIT_SOURCE, EXIT_USAGE, StagerError
 from stager.layout import StagedDataset
 from stager.shards.manifest import Manifest
 from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 from stager.slurm import SlurmEnv
+from stager.stagein.feed import ItemFeed
+from stager.stagein.journal import Journal
 from stager.stagein.options import StageInOptions
 from stager.stagein.run import stage_in
+from stager.stagein.sizing import DeferredPreflight
 from stager.storage import listing
 from stager.storage.sources import resolve_source
 
@@ -203,3 +207,73 @@ def test_streamed_and_listed_first_runs_agree(
     assert _outcome(streamed_dest, streamed.returncode) == _outcome(listed_dest, listed_code), (
         streamed.stderr
     )
+
+
+def test_a_list_beside_a_source_is_still_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    clean_process_env(monkeypatch)
+    src = _two_directories(tmp_path)
+    listed = tmp_path / "list.txt"
+    listed.write_text("\n".join(str(p) for p in sorted(src.rglob("*.tar"))[:2]))
+    dest = tmp_path / "scratch"
+    result = run_main(capsys, "stage-in", str(src), "--from-list", str(listed), "--dest", str(dest))
+    assert result.returncode == EXIT_USAGE and "--from-list" in result.stderr
+    assert not list(dest.rglob("*.tar"))
+
+
+def test_copies_renamed_by_the_verdict_are_journaled_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The verdict renames the copies held during the walk while later copies still run: a
+    kill then must not leave final files that a rerun does not know (and copies again)."""
+    clean_process_env(monkeypatch)
+    src = _two_directories(tmp_path)
+    dest = tmp_path / "scratch"
+    ended = threading.Event()
+    copies = [0]
+    real_copy = stager.stagein.copier.copy_file
+
+    def copy_file(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - the copier's call
+        try:
+            return real_copy(*args, **kwargs)
+        finally:
+            copies[0] += 1
+            if copies[0] == 3:
+                ended.set()
+
+    monkeypatch.setattr(stager.stagein.copier, "copy_file", copy_file)
+    # the first directory's three copies end (held) before the walk reads the second
+    _gate_second_directory(monkeypatch, lambda: ended.wait(30))
+    journaled: list[set[str]] = []
+    real_done = DeferredPreflight._done
+
+    def done(self: DeferredPreflight) -> None:
+        real_done(self)
+        if self.gate.passed:
+            journaled.append(set(Journal(StagedDataset(dest, "ds").journal_path).read()))
+
+    monkeypatch.setattr(DeferredPreflight, "_done", done)
+    result = run_main(capsys, "stage-in", str(src), "--dest", str(dest), "--jitter-max", "0")
+    assert result.returncode == 0, result.stderr
+    assert len(journaled) == 1
+    held = journaled[0]
+    assert len(held) >= 3, f"only {sorted(held)} journaled when the verdict renamed the copies"
+    assert all((dest / "ds" / relpath).is_file() for relpath in held)
+
+
+def test_an_open_feed_says_when_it_waits() -> None:
+    """A copy thread about to wait for items that the walk has not found yet hears it first,
+    so that it gives back the stream slot it kept (else the other items of a batch wait)."""
+    waits: list[int] = []
+    feed: ItemFeed[int] = ItemFeed(closed=False, on_wait=lambda: waits.append(len(feed)))
+    got: list[int] = []
+    reader = threading.Thread(target=lambda: got.extend(feed), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 10
+    while not waits and time.monotonic() < deadline:
+        time.sleep(0.001)
+    feed.add([1, 2])
+    feed.close()
+    reader.join(10)
+    assert got == [1, 2] and waits[0] == 0

@@ -30,11 +30,10 @@ from typing import Any, TextIO
 
 import numpy
 
-from stager.errors import FanoutError, ShardFailure, one_line
+from stager.errors import FanoutError, ShardFailure, failure_kind, one_line
 from stager.fanout.group import FanoutOptions, NodeGroup
 from stager.plan.fanout import FanoutPlan
 from stager.shards.manifest import ManifestEntry
-from stager.stagein.copier import failure_kind
 from stager.stagein.journal import Journal
 from stager.stagein.options import StageInOptions
 from stager.stagein.progress import Progress

@@ -21,15 +21,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import TYPE_CHECKING, TextIO
 
-from stager.errors import (
-    DestinationError,
-    HashMismatch,
-    IntegrityError,
-    ScratchFull,
-    ShardFailure,
-    SourceError,
-    one_line,
-)
+from stager.errors import HashMismatch, ShardFailure, SourceError, failure_kind, one_line
 from stager.shards.manifest import ManifestEntry
 from stager.shards.tarparse import TarSampleCounter
 from stager.stagein.feed import ItemFeed
@@ -49,7 +41,7 @@ from stager.storage.workers import run_in_threads
 if TYPE_CHECKING:
     from stager.stagein.cache import Claim, StageCache
 
-__all__ = ["Copier", "CopyOutcome", "failure_kind"]
+__all__ = ["Copier", "CopyOutcome"]
 
 
 @dataclass
@@ -58,17 +50,6 @@ class CopyOutcome:
 
     entries: dict[str, ManifestEntry] = field(default_factory=dict)
     parsed: dict[str, TarSampleCounter] = field(default_factory=dict)
-
-
-def failure_kind(exc: BaseException) -> str:
-    """The :data:`stager.errors.FAILURE_KINDS` entry of a failed copy."""
-    if isinstance(exc, ScratchFull):
-        return "full"
-    if isinstance(exc, DestinationError):
-        return "dest"
-    if isinstance(exc, IntegrityError) and not exc.transient:
-        return "corrupt"
-    return "source"
 
 
 class Copier:
@@ -113,7 +94,7 @@ class Copier:
         relpaths = map(attrgetter("relpath"), late)
         self.late = dict(zip(relpaths, range(len(late)), strict=False))  # C loops
         self.sizing: DeferredPreflight | None = None
-        self.feed = ItemFeed(plan.to_copy, closed=not streamed)
+        self.feed = ItemFeed(plan.to_copy, closed=not streamed, on_wait=self._give_back_slot)
         self.stopped_by: BaseException | None = None  # why a streamed listing ended early
         if late or streamed:
             self.sizing = DeferredPreflight(
@@ -127,6 +108,7 @@ class Copier:
                 min_free_bytes=options.min_free_bytes,
                 on_sized=lambda nbytes, gone: self.progress.add_totals(nbytes, -gone),
                 more=streamed,
+                on_passed=self._journal_passed,
             )
         # Shards the cache serves need no stream: a full hit runs on this thread alone.
         pending = len(plan.to_copy) if cache is None else cache.misses(plan)
@@ -182,6 +164,19 @@ class Copier:
         if self.sizing is not None:
             self.sizing.gate.refuse()
         self.close()
+
+    def _journal_passed(self, failed: list[tuple[str, OSError]]) -> None:
+        """Journal the held copies the verdict has just renamed, while other copies still run:
+        a kill before the end must not leave final files that a rerun copies again."""
+        if self.journal is None:
+            return
+        relpath_of = {os.fspath(item.final): item.shard.relpath for item in self.plan.to_copy}
+        not_renamed = {relpath_of.get(final) for final, _ in failed}
+        with self.lock:
+            held = [self.outcome.entries.get(r) for r in self.held if r not in not_renamed]
+        for entry in held:
+            if entry is not None:
+                self.journal.record(entry)
 
     # -- one shard, on a copy thread -------------------------------------------------------
     def _fail(self, item: CopyItem, reason: str, kind: str = "source") -> None:

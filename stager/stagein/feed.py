@@ -7,7 +7,7 @@ Copy threads iterate it; an open feed blocks them until more items arrive or it 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Generic, TypeVar
 
 __all__ = ["ItemFeed"]
@@ -18,9 +18,18 @@ T = TypeVar("T")
 class ItemFeed(Generic[T]):
     """Items in arrival order; one iterator over it may be shared by many threads."""
 
-    def __init__(self, items: Iterable[T] = (), *, closed: bool = True) -> None:
+    def __init__(
+        self,
+        items: Iterable[T] = (),
+        *,
+        closed: bool = True,
+        on_wait: Callable[[], object] | None = None,
+    ) -> None:
+        """``on_wait()`` runs on the iterating thread before it waits for more items (a copy
+        thread gives back the stream slot it kept, which another thread may need meanwhile)."""
         self._items: list[T] = list(items)
         self._closed = closed
+        self._on_wait = on_wait
         self._cond = threading.Condition()
 
     def add(self, items: Iterable[T]) -> None:
@@ -42,6 +51,10 @@ class ItemFeed(Generic[T]):
     def __iter__(self) -> Iterator[T]:
         position = 0
         while True:
+            with self._cond:
+                starved = position >= len(self._items) and not self._closed
+            if starved and self._on_wait is not None:
+                self._on_wait()  # outside the lock: it may take others
             with self._cond:
                 while position >= len(self._items) and not self._closed:
                     self._cond.wait()

@@ -238,7 +238,8 @@ class DeferredPreflight:
 
     Refuses as soon as the sizes seen so far (plus ``known_bytes``, the shards sized before,
     and ``min_free_bytes``) exceed ``free_bytes``, the space free before the first copy; passes
-    when the last size is in. ``on_sized(total_bytes, dropped)`` runs once all sizes are in.
+    when the last size is in. ``on_sized(total_bytes, dropped)`` runs once all sizes are in,
+    ``on_passed(failed_renames)`` right after a pass has renamed the copies held.
     """
 
     def __init__(
@@ -251,6 +252,7 @@ class DeferredPreflight:
         min_free_bytes: int = 0,
         on_sized: Callable[[int, int], None] | None = None,
         more: bool = False,
+        on_passed: Callable[[list[tuple[str, OSError]]], None] | None = None,
     ):
         self.gate = PublishGate()
         self.needed_bytes = known_bytes
@@ -259,6 +261,7 @@ class DeferredPreflight:
         self._limit = free_bytes - min_free_bytes
         self._lock = threading.Lock()
         self._on_sized = on_sized
+        self._on_passed = on_passed  # (failed renames): the held copies have their names now
         self.probe = SizeProbe(paths, threads, on_size=self._add, on_done=self._done, more=more)
         self.failed_renames: list[tuple[str, OSError]] = []
 
@@ -291,6 +294,8 @@ class DeferredPreflight:
             self.gate.refuse()  # a broken probe has no total to pass on
         else:
             self.failed_renames = self.gate.pass_()
+            if self._on_passed is not None:
+                self._on_passed(self.failed_renames)
         if self._on_sized is not None:
             self._on_sized(
                 self.probed_bytes,

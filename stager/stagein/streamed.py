@@ -57,7 +57,7 @@ from stager.stagein.run import (
 )
 from stager.stagein.status import discard_plan
 from stager.storage.listing import split_fs, translate, walk_local
-from stager.storage.sources import SourceSet, SourceShard, check_encodable, resolve_source
+from stager.storage.sources import SourceSet, SourceShard, check_encodable
 
 __all__ = ["streamable_root", "stage_in_streamed", "stage_in_foreground"]
 
@@ -70,11 +70,12 @@ def stage_in_foreground(
     select: Callable[[SourceSet], Sequence[SourceShard]] | None,
 ) -> StageInReport:
     """The command line's stage-in without ``--background`` or ``--fanout``: streamed where
-    :func:`streamable_root` allows, else listed by ``list_source()`` first."""
+    :func:`streamable_root` allows, else listed by ``list_source()`` first. ``spec``: the
+    SOURCE argument, None with ``--from-list`` (whose shards are named, not walked)."""
     if spec and select is None:
         root = streamable_root(spec, options)
         if root is not None:
-            return stage_in_streamed(spec, root, options, slurm=slurm)
+            return stage_in_streamed(spec, root, options, list_source, slurm=slurm)
     return stage_in(list_source(), options, slurm=slurm, select=select)
 
 
@@ -98,11 +99,13 @@ def stage_in_streamed(
     spec: str,
     root: str,
     options: StageInOptions,
+    list_source: Callable[[], SourceSet],
     *,
     slurm: SlurmEnv | None = None,
 ) -> StageInReport:
     """Stage the directory ``root`` (as ``spec`` names it) on this node: streamed on a first
-    run, else listed first as :func:`stager.stagein.run.stage_in` does."""
+    run, else listed by ``list_source()`` (as the command line lists it) and staged as
+    :func:`stager.stagein.run.stage_in` does."""
     slurm = slurm or SlurmEnv.from_environ()
     log = options.log or sys.stderr
     name = options.name or dataset_name(spec)
@@ -120,9 +123,7 @@ def stage_in_streamed(
                 with collection_paused():
                     _stream(spec, empty, options, slurm, staged, report, log, heartbeat)
             else:
-                with collection_paused():  # a million shards: see stager.gcpause
-                    source = resolve_source(spec, name=name, jobs=options.jobs, stat_listed=False)
-                copy_per_node(source, options, slurm, None, staged, report, log, heartbeat)
+                copy_per_node(list_source(), options, slurm, None, staged, report, log, heartbeat)
         except BaseException as exc:
             attach_report(exc, report)
             raise

@@ -235,8 +235,7 @@ def _run(args: argparse.Namespace) -> int:
             "--fanout replicates the whole dataset on every node; it needs --subset all"
         )
     slurm = SlurmEnv.from_environ()
-    # Sizes of a walked directory are looked up after the manifest (fewer stats), except where
-    # shard selection needs them first: --subset node partitions by size, --fanout plans by it.
+    # Sizes come after the manifest (fewer stats), unless --subset node/--fanout select by size
     defer_stats = args.subset == "all" and not args.fanout
 
     def list_source() -> SourceSet:
@@ -285,7 +284,8 @@ def _run(args: argparse.Namespace) -> int:
             source = list_source()
             report = fanout_stage_in(source, options, fanout_options_from_args(args), slurm=slurm)
         else:  # a directory's first run copies while its walk goes on
-            report = stage_in_foreground(args.source, options, slurm, list_source, select)
+            spec = None if args.from_list else args.source  # a list's shards are named
+            report = stage_in_foreground(spec, options, slurm, list_source, select)
     except Exception as exc:
         report = getattr(exc, "report", None)
         if report is not None and (report.files_total or report.failures):
