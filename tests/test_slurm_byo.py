@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from .cluster.procs import free_ports
 from .imagedata import write_image_dataset
 
 pytestmark = pytest.mark.slurm
@@ -69,7 +70,7 @@ def _submit(cluster, name: str, template: str, sbatch_args: tuple[str, ...], **e
         *sbatch_args,
         f"--output={output}",
         f"--job-name={name}",
-        env={"CKPT_DEST": str(ckpt_dest), **env},
+        env={"CKPT_DEST": str(ckpt_dest), "MASTER_PORT": str(free_ports(1)[0]), **env},
     )
     return Job(job_id, output, ckpt_dest)
 

@@ -25,6 +25,8 @@ import pytest
 
 from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 
+from .cluster.procs import free_ports
+
 pytestmark = pytest.mark.slurm
 
 JOBS = Path(__file__).resolve().parent.parent / "jobs"
@@ -62,6 +64,9 @@ def _submit(
         "CKPT_DEST": str(base / "ckpt dest"),
         "TRAIN_SCRIPT": str(JOBS / "examples" / "train.py"),
         "TRAIN_ARGS": f"{train_args} --key-log {shlex.quote(str(base / 'keys'))}",
+        # A port the kernel reports free now, not the template's 20000 + job id: that one was
+        # found taken on this machine in some runs (EADDRINUSE at the rendezvous)
+        "MASTER_PORT": str(free_ports(1)[0]),
         **env,
     }
     output = base / "job.out"
