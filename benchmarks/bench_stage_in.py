@@ -26,6 +26,10 @@ load average at the start of the row says how busy the 2 cores were with other w
 ``--sample-sizes`` measures only issue 22's second goal head to head: stage-in (and ``cp -r``)
 on the shards of ~100 KB samples and of ~1 KB samples, alternating.
 
+``--baseline CHECKOUT`` adds stage-in with its defaults from another checkout (a ``git
+worktree`` of an older commit), run in the same alternation: the ratio between the two is the
+change's own effect.
+
 ``--sweep`` adds stage-in on one core (``taskset -c 0``) and with ``--jobs 1``: how it scales
 with the cores a job gives it (there is no 16-core machine here; 1 vs 2 cores is what can be
 swept). :func:`bench` keeps the older single-condition entry point for ``benchmarks.run_all``.
@@ -184,7 +188,25 @@ def dd_command(files: list[Path], list_file: Path) -> list[str]:
     return ["sh", "-c", loop, str(list_file)]
 
 
-def matrix_tools(jobs: int, sweep: bool) -> dict[str, list[str]]:
+def baseline_stage_in(checkout: Path) -> list[str]:
+    """stage-in with its defaults from another checkout of this repository (a ``git worktree``
+    of an older commit): the same interpreter, with that checkout first on the path."""
+    path = f"PYTHONPATH={checkout.resolve()}"
+    return [
+        "env",
+        path,
+        sys.executable,
+        "-m",
+        "stager",
+        "stage-in",
+        "SRC",
+        "--dest",
+        "DST",
+        "--quiet",
+    ]
+
+
+def matrix_tools(jobs: int, sweep: bool, baseline: Path | None = None) -> dict[str, list[str]]:
     """Tool name -> argv template (SRC, DST substituted); ``dd`` is added per row."""
     stage_in = [str(BIN / "stage-in"), "SRC", "--dest", "DST", "--quiet"]
     tools = {
@@ -193,6 +215,8 @@ def matrix_tools(jobs: int, sweep: bool) -> dict[str, list[str]]:
         f"stage-in --jobs {jobs}": [*stage_in, "--jobs", str(jobs)],
         "stage-in (defaults)": stage_in,
     }
+    if baseline is not None:
+        tools["stage-in (defaults), baseline"] = baseline_stage_in(baseline)
     if sweep:
         tools[f"stage-in --jobs {jobs}, 1 core"] = [
             "taskset",
@@ -229,6 +253,7 @@ def bench_matrix(
     data_dir: Path,
     sweep: bool,
     keys: list[str],
+    baseline: Path | None = None,
 ) -> list[dict]:
     rows: list[dict] = []
     cold_ok = os.geteuid() == 0
@@ -241,7 +266,9 @@ def bench_matrix(
             if condition == "cold" and not cold_ok:
                 print("skipping cold: dropping the page cache needs root", file=sys.stderr)
                 continue
-            rows += _bench_condition(label, condition, stored, files, nbytes, repeats, jobs, sweep)
+            rows += _bench_condition(
+                label, condition, stored, files, nbytes, repeats, jobs, sweep, baseline
+            )
     return rows
 
 
@@ -254,6 +281,7 @@ def _bench_condition(
     repeats: int,
     jobs: int,
     sweep: bool,
+    baseline: Path | None = None,
 ) -> list[dict]:
     warm = condition == "warm"
     src_root = Path(tempfile.mkdtemp(prefix="bench-src-", dir=WARM_SRC)) if warm else None
@@ -264,7 +292,7 @@ def _bench_condition(
             shutil.copytree(stored, src)
         else:
             src = stored
-        tools = matrix_tools(jobs, sweep)
+        tools = matrix_tools(jobs, sweep, baseline)
         dd = dd_command(sorted(src.iterdir()), dst_root / "dd-files.txt")
         tools = {"read ceiling (dd)": dd, **tools}
         times: dict[str, list[float]] = {name: [] for name in tools}
@@ -313,7 +341,12 @@ def _bench_condition(
 
 
 def bench_sample_sizes(
-    conditions: list[str], repeats: int, jobs: int, scale: float, data_dir: Path
+    conditions: list[str],
+    repeats: int,
+    jobs: int,
+    scale: float,
+    data_dir: Path,
+    baseline: Path | None = None,
 ) -> list[dict]:
     """Issue 22's second goal, measured head to head: stage-in on the shards of ~100 KB samples
     and on those of ~1 KB samples, alternating within each repeat (with ``cp -r`` on both for
@@ -329,6 +362,9 @@ def bench_sample_sizes(
         *[str(BIN / "stage-in"), "SRC", "--dest", "DST", "--quiet"],
         *["--jobs", str(jobs)],
     ]
+    tools["stage-in (defaults)"] = [str(BIN / "stage-in"), "SRC", "--dest", "DST", "--quiet"]
+    if baseline is not None:
+        tools["stage-in (defaults), baseline"] = baseline_stage_in(baseline)
     rows = []
     for condition in conditions:
         warm = condition == "warm"
@@ -438,6 +474,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     parser.add_argument(
+        "--baseline",
+        type=Path,
+        metavar="CHECKOUT",
+        help="also run stage-in (defaults) from this checkout (a git worktree of an older commit)",
+    )
+    parser.add_argument(
         "--rows", default=",".join(ROWS), help=f"which datasets, of {', '.join(ROWS)}"
     )
     args = parser.parse_args(argv)
@@ -446,15 +488,18 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown --rows {unknown}; choose from {', '.join(ROWS)}")
     compile_bytecode()
+    if args.baseline is not None:
+        subprocess.run([sys.executable, "-m", "compileall", "-q", str(args.baseline)], check=False)
     conditions = [c for c in args.conditions.split(",") if c]
 
     def run(workdir: Path) -> list[dict]:
         if args.sample_sizes:
             return bench_sample_sizes(
-                conditions, args.repeats, args.jobs, args.scale, args.data or workdir
+                conditions, args.repeats, args.jobs, args.scale, args.data or workdir, args.baseline
             )
         return bench_matrix(
-            conditions, args.repeats, args.jobs, args.scale, args.data or workdir, args.sweep, keys
+            *(conditions, args.repeats, args.jobs, args.scale, args.data or workdir),
+            *(args.sweep, keys, args.baseline),
         )
 
     rows = in_workdir(None, "bench-stage-in-", run, parent=str(DISK))

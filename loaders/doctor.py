@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -29,20 +28,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stager.slurm import usable_cpus
 from stager.stagein.streams import DEFAULT_JOBS
 from stager.storage.probe import ScratchProbe, SourceProbe, probe_scratch, probe_source
 from stager.storage.sources import SourceSet
 from stager.units import human_bytes
 
 __all__ = ["LoaderProbe", "Diagnosis", "diagnose", "probe_loader", "usable_cpus"]
-
-
-def usable_cpus() -> int:
-    """CPUs this process may run on (its Slurm allocation, not the whole node)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 @dataclass(frozen=True)

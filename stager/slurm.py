@@ -9,15 +9,24 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from stager.errors import UsageError
 
-__all__ = ["SlurmEnv", "parse_hostlist", "LOCAL_JOB_ID"]
+__all__ = ["SlurmEnv", "parse_hostlist", "usable_cpus", "LOCAL_JOB_ID"]
 
 LOCAL_JOB_ID = "local"
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity, which Slurm sets to the job's allocation
+    (``--cpus-per-task``), not the whole node."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
 
@@ -164,7 +173,9 @@ class SlurmEnv:
         """Read the job layout from ``env`` (default ``os.environ``)."""
         env = os.environ if env is None else env
         job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
-        node_name = env.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
+        node_name = (
+            env.get("SLURMD_NODENAME") or os.uname().nodename.split(".")[0]
+        )  # gethostname(), without importing socket
         if not job_id:
             return cls(
                 job_id=LOCAL_JOB_ID,

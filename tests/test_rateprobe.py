@@ -77,34 +77,6 @@ def test_a_window_needs_both_time_and_files() -> None:
     assert probe.limit == 16  # the first judgement: try fewer
 
 
-def test_every_thread_runs_its_exit_hook_even_after_a_failure() -> None:
-    """The copy threads give back a kept stream slot in ``on_exit``; it must run on every
-    thread, also when an item raised."""
-    import threading
-
-    import pytest
-
-    from stager.storage.workers import run_in_threads
-
-    exits: list[str] = []
-    lock = threading.Lock()
-
-    def fn(item: int) -> None:
-        if item == 3:
-            raise ValueError("item 3")
-
-    def on_exit() -> None:
-        with lock:
-            exits.append(threading.current_thread().name)
-
-    with pytest.raises(ValueError, match="item 3"):
-        run_in_threads(fn, range(50), 4, name="t", on_exit=on_exit)
-    assert sorted(exits) == [f"t-{i}" for i in range(4)]
-    exits.clear()
-    run_in_threads(fn, range(3), 1, on_exit=on_exit)
-    assert len(exits) == 1
-
-
 def test_looks_that_change_nothing_come_ever_more_rarely() -> None:
     """On a steady latency-bound source each look below the ceiling costs a slow window; the
     wait between looks doubles, so over a long run almost every file runs at the ceiling."""

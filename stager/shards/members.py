@@ -111,6 +111,10 @@ class SampleGrouper:
         self._offsets.append(offset)
         self._sizes.append(size)
 
+    @property
+    def num_samples(self) -> int:
+        return len(self._keys)
+
     def index(self) -> TarIndex:
         import numpy as np  # deferred: stage-in's start-up should not pay for numpy
 

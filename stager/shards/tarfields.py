@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from stager.shards.tarheader import numbers_general
+
 #: The tar format's constants, shared by the scanner (tarscan) and the name splitter (tarnames).
-BLOCK = 512
 USTAR = int.from_bytes(b"ustar", "little")
 FILE_TYPES = (ord("0"), 0, ord("7"))  # tarfile's isfile(): REGTYPE, AREGTYPE, CONTTYPE
 META_TYPES = tuple(map(ord, "xXLK"))  # apply to the next header; their payload is metadata
@@ -179,28 +180,3 @@ def _octal12(
     )
     values = np.where(eleven, _digits_value(x, 8) * 512 + low.astype(np.int64), 0)
     return values, ok
-
-
-def _nti(field: bytes, *, base256: bool = True) -> int | None:
-    """tarfile's ``nti`` for the forms every tar reader agrees on; None for the rest."""
-    if field[:1] in (b"\x80", b"\xff"):
-        return -1 if base256 else None  # valid, value not needed
-    text = field.split(b"\0", 1)[0].strip(b" ")
-    if not text:
-        return 0
-    if not all(ord("0") <= c <= ord("7") for c in text):
-        return None
-    return int(text, 8)
-
-
-def numbers_general(header: bytes) -> tuple[bool, int, int]:
-    """(ok, checksum, size) for a header whose numbers are not in a usual form."""
-    chksum = _nti(header[148:156], base256=False)
-    size = _nti(header[124:136], base256=False)
-    others = (
-        header[a:b]
-        for a, b in ((100, 108), (108, 116), (116, 124), (136, 148), (329, 337), (337, 345))
-    )
-    if chksum is None or size is None or any(_nti(f) is None for f in others):
-        return False, 0, 0
-    return True, chksum, size

@@ -7,25 +7,16 @@ name is not plain ASCII only.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from stager.shards.members import split_key
-from stager.shards.tarfields import BLOCK
+from stager.shards.tarheader import BLOCK, NAME_ENCODING, UTF8, padded_pax_records
 
 if TYPE_CHECKING:
     from stager.shards.tarscan import Batch
-
-#: ``tarfile`` decodes names with the filesystem encoding; the byte-level split below equals
-#: the split of the decoded name only for UTF-8 (ASCII ``/`` and ``.`` never occur inside a
-#: multi-byte sequence).
-UTF8 = sys.getfilesystemencoding().lower().replace("-", "") == "utf8"
-#: How tarfile decodes the names in headers and GNU long-name records (its ``ENCODING``), so
-#: that a non-ASCII name reads the same here in any locale.
-NAME_ENCODING = sys.getfilesystemencoding()
 
 
 def sample_starts(keys: np.ndarray) -> np.ndarray:
@@ -205,44 +196,6 @@ def _gather(rows: np.ndarray, start: np.ndarray, width: int) -> np.ndarray:
 _SIZE = np.frombuffer(b"size", dtype=np.uint8)
 _PATH = np.frombuffer(b"path", dtype=np.uint8)
 _SPARSE = np.frombuffer(b"GNU.sparse.", dtype=np.uint8)
-
-
-def padded_pax_records(padded: bytes, size: int) -> dict[bytes, bytes] | None:
-    """:func:`pax_records` of a PAX header's ``size`` bytes, read with its block's padding.
-
-    tarfile reads the padded blocks and goes on parsing records past ``size`` into the padding
-    (3.11.7 while they match, later releases up to a NUL, raising on anything else), so a
-    record hidden there could rename a member or change its size behind the header's back:
-    None unless the padding starts with a NUL (or there is none).
-    """
-    if len(padded) > size and padded[size] != 0:
-        return None
-    return pax_records(padded[:size])
-
-
-def pax_records(payload: bytes) -> dict[bytes, bytes] | None:
-    """The records of a PAX extended header, or None unless it is well formed.
-
-    Strict on purpose: ``"%d %s=%s\\n"`` records that end exactly at the payload's end. Python
-    versions differ in what they make of malformed records; for those the slower parsers
-    decide, so this scanner agrees with whichever tarfile is installed.
-    """
-    records: dict[bytes, bytes] = {}
-    pos = 0
-    while pos < len(payload):
-        space = payload.find(b" ", pos, pos + 21)
-        digits = payload[pos:space]
-        if space <= pos or not digits.isdigit():
-            return None
-        end = pos + int(digits)
-        if end <= space + 1 or end > len(payload) or payload[end - 1] != 0x0A:
-            return None
-        key, equals, value = payload[space + 1 : end - 1].partition(b"=")
-        if not equals or not key:
-            return None
-        records[key] = value
-        pos = end
-    return records
 
 
 class Split:

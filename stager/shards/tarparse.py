@@ -9,11 +9,14 @@ blocks of the copy (the end of the archive, metadata payloads), which the copy g
 walk (:mod:`stager.shards.tarwalk`) instead: its cost follows the headers, where the scanner's
 end costs ~0.7 ms per shard whatever the size.
 
-The scanner needs numpy, whose import takes ~0.15 s: far more than copying a small dataset.
-So the first counters do not wait for it: they start the import on a thread and, if it is not
-done when their copy starts, skip looking at the bytes in flight and read the copy back from
-the page cache in :meth:`TarSampleCounter.finish` (once the import is done). The import then
-overlaps the first copies instead of delaying them.
+The scanner needs numpy, whose import takes ~60 ms and holds the interpreter lock nearly
+throughout. stage-in imports it before the copies start (:func:`load_scanner`): beside them it
+made every copy thread wait for the lock after each system call. A counter used without that
+(fan-out, the API) starts the import on a thread and, if it is not done when its copy starts,
+skips looking at the bytes in flight and reads the copy back from the page cache in
+:meth:`TarSampleCounter.finish` once the import is done. Shards of up to 64 KiB never need it:
+the walk's checks are numpy-free (:mod:`stager.shards.tarheader`), and their index is made an
+array only when the loader index is written, after the copies.
 
 A tar the scanner does not vouch for (a v7 header, base-256 numbers, global PAX headers, or
 damage) is read once more by ``tarfile`` from the copy; a damaged one gives ``samples`` None,
@@ -32,12 +35,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from stager.errors import IntegrityError
+from stager.shards.members import SampleGrouper
+from stager.shards.tarheader import BLOCK
 from stager.shards.tarindex import TarIndex, index_with_tarfile
+from stager.shards.tarwalk import MAX_HEADERS, walk_members
 
 if TYPE_CHECKING:
     from stager.shards.tarscan import TarScanner
 
-__all__ = ["TarSampleCounter"]
+__all__ = ["TarSampleCounter", "load_scanner"]
 
 _REREAD_BYTES = 4 << 20
 _imported = threading.Event()  # set once stager.shards.tarscan (and numpy) can be used
@@ -56,6 +62,21 @@ def _start_import() -> None:
             _imported.set()  # an import error surfaces in _new_scanner
 
     threading.Thread(target=load, name="tarscan-import", daemon=True).start()
+
+
+def load_scanner() -> None:
+    """Import the scanner (numpy) on this thread, before the copies start.
+
+    Why not on a thread beside the copies: an import holds the interpreter lock for most of
+    its ~60 ms, and each copy thread, between two system calls, waits for it. Imported beside
+    them, numpy cost 16 x 64 MB from a tmpfs ~0.12 s, twice what importing it first costs.
+    """
+    try:
+        import stager.shards.tarscan  # noqa: F401 - numpy
+    except ImportError:
+        pass  # _new_scanner says None: shards are counted the slow way
+    finally:
+        _imported.set()
 
 
 _buffers = threading.local()
@@ -85,12 +106,6 @@ def _read_back(read_at: Callable[[int, int], bytes], nbytes: int, scanner: TarSc
             offset += got
 
 
-def _walk_limit() -> int:
-    from stager.shards import tarwalk  # imported with numpy
-
-    return tarwalk.MAX_HEADERS
-
-
 def _new_scanner() -> TarScanner | None:
     """A scanner; None where numpy cannot be imported (the shard is counted the slow way)."""
     try:
@@ -105,19 +120,18 @@ def _new_scanner() -> TarScanner | None:
 _HOLD_BYTES = 64 << 10
 
 
-def _walk_small(source: bytes | Callable[[int, int], bytes]) -> TarIndex | None:
-    """The index by the small-shard walk (:mod:`stager.shards.tarwalk`) over the held bytes or
-    ``read_at``; None where it does not vouch or the tar has more headers than it walks (then
-    the scanner decides).
+def _walk(
+    source: Callable[[int, int], bytes], max_headers: int | None = None
+) -> SampleGrouper | None:
+    """The members by the small-shard walk (:mod:`stager.shards.tarwalk`, no numpy); None
+    where it does not vouch or the tar has more than ``max_headers`` headers (then the scanner
+    decides).
 
     Why: the scanner's work at the end costs ~0.7 ms per shard whatever its size, which was
     most of the cost of staging a shard of a few small samples.
     """
-    try:
-        from stager.shards.tarwalk import walk_index
-    except ImportError:  # no numpy: the caller counts the shard the slow way
-        return None
-    return walk_index(source)
+    walked = walk_members(source, max_headers)
+    return walked if isinstance(walked, SampleGrouper) else None
 
 
 class TarSampleCounter:
@@ -129,9 +143,9 @@ class TarSampleCounter:
         self._scanner: TarScanner | None = None
         self._late = False  # the scanner was not importable when the bytes passed
         self._index: TarIndex | None = None
+        self._walked: SampleGrouper | None = None  # members found by a walk, not indexed yet
         self._fed = 0
         self._held: bytearray | None = bytearray()  # the bytes fed, while under _HOLD_BYTES
-        _start_import()
 
     def feed(self, chunk: bytes | bytearray | memoryview) -> None:
         """Look at the next bytes of the tar (not kept: the caller may reuse its buffer)."""
@@ -141,8 +155,8 @@ class TarSampleCounter:
                 self._fed += len(chunk)
                 return
             held, self._held = self._held, None  # not a small tar: the scanner takes over
-            if held:
-                self._scan(held)
+            _start_import()
+            self._scan(held)
         self._scan(chunk)
         self._fed += len(chunk)
 
@@ -161,18 +175,20 @@ class TarSampleCounter:
         """
         held, self._held = self._held, None
         scanner, self._scanner = self._scanner, None
-        _imported.wait()  # at once, unless this is one of the first copies
-        if held is not None:
-            self._index = _walk_small(bytes(held))
-        elif scanner is None or scanner.candidates <= _walk_limit():
-            self._index = _walk_small(read_at)  # few headers (large members): walked by pread
-        if self._index is None:
+        if held is not None:  # a small tar: walked whole, however many headers it has
+            data = bytes(held)
+            self._walked = _walk(lambda at, n: data[at : at + n], len(data) // BLOCK)
+        elif scanner is not None and scanner.candidates <= MAX_HEADERS:
+            self._walked = _walk(read_at)  # few headers (large members): walked by pread
+        if self._walked is not None:
+            return
+        _imported.wait()  # at once, unless numpy was still importing when the copy began
+        if scanner is None:
+            scanner = _new_scanner()
             if scanner is None:
-                scanner = _new_scanner()
-                if scanner is None:
-                    return
-                _read_back(read_at, self._fed, scanner)
-            self._index = scanner.finish(read_at)
+                return
+            _read_back(read_at, self._fed, scanner)
+        self._index = scanner.finish(read_at)
         if self._index is None:  # odd or damaged: tarfile decides, reading the copy
             try:
                 reader = _ReadAt(read_at, self._fed)
@@ -183,10 +199,14 @@ class TarSampleCounter:
     @property
     def samples(self) -> int | None:
         """The count, or None if the bytes were not a complete, well-formed tar."""
+        if self._walked is not None:
+            return self._walked.num_samples
         return None if self._index is None else self._index.num_samples
 
     def index(self) -> TarIndex | None:
         """Where each sample's members sit, as :func:`stager.shards.tarindex.index_tar` says."""
+        if self._index is None and self._walked is not None:
+            self._index = self._walked.index()  # numpy: by now imported, off the copy threads
         return self._index
 
 

@@ -30,7 +30,8 @@ from collections.abc import Callable
 import numpy as np
 
 from stager.shards.members import TarColumns, TarIndex
-from stager.shards.tarfields import BLOCK, FILE_TYPES, META_TYPES, USTAR, vouch
+from stager.shards.tarfields import FILE_TYPES, META_TYPES, USTAR, vouch
+from stager.shards.tarheader import BLOCK
 from stager.shards.tarnames import (
     PAX_TYPES,
     PaxPayloads,

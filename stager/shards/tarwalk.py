@@ -8,14 +8,17 @@ so below a few dozen headers visiting them one by one is the cheaper way, and pa
 
 It vouches for a subset of what the scanner vouches for, checked the same way: the ``ustar``
 magic; the checksum as unsigned or signed bytes; every numeric field in a form ``tarfile``
-reads (:func:`stager.shards.tarfields.numbers_general`); files, directories, links and devices;
+reads (:func:`stager.shards.tarheader.numbers_general`); files, directories, links and devices;
 PAX records that rename nothing (webdataset writes one before every member, for its float
-mtime), read by :func:`stager.shards.tarnames.pax_records`. The walk follows the sizes from
+mtime), read by :func:`stager.shards.tarheader.pax_records`. The walk follows the sizes from
 block 0 as ``tarfile`` does, so a tar inside a payload is never seen, and it must end on a
 zero block. Members are grouped into samples by :class:`stager.shards.members.SampleGrouper`,
 as on the ``tarfile`` path. Anything else -- a ustar prefix, a GNU long name, a PAX path, a
 non-ASCII name, an unknown type, damage -- returns None, and the caller asks the scanner, then
 ``tarfile``.
+
+No numpy here (the checks are :mod:`stager.shards.tarheader`'s): a copy that ends before
+numpy's import has finished indexes its shard by this walk instead of waiting for the import.
 """
 
 from __future__ import annotations
@@ -24,13 +27,10 @@ import re
 from collections.abc import Callable
 from typing import Final, Literal
 
-import numpy as np
-
 from stager.shards.members import SampleGrouper, TarIndex
-from stager.shards.tarfields import BLOCK, numbers_general
-from stager.shards.tarnames import UTF8, padded_pax_records
+from stager.shards.tarheader import BLOCK, UTF8, checksums_ok, numbers_general, padded_pax_records
 
-__all__ = ["MANY", "walk_index", "walk_tar"]
+__all__ = ["MANY", "walk_index", "walk_members", "walk_tar"]
 
 #: Returned by :func:`walk_tar` when the tar has more than ``max_headers`` headers.
 MANY: Final = "many"
@@ -63,6 +63,15 @@ def walk_tar(
 
     ``read_at(offset, nbytes)`` reads the tar's bytes (fewer at its end).
     """
+    walked = walk_members(read_at, max_headers)
+    return walked.index() if isinstance(walked, SampleGrouper) else walked
+
+
+def walk_members(
+    read_at: Callable[[int, int], bytes], max_headers: int | None = None
+) -> SampleGrouper | Literal["many"] | None:
+    """:func:`walk_tar`'s members, grouped into samples but not yet made an index (which
+    needs numpy): ``.num_samples`` counts them, ``.index()`` builds the index."""
     limit = MAX_HEADERS if max_headers is None else max_headers
     samples = SampleGrouper()
     headers: list[bytes] = []  # checked together at the end: the path never depends on them
@@ -72,9 +81,9 @@ def walk_tar(
     for _ in range(limit + 1):
         header = read_at(offset, BLOCK)
         if header == _ZERO_BLOCK:
-            if after_meta or not _checksums_ok(headers, checksums):
+            if after_meta or not checksums_ok(headers, checksums):
                 return None  # tarfile raises on a metadata header right before the end
-            return samples.index()
+            return samples
         if len(header) < BLOCK or header[257:262] != b"ustar":
             return None
         numbers = _numbers(header)
@@ -124,23 +133,6 @@ def _numbers(header: bytes) -> tuple[int, int] | None:
         return int(usual[1], 8) if usual[1] is not None else 0, int(usual[2], 8)
     ok, chksum, size = numbers_general(header)
     return (size, chksum) if ok else None
-
-
-def _checksums_ok(headers: list[bytes], stored: list[int]) -> bool:
-    """Whether every header's checksum is right, all at once (a Python ``sum`` per header
-    cost more than the rest of the walk). The checksum counts its own field as eight spaces;
-    tarfile accepts the sum of the bytes read as unsigned or as signed chars."""
-    if not headers:
-        return True
-    rows = np.frombuffer(b"".join(headers), dtype=np.uint8).reshape(-1, BLOCK)
-    unsigned = rows.sum(axis=1, dtype=np.int64) - rows[:, 148:156].sum(axis=1, dtype=np.int64)
-    unsigned += 8 * 32
-    want = np.asarray(stored, dtype=np.int64)
-    bad = np.flatnonzero(unsigned != want)
-    if not bad.size:
-        return True
-    high = (rows[bad] >= 0x80).sum(axis=1) - (rows[bad, 148:156] >= 0x80).sum(axis=1)
-    return bool(((unsigned[bad] - 256 * high) == want[bad]).all())
 
 
 def _renames_nothing(padded: bytes, size: int) -> bool:

@@ -127,6 +127,7 @@ class Copier:
                 self.streams.ceiling,
                 name="stage-in",
                 on_exit=self._give_back_slot,
+                before_take=self._take_slot,
             )
             if self.sizing is not None:
                 # Not on an error or interrupt: the probe's threads are daemons.
@@ -192,11 +193,8 @@ class Copier:
     def _on_retry(self, attempt: int, exc: BaseException) -> None:
         with self.lock:
             self.report.retries += 1
-        print(
-            f"[{self.report.node}] retry {attempt} after: {one_line(exc)}",
-            file=self.log,
-            flush=True,
-        )
+        message = f"[{self.report.node}] retry {attempt} after: {one_line(exc)}"
+        print(message, file=self.log, flush=True)
 
     def _late_size(self, item: CopyItem) -> CopyItem | None:
         """``item`` with its size from the probe, or None when it is not a shard to copy."""
@@ -212,6 +210,13 @@ class Copier:
             return None
         shard = dataclasses.replace(item.shard, version=self.sizing.probe.versions[index])
         return dataclasses.replace(item, shard=shard, size=size)
+
+    def _take_slot(self) -> None:
+        """Hold a stream slot before taking an item, so a thread that kept its slot takes the
+        next file itself (not a fresh thread: buffer to fault in, cold caches; tuning.md)."""
+        if not (getattr(self._slot, "held", False) and self.streams.still_kept()):
+            self.streams.acquire()
+            self._slot.held = True
 
     def _give_back_slot(self) -> None:
         """Release the stream slot this thread kept from its last file, if it kept one."""
@@ -286,9 +291,7 @@ class Copier:
                 publish=publish,
             )
 
-        if not (getattr(self._slot, "held", False) and self.streams.still_kept()):
-            self.streams.acquire()
-            self._slot.held = True
+        self._take_slot()  # again, if given back while waiting for a size or the cache
         result = None
         try:
             result = call_with_retries(attempt, self.options.retry, on_retry=self._on_retry)

@@ -17,7 +17,6 @@ The flow, per node:
 from __future__ import annotations
 
 import sys
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from operator import attrgetter
@@ -27,8 +26,8 @@ from stager.errors import ShardFailure, one_line
 from stager.gcpause import collection_paused
 from stager.layout import StagedDataset
 from stager.shards.manifest import ManifestEntry
+from stager.shards.tarparse import load_scanner
 from stager.slurm import SlurmEnv
-from stager.stagein.cache import StageCache
 from stager.stagein.copier import Copier
 from stager.stagein.expected import EntriesByRelpath
 from stager.stagein.finish import Staging, finish
@@ -252,7 +251,11 @@ def copy_per_node(
             heartbeat=heartbeat,
         )
     job_id = slurm.job_id if slurm.in_slurm else None
-    cache = StageCache.start(options, source, staged, report, log, job_id=job_id)
+    cache = None
+    if options.cache_dir is not None:
+        from stager.stagein.cache import StageCache  # ~10 ms of imports a run without --cache skips
+
+        cache = StageCache.start(options, source, staged, report, log, job_id=job_id)
     try:
         needed = cache.register(plan) if cache is not None else plan.bytes_to_copy
         plan.free_bytes = preflight(staged.dir, needed, options, slurm.node_name)
@@ -260,7 +263,7 @@ def copy_per_node(
             if cache is None or cache.misses(plan):  # a full hit spares the source
                 time.sleep(jitter_s(slurm.node, slurm.num_nodes, options.jitter_max_s))
             if options.count_samples:
-                _import_in_background("stager.shards.loader_index")  # numpy: ~0.2 s, overlapped
+                load_scanner()
             outcome = Copier(
                 source,
                 plan,
@@ -282,17 +285,3 @@ def copy_per_node(
     finally:
         if cache is not None:
             cache.close()
-
-
-def _import_in_background(module: str) -> None:
-    """Start importing ``module`` on a daemon thread; a later ``import`` waits for it to finish.
-
-    The index writer needs numpy, whose import costs ~0.2 s of CPU. Done lazily at the end, it
-    would hold the import lock while nothing else runs; done here, it overlaps copies that are
-    waiting on the source.
-    """
-    import importlib
-
-    threading.Thread(
-        target=importlib.import_module, args=(module,), name="stage-in-import", daemon=True
-    ).start()

@@ -33,6 +33,7 @@ from stager.errors import SourceError, StagerError
 from stager.gcpause import collection_paused
 from stager.layout import META_DIR, StagedDataset, canonical_spec, dataset_name
 from stager.shards.manifest import find_manifest
+from stager.shards.tarparse import load_scanner
 from stager.slurm import SlurmEnv
 from stager.stagein.copier import Copier
 from stager.stagein.finish import Staging, finish
@@ -48,7 +49,6 @@ from stager.stagein.plan import (
 )
 from stager.stagein.report import StageInReport
 from stager.stagein.run import (
-    _import_in_background,
     copy_per_node,
     jitter_s,
     new_report,
@@ -168,7 +168,7 @@ def _stream(
     run = Staging(empty, options, staged, report, log, [], heartbeat=heartbeat)
     time.sleep(jitter_s(slurm.node, slurm.num_nodes, options.jitter_max_s))
     if options.count_samples:
-        _import_in_background("stager.shards.loader_index")
+        load_scanner()
     copier = Copier(
         empty, plan, options, report, log, journal=run.journal, heartbeat=heartbeat, streamed=True
     )

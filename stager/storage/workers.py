@@ -25,25 +25,44 @@ def run_in_threads(
     *,
     name: str = "worker",
     on_exit: Callable[[], object] | None = None,
+    before_take: Callable[[], object] | None = None,
 ) -> None:
     """Call ``fn(item)`` for every item on up to ``threads`` threads; return when all are done.
 
     The first exception raised by ``fn`` stops the other threads from taking new items and is
     re-raised here once they have finished their current one. ``on_exit()`` runs on each
     thread as it stops taking items (to give back what the thread held between items).
+    ``before_take()`` runs on a thread before it takes its next item (to wait for a stream
+    slot first: a thread that waits while holding an item keeps it from a thread that is free).
+
+    Threads start as they are needed, not all at once: one keeps looking for the next item
+    while the others work, and a thread that takes an item while none is looking starts
+    another, up to ``threads``. Why: a thread costs ~0.5-1 ms to start on a small VM, and 64
+    of them were a fixed ~60 ms before the first copy of a run that needed two; with a
+    ``before_take`` that waits for a stream slot, the pool stays one above the streams in use.
     """
     source = iter(items)
     take = threading.Lock()
     failures: list[BaseException] = []
+    count = max(1, threads)
+    pool: list[threading.Thread] = []
+    grow = threading.Lock()
+    looking = [0]  # threads between finishing an item (or starting) and taking the next
 
     def loop() -> None:
         try:
             while not failures:
-                with take:
-                    item = next(source, _DONE)
-                if item is _DONE:
-                    return
+                with grow:
+                    looking[0] += 1
                 try:
+                    if before_take is not None:
+                        before_take()
+                    with take:
+                        item = next(source, _DONE) if not failures else _DONE
+                    if item is not _DONE:
+                        _start_spare()
+                    else:
+                        return
                     fn(item)  # type: ignore[arg-type]
                 except BaseException as exc:  # noqa: BLE001 - handed to the caller below
                     failures.append(exc)
@@ -52,17 +71,30 @@ def run_in_threads(
             if on_exit is not None:
                 on_exit()
 
-    count = max(1, threads)
+    def _start_spare() -> None:
+        """Start another thread if this one took the last that was looking for work."""
+        with grow:
+            looking[0] -= 1
+            if not looking[0] and len(pool) < count:
+                spare = threading.Thread(target=loop, name=f"{name}-{len(pool)}", daemon=True)
+                spare.start()  # under the lock: the joiner never meets a thread not started
+                pool.append(spare)
+
     if count == 1:
+        pool.append(threading.current_thread())  # nothing to grow into
         loop()
     else:
-        pool = [
-            threading.Thread(target=loop, name=f"{name}-{i}", daemon=True) for i in range(count)
-        ]
-        for thread in pool:
-            thread.start()
-        for thread in pool:
-            thread.join()
+        with grow:
+            pool.append(threading.Thread(target=loop, name=f"{name}-0", daemon=True))
+        pool[0].start()
+        joined = 0
+        while True:
+            with grow:
+                if joined == len(pool):
+                    break
+                thread = pool[joined]
+            thread.join()  # a thread starts any spare before it ends, so the list is complete
+            joined += 1
     if failures:
         raise failures[0]
 
