@@ -254,12 +254,22 @@ def test_copies_renamed_by_the_verdict_are_journaled_at_once(
             journaled.append(set(Journal(StagedDataset(dest, "ds").journal_path).read()))
 
     monkeypatch.setattr(DeferredPreflight, "_done", done)
+    records: list[str] = []
+    real_record = Journal.record
+
+    def record(self: Journal, entry) -> None:  # noqa: ANN001 - a ManifestEntry
+        records.append(entry.relpath)
+        real_record(self, entry)
+
+    monkeypatch.setattr(Journal, "record", record)
     result = run_main(capsys, "stage-in", str(src), "--dest", str(dest), "--jitter-max", "0")
     assert result.returncode == 0, result.stderr
     assert len(journaled) == 1
     held = journaled[0]
     assert len(held) >= 3, f"only {sorted(held)} journaled when the verdict renamed the copies"
     assert all((dest / "ds" / relpath).is_file() for relpath in held)
+    staged = sorted(p.relative_to(dest / "ds").as_posix() for p in (dest / "ds").rglob("*.tar"))
+    assert sorted(records) == staged  # each once: a line per shard, not two for the held ones
 
 
 def test_an_open_feed_says_when_it_waits() -> None:

@@ -74,6 +74,10 @@ class TarIndex:
     #: scanner): ``keys`` UTF-8 encoded (numpy ``S``), ``exts`` as codes into ``ext_names``.
     #: Lets the loader index be flattened without a Python loop over members.
     columns: TarColumns | None = field(default=None, compare=False, repr=False)
+    #: Set by an indexer that looked for a member named twice in one sample while it grouped
+    #: them (:class:`SampleGrouper`): then :func:`duplicate_member` needs no second pass.
+    duplicates_checked: bool = field(default=False, compare=False, repr=False)
+    duplicate: str | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_samples(self) -> int:
@@ -96,6 +100,8 @@ class SampleGrouper:
         self._exts: list[str] = []
         self._offsets: list[int] = []
         self._sizes: list[int] = []
+        self._sample_exts: list[str] = []  # the current sample's extensions so far
+        self._duplicate: str | None = None  # the first "key.ext" met twice in one sample
 
     def add(self, name: str, offset: int, size: int) -> None:
         """A file member ``name`` whose payload is ``size`` bytes at ``offset``; names without
@@ -107,6 +113,11 @@ class SampleGrouper:
         if not self._keys or self._keys[-1] != key:
             self._keys.append(key)
             self._starts.append(len(self._exts))
+            self._sample_exts = [ext]
+        elif ext in self._sample_exts:
+            self._duplicate = self._duplicate or f"{key}.{ext}"
+        else:
+            self._sample_exts.append(ext)
         self._exts.append(ext)
         self._offsets.append(offset)
         self._sizes.append(size)
@@ -124,6 +135,8 @@ class SampleGrouper:
             exts=self._exts,
             offsets=np.asarray(self._offsets, dtype=np.int64),
             sizes=np.asarray(self._sizes, dtype=np.int64),
+            duplicates_checked=True,
+            duplicate=self._duplicate,
         )
 
 
@@ -133,6 +146,8 @@ def duplicate_member(index: TarIndex) -> str | None:
     WebDataset groups a sample's members by key; two ``key.jpg`` in a row would leave one of
     them unread, silently. webdataset itself refuses such a shard, and so does the loader.
     """
+    if index.duplicates_checked:
+        return index.duplicate
     import numpy as np
 
     starts = np.asarray(index.member_start, dtype=np.int64)
@@ -152,7 +167,7 @@ def duplicate_member(index: TarIndex) -> str | None:
     repeated = np.flatnonzero(pairs[order][1:] == pairs[order][:-1])
     if not len(repeated):
         return None
-    member = int(order[repeated[0] + 1])
+    member = int(order[repeated + 1].min())  # the first met twice, in archive order
     keys = index.keys
     key = keys[int(sample[member])]
     key = key.decode() if isinstance(key, bytes) else str(key)

@@ -1,10 +1,10 @@
 """Copy a node's planned shards: adaptive streams, a bandwidth cap, retries, verified publication.
 
-One thread per possible stream pulls the next shard; the :class:`StreamController` decides how
-many copy at once. Each copy is verified and renamed into place by :func:`copy_file`, and the
-tar headers are parsed from the bytes in flight (:class:`TarSampleCounter`) so that samples
-are counted and the loader's index needs no second read. Every failure becomes one line of the
-report; the run's ending (:mod:`stager.stagein.finish`) decides the exit code.
+Copy threads (started as needed) hold a stream slot, then take the next shard; the
+:class:`StreamController` sets how many slots there are. Each copy is verified and renamed by
+:func:`copy_file`; the tar headers are parsed in flight (:class:`TarSampleCounter`), so the
+loader's index needs no second read. Failures become report lines; the run's ending
+(:mod:`stager.stagein.finish`) decides the exit code.
 
 Shards found by walking a directory without a manifest are sized on probe threads while the
 copies run (:mod:`stager.stagein.sizing`); their copies stay ``.partial`` until the free-space
@@ -89,6 +89,7 @@ class Copier:
         self.dropped: list[str] = []  # sized later and found gone or a directory: not shards
         self.held: list[str] = []  # copied, but kept .partial until the free-space verdict
         self.count_later: list[str] = []  # held copies to count once renamed
+        self.held_journaled = 0  # self.held[:held_journaled] were journaled when they passed
         later = plan.sized_later
         late = [item.shard for item in plan.to_copy if item.shard.relpath in later] if later else []
         relpaths = map(attrgetter("relpath"), late)
@@ -100,8 +101,7 @@ class Copier:
             self.sizing = DeferredPreflight(
                 [shard.path for shard in late],
                 # Half the copy ceiling: a stat is one round trip where a copy makes three, so
-                # half as many threads keep the sizes ahead of the copies, and the node has at
-                # most 1.5 x --jobs requests in flight on the source rather than 2 x.
+                # half as many threads keep the sizes ahead (1.5 x --jobs requests in flight).
                 max(1, options.jobs // 2),
                 known_bytes=self.progress.total_bytes,
                 free_bytes=plan.free_bytes,
@@ -171,10 +171,11 @@ class Copier:
         a kill before the end must not leave final files that a rerun copies again."""
         if self.journal is None:
             return
-        relpath_of = {os.fspath(item.final): item.shard.relpath for item in self.plan.to_copy}
+        relpath_of = {i.target: i.shard.relpath for i in self.plan.to_copy} if failed else {}
         not_renamed = {relpath_of.get(final) for final, _ in failed}
         with self.lock:
             held = [self.outcome.entries.get(r) for r in self.held if r not in not_renamed]
+            self.held_journaled = len(self.held)
         for entry in held:
             if entry is not None:
                 self.journal.record(entry)
@@ -212,8 +213,7 @@ class Copier:
         return dataclasses.replace(item, shard=shard, size=size)
 
     def _take_slot(self) -> None:
-        """Hold a stream slot before taking an item, so a thread that kept its slot takes the
-        next file itself (not a fresh thread: buffer to fault in, cold caches; tuning.md)."""
+        """A stream slot before the next item: the thread that kept one copies the next file."""
         if not (getattr(self._slot, "held", False) and self.streams.still_kept()):
             self.streams.acquire()
             self._slot.held = True
@@ -253,9 +253,9 @@ class Copier:
                     self.served_samples[item.shard.relpath] = claim.samples
                 self._staged(item, claim.served, None, True)
                 return
-        target = claim.target if claim is not None else item.final
+        target = claim.target if claim is not None else item.target
         published = [True]
-        count_in_flight = self.options.count_samples and item.final.name.endswith(".tar")
+        count_in_flight = self.options.count_samples and item.target.endswith(".tar")
         counters: list[TarSampleCounter] = []
         sizing = self.sizing
 
@@ -381,18 +381,20 @@ class Copier:
             raise space_error(
                 report.dataset_dir, sizing.needed_bytes, sizing.free_bytes, report.node
             )
-        item_of = {os.fspath(item.final): item for item in self.plan.to_copy}
+        # (a dict per shard only when needed: a Path per shard cost 0.5 s at 10,000 shards)
+        item_of = {i.target: i for i in self.plan.to_copy} if sizing.failed_renames else {}
         for final_path, exc in sizing.failed_renames:
             item = item_of[final_path]
             self._unstage(item.shard.relpath)
             self._fail(item, f"copied but not renamed into place: {exc.strerror or exc}")
-        final_of = {item.shard.relpath: item.final for item in self.plan.to_copy}
-        for relpath in self.count_later:
+        later = set(self.count_later)  # held copies counted only now that they are renamed
+        final_of = {i.shard.relpath: i.final for i in self.plan.to_copy} if later else {}
+        for index, relpath in enumerate(self.held):  # journal those _journal_passed did not
             entry = self.outcome.entries.get(relpath)
-            if entry is not None:
+            if entry is None or (index < self.held_journaled and relpath not in later):
+                continue
+            if relpath in later:
                 samples = count_samples_of(final_of[relpath], self.log)
-                self.outcome.entries[relpath] = dataclasses.replace(entry, samples=samples)
-        for relpath in self.held:  # renamed by the verdict just now
-            held = self.outcome.entries.get(relpath)
-            if held is not None and self.journal is not None:
-                self.journal.record(held)
+                entry = self.outcome.entries[relpath] = dataclasses.replace(entry, samples=samples)
+            if self.journal is not None:
+                self.journal.record(entry)

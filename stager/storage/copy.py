@@ -159,7 +159,7 @@ class Inspector(Protocol):
 def copy_file(
     fs: fsspec.AbstractFileSystem | None,
     src_path: str,
-    final: Path,
+    final: str | os.PathLike[str],
     *,
     url: str | None = None,
     expected_size: int | None = None,
@@ -229,10 +229,11 @@ def copy_file(
     except OSError as exc:
         discard(partial)
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            where, name = os.path.split(os.fspath(final))
             raise ScratchFull(
-                f"no space left on {final.parent} while writing {final.name} from {url} "
+                f"no space left on {where} while writing {name} from {url} "
                 f"({progress.copied} bytes written); free space or pass --dest elsewhere",
-                where=str(final.parent),
+                where=where,
             ) from exc
         raise
     except BaseException:

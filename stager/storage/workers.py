@@ -46,23 +46,23 @@ def run_in_threads(
     failures: list[BaseException] = []
     count = max(1, threads)
     pool: list[threading.Thread] = []
-    grow = threading.Lock()
     looking = [0]  # threads between finishing an item (or starting) and taking the next
 
     def loop() -> None:
         try:
             while not failures:
-                with grow:
+                with take:
                     looking[0] += 1
                 try:
                     if before_take is not None:
                         before_take()
                     with take:
+                        looking[0] -= 1
                         item = next(source, _DONE) if not failures else _DONE
-                    if item is not _DONE:
-                        _start_spare()
-                    else:
-                        return
+                        if item is _DONE:
+                            return
+                        if not looking[0] and len(pool) < count:
+                            _start_spare()  # this thread took the last that was looking
                     fn(item)  # type: ignore[arg-type]
                 except BaseException as exc:  # noqa: BLE001 - handed to the caller below
                     failures.append(exc)
@@ -72,24 +72,21 @@ def run_in_threads(
                 on_exit()
 
     def _start_spare() -> None:
-        """Start another thread if this one took the last that was looking for work."""
-        with grow:
-            looking[0] -= 1
-            if not looking[0] and len(pool) < count:
-                spare = threading.Thread(target=loop, name=f"{name}-{len(pool)}", daemon=True)
-                spare.start()  # under the lock: the joiner never meets a thread not started
-                pool.append(spare)
+        """Start another thread (under ``take``: the joiner never meets one not started)."""
+        spare = threading.Thread(target=loop, name=f"{name}-{len(pool)}", daemon=True)
+        spare.start()
+        pool.append(spare)
 
     if count == 1:
         pool.append(threading.current_thread())  # nothing to grow into
         loop()
     else:
-        with grow:
+        with take:
             pool.append(threading.Thread(target=loop, name=f"{name}-0", daemon=True))
-        pool[0].start()
+            pool[0].start()
         joined = 0
         while True:
-            with grow:
+            with take:
                 if joined == len(pool):
                     break
                 thread = pool[joined]
