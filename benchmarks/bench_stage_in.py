@@ -190,20 +190,11 @@ def dd_command(files: list[Path], list_file: Path) -> list[str]:
 
 def baseline_stage_in(checkout: Path) -> list[str]:
     """stage-in with its defaults from another checkout of this repository (a ``git worktree``
-    of an older commit): the same interpreter, with that checkout first on the path."""
+    of an older commit): the same console script, with that checkout first on the path. (Not
+    ``python -m stager``: that puts the working directory first, which is this checkout when
+    the benchmark runs from it.)"""
     path = f"PYTHONPATH={checkout.resolve()}"
-    return [
-        "env",
-        path,
-        sys.executable,
-        "-m",
-        "stager",
-        "stage-in",
-        "SRC",
-        "--dest",
-        "DST",
-        "--quiet",
-    ]
+    return ["env", path, str(BIN / "stage-in"), "SRC", "--dest", "DST", "--quiet"]
 
 
 def matrix_tools(jobs: int, sweep: bool, baseline: Path | None = None) -> dict[str, list[str]]:

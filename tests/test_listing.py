@@ -4,7 +4,6 @@ FIFOs, unreadable directories)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -13,33 +12,16 @@ from hypothesis import strategies as st
 
 from stager.storage import listing
 
+from .trees import build_tree
+
 _PATHS = st.lists(
     st.tuples(
         st.lists(st.sampled_from(["a", "b", "c.tar", "d"]), min_size=0, max_size=3),
         st.sampled_from(["s.tar", "t.tgz", "u.tar.gz", "notes.txt", "x.tar"]),
-        st.sampled_from(["file", "dir", "fifo", "link"]),
+        st.sampled_from(["file", "dir", "fifo", "loop"]),
     ),
     max_size=25,
 )
-
-
-def _build(root: Path, entries: list[tuple[list[str], str, str]]) -> None:
-    for parts, name, kind in entries:
-        path = root.joinpath(*parts, name)
-        if os.path.lexists(path):
-            continue  # taken already: writing to a FIFO there would block forever
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if kind == "file":
-                path.write_bytes(b"x")
-            elif kind == "dir":
-                path.mkdir(exist_ok=True)
-            elif kind == "fifo":
-                os.mkfifo(path)
-            else:
-                path.symlink_to(root, target_is_directory=True)  # a loop, if it were followed
-        except (FileExistsError, NotADirectoryError, IsADirectoryError):
-            continue
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -48,7 +30,7 @@ def test_threaded_walk_finds_what_the_serial_walk_finds(
     tmp_path_factory: pytest.TempPathFactory, entries: list
 ) -> None:
     root = tmp_path_factory.mktemp("tree")
-    _build(root, entries)
+    build_tree(root, entries)
     serial = listing.walk_local(str(root), 1)
     old, old_batch = listing.SLOW_DIRECTORY_S, listing.FOUND_BATCH
     listing.SLOW_DIRECTORY_S = -1.0  # every read counts as slow: threads from the first level

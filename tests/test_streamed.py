@@ -6,7 +6,6 @@ the list-first path gives (same files, same manifest, same exit code)."""
 from __future__ import annotations
 
 import filecmp
-import os
 import threading
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ from stager.storage import listing
 from stager.storage.sources import resolve_source
 
 from .inproc import clean_process_env, run_main
+from .trees import build_tree
 
 
 def _two_directories(root: Path) -> Path:
@@ -132,32 +132,6 @@ _ENTRIES = st.lists(
 )
 
 
-def _build(root: Path, entries: list[tuple[list[str], str, str]], template_path: Path) -> None:
-    template = template_path.read_bytes()
-    root.mkdir(parents=True)
-    for parts, name, kind in entries:
-        path = root.joinpath(*parts, name)
-        if os.path.lexists(path):
-            continue  # taken already: writing to a FIFO there would block forever
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if kind == "dir":
-                path.mkdir()
-            elif kind == "fifo":
-                os.mkfifo(path)
-            elif kind == "loop":  # a symlinked directory: never followed
-                path.symlink_to(root, target_is_directory=True)
-            elif kind == "link":  # a symlink to a shard outside the tree: copied as that shard
-                path.symlink_to(template_path)
-            elif kind == "bad name":  # not UTF-8: refused, nothing staged
-                with open(os.fsencode(path.parent) + b"/\xff" + os.fsencode(name), "wb") as out:
-                    out.write(template_path.read_bytes())
-            else:
-                path.write_bytes(template if kind == "shard" else b"not a tar" * 70)
-        except (FileExistsError, NotADirectoryError):
-            continue
-
-
 def _outcome(dest: Path, code: int) -> tuple[object, ...]:
     staged = dest / "ds"
     files = sorted(
@@ -191,7 +165,7 @@ def test_streamed_and_listed_first_runs_agree(
     template_dir = root / "template"
     write_synthetic_dataset(template_dir, SyntheticSpec(num_shards=1, samples_per_shard=3))
     src = root / "ds"
-    _build(src, entries, next(template_dir.glob("*.tar")))
+    build_tree(src, entries, next(template_dir.glob("*.tar")))
     streamed_dest, listed_dest = root / "streamed", root / "listed"
     streamed = run_main(
         capsys, "stage-in", str(src), "--dest", str(streamed_dest), "--jitter-max", "0"

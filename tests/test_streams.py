@@ -17,10 +17,16 @@ from stager.storage.copy import copy_file
 from .inproc import clean_process_env, run_main
 
 
-def _feed(ctl: StreamController, first_byte_s: float, last_byte_s: float, n: int = 40) -> None:
+def _feed(
+    ctl: StreamController,
+    first_byte_s: float,
+    last_byte_s: float,
+    n: int = 40,
+    cores_used: float | None = None,
+) -> None:
     for _ in range(n):
         ctl.acquire()
-        ctl.release(first_byte_s, last_byte_s)
+        ctl.release(first_byte_s, last_byte_s, cores_used)
 
 
 def test_latency_bound_small_files_raise_streams_to_the_ceiling() -> None:
@@ -41,21 +47,37 @@ def test_bandwidth_bound_large_files_stay_at_the_floor() -> None:
     assert ctl.limit == 4
 
 
-def test_transfer_bound_files_use_no_more_streams_than_cores() -> None:
-    """Files that are mostly transfer keep a core busy per stream: on 2 cores the floor of 4
-    gives way to 2, while files that are mostly latency keep the floor and the ratio."""
-    transfer_bound = StreamController(32, floor=4, cores=2)
-    _feed(transfer_bound, first_byte_s=0.0002, last_byte_s=0.05)
-    assert transfer_bound.limit == 2
+def test_copies_that_saturate_the_cores_use_no_more_streams_than_cores() -> None:
+    """Files that are mostly transfer, copied while the process keeps its 2 cores busy (a
+    memory-speed source): the floor of 4 gives way to 2. The same files waiting on a server
+    (the cores idle: NFS reads), or files that are mostly latency, keep the floor and the
+    ratio."""
+    saturated = StreamController(32, floor=4, cores=2)
+    _feed(saturated, first_byte_s=0.0002, last_byte_s=0.05, cores_used=1.9)
+    assert saturated.limit == 2
     one_core = StreamController(32, floor=4, cores=1)
-    _feed(one_core, first_byte_s=0.0002, last_byte_s=0.05)
+    _feed(one_core, first_byte_s=0.0002, last_byte_s=0.05, cores_used=1.0)
     assert one_core.limit == 2  # the model's ratio is never below 2
+    waiting = StreamController(32, floor=4, cores=2)
+    _feed(waiting, first_byte_s=0.0002, last_byte_s=0.05, cores_used=0.3)
+    assert waiting.limit == 4
+    unknown = StreamController(32, floor=4, cores=2)
+    _feed(unknown, first_byte_s=0.0002, last_byte_s=0.05)
+    assert unknown.limit == 4
     latency_bound = StreamController(32, floor=4, cores=2)
-    _feed(latency_bound, first_byte_s=0.010, last_byte_s=0.012)  # L = 10 ms, T = 2 ms
+    _feed(latency_bound, first_byte_s=0.010, last_byte_s=0.012, cores_used=1.9)  # L=10, T=2 ms
     assert latency_bound.limit == 6
     slow_start = StreamController(32, floor=4, cores=2)
-    _feed(slow_start, first_byte_s=0.003, last_byte_s=0.005)  # L > T: the floor holds
+    _feed(slow_start, first_byte_s=0.003, last_byte_s=0.005, cores_used=1.9)  # L > T
     assert slow_start.limit == 4
+
+
+def test_a_copy_reports_the_cores_the_process_kept_busy(tmp_path: Path) -> None:
+    big = tmp_path / "big.bin"
+    big.write_bytes(os.urandom(8 << 20))
+    result = copy_file(None, str(big), tmp_path / "out" / "big.bin")
+    assert result.process_cpu_s > 0
+    assert 0 < result.cores_used <= len(os.sched_getaffinity(0)) + 0.5
 
 
 def test_the_default_cores_are_the_process_affinity() -> None:
@@ -143,10 +165,12 @@ def test_stage_in_reports_transfer_without_the_local_rename(
     timings: list[tuple[float, float]] = []
     real_record, real_replace = StreamController._record, os.replace
 
-    def record(self: StreamController, first: float | None, last: float | None) -> None:
+    def record(
+        self: StreamController, first: float | None, last: float | None, *rest: float | None
+    ) -> None:
         if first is not None and last is not None:
             timings.append((first, last))
-        real_record(self, first, last)
+        real_record(self, first, last, *rest)
 
     def slow_replace(partial: str | Path, final: str | Path) -> None:
         if str(partial).endswith(".tar.partial"):
@@ -219,7 +243,7 @@ class _TwoOfEight(StreamController):
     def __init__(self, ceiling: int, **_: object) -> None:
         super().__init__(8, floor=2, cores=2)
 
-    def _record(self, first_byte_s: float | None, last_byte_s: float | None) -> None:
+    def _record(self, *timings: float | None) -> None:
         pass
 
 

@@ -304,9 +304,8 @@ class Copier:
             self._fail(item, one_line(exc), kind)
             return
         finally:
-            self._slot.held = self.streams.finished(
-                result.first_byte_s if result else None, result.last_byte_s if result else None
-            )
+            timing = (result.first_byte_s, result.last_byte_s, result.cores_used) if result else ()
+            self._slot.held = self.streams.finished(*timing)
             if claim is not None:
                 claim.release()
         self._staged(item, result, counters[0] if counters else None, published[0])

@@ -16,8 +16,9 @@ import contextlib
 import os
 import stat
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
+from stager.stagein.feed import ItemFeed
 from stager.storage.identity import local_version
 from stager.storage.paths import discard
 from stager.storage.workers import run_in_threads
@@ -57,7 +58,7 @@ class SizeProbe:
         self._paths = list(paths)
         self._results: list[object] = [_PENDING] * len(self._paths)
         # more: paths keep arriving (:meth:`add`) until :meth:`close`; the probe ends after
-        self._closed = not more
+        self._indexes: ItemFeed[int] = ItemFeed(range(len(self._paths)), closed=not more)
         self._ended = False
         self._threads = max(1, threads if more else min(threads, len(self._paths)))
         self._on_size = on_size
@@ -81,26 +82,12 @@ class SizeProbe:
             self._paths.extend(paths)
             self._results.extend([UNKNOWN if self._ended else _PENDING] * len(paths))
             self.versions.extend([None] * len(paths))
-            self._cond.notify_all()
+        self._indexes.add(range(first, first + len(paths)))  # after their result slots exist
         return first
 
     def close(self) -> None:
         """No more paths: the probe ends once it has probed those it has."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-
-    def _indexes(self) -> Iterator[int]:
-        """0, 1, 2, ... as paths arrive, until the probe is closed and all are handed out."""
-        index = 0
-        while True:
-            with self._cond:
-                while index >= len(self._paths) and not self._closed:
-                    self._cond.wait()
-                if index >= len(self._paths):
-                    return
-            yield index
-            index += 1
+        self._indexes.close()
 
     def start(self) -> SizeProbe:
         self._runner.start()
@@ -155,7 +142,7 @@ class SizeProbe:
 
     def _run(self) -> None:
         try:
-            run_in_threads(self._probe, self._indexes(), self._threads, name="size-probe")
+            run_in_threads(self._probe, self._indexes, self._threads, name="size-probe")
         except BaseException as exc:  # noqa: BLE001 - kept for the caller; no copy may wait forever
             self.failure = exc
         finally:

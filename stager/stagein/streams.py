@@ -12,6 +12,11 @@ with dozens of copy threads sharing one interpreter it can take milliseconds, wh
 slow link made the limit sag below the ceiling on small files. (The hashing and writing of
 earlier blocks, between reads, still count: they are small next to a multi-block transfer.)
 
+Where transfer dominates and the process keeps its CPUs busy meanwhile (a memory-speed source:
+each stream copies, hashes and indexes on a core of its own), the floor gives way to the CPUs
+the job has: more streams would only take turns on them. Reads that wait on a server leave the
+CPUs idle, and keep the floor.
+
 When the link is shared, ``T`` grows as streams are added, so the target falls back by itself:
 it never overloads a server that is slow for lack of bandwidth. Shards that arrive whole in
 the first read (64 KiB) have no ``T`` to measure: while the window's median ``T`` is 0, the
@@ -39,6 +44,10 @@ __all__ = ["StreamController", "DEFAULT_JOBS"]
 #: 3,000 small files staged ~15% faster with 48 or 64 streams than with 32 on a quiet machine,
 #: and ~25% faster when other work took CPU (docs/tuning.md); 96 gained nothing more.
 DEFAULT_JOBS = 64
+
+
+#: Copies during which the process kept at least this share of the cores busy saturate them.
+SATURATED = 0.8
 
 
 def _median(values: deque[float]) -> float:
@@ -75,6 +84,7 @@ class StreamController:
         self._active = 0
         self._latency_s: deque[float] = deque(maxlen=window)
         self._transfer_s: deque[float] = deque(maxlen=window)
+        self._cores_used: deque[float] = deque(maxlen=window)
         self._cond = threading.Condition()
         self._probe: RateProbe | None = None  # searching, while transfers are too short to time
 
@@ -84,17 +94,28 @@ class StreamController:
                 self._cond.wait()
             self._active += 1
 
-    def release(self, first_byte_s: float | None = None, last_byte_s: float | None = None) -> None:
+    def release(
+        self,
+        first_byte_s: float | None = None,
+        last_byte_s: float | None = None,
+        cores_used: float | None = None,
+    ) -> None:
         """Give the slot back, reporting the finished file's timing (None after a failure).
 
-        Both are seconds since the file's copy started: to its first byte and to its last.
+        ``first_byte_s`` and ``last_byte_s`` are seconds since the file's copy started, to its
+        first byte and to its last; ``cores_used``, the CPUs the process kept busy meanwhile.
         """
         with self._cond:
             self._active -= 1
-            self._record(first_byte_s, last_byte_s)
+            self._record(first_byte_s, last_byte_s, cores_used)
             self._wake()
 
-    def finished(self, first_byte_s: float | None = None, last_byte_s: float | None = None) -> bool:
+    def finished(
+        self,
+        first_byte_s: float | None = None,
+        last_byte_s: float | None = None,
+        cores_used: float | None = None,
+    ) -> bool:
         """Report a finished file as :meth:`release` does, but keep the slot for the caller's
         next file while the limit allows it: True when kept (then :meth:`release` it once the
         caller has no next file), False when given back.
@@ -103,7 +124,7 @@ class StreamController:
         a memory-speed source those were most of a small shard's copy time.
         """
         with self._cond:
-            self._record(first_byte_s, last_byte_s)
+            self._record(first_byte_s, last_byte_s, cores_used)
             keep = self._active <= self.limit
             if not keep:
                 self._active -= 1
@@ -121,10 +142,13 @@ class StreamController:
             self._wake()
             return False
 
-    def _record(self, first_byte_s: float | None, last_byte_s: float | None) -> None:
+    def _record(
+        self, first_byte_s: float | None, last_byte_s: float | None, cores_used: float | None = None
+    ) -> None:
         if self.adaptive and first_byte_s is not None and last_byte_s is not None:
             self._latency_s.append(max(0.0, first_byte_s))
             self._transfer_s.append(max(0.0, last_byte_s - first_byte_s))
+            self._cores_used.append(cores_used or 0.0)
             self.limit = self._next_limit()
             self.peak = max(self.peak, self.limit)
 
@@ -155,9 +179,9 @@ class StreamController:
         transfer = max(_median(self._transfer_s), 1e-4)
         wanted = math.ceil((latency + transfer) / transfer)
         floor = self.floor
-        if latency < transfer:
-            # Mostly transfer: each stream keeps a core busy copying, hashing and indexing, so
-            # streams past the cores only take turns on them. 16 x 64 MB from a tmpfs on 2
-            # cores: 4 streams took ~10% longer than 2.
+        if latency < transfer and _median(self._cores_used) >= SATURATED * self.cores:
+            # Mostly transfer, and the copies together keep the cores busy (a memory-speed
+            # source, not reads that wait on a server): streams past the cores only take turns
+            # on them. 16 x 64 MB from a tmpfs on 2 cores: 4 streams took ~10% longer than 2.
             floor = min(floor, self.cores)
         return max(floor, min(self.ceiling, wanted))

@@ -59,6 +59,14 @@ class CopyResult:
     #: A local source's version (:mod:`stager.storage.identity`) when it was opened, which it
     #: still had at the end of the copy; None for a remote source.
     version: str | None = None
+    #: CPU time of the whole process (every thread, user and system) while this copy ran
+    process_cpu_s: float = 0.0
+
+    @property
+    def cores_used(self) -> float:
+        """How many CPUs the process kept busy while this copy ran: near the node's cores when
+        copies from a memory-speed source saturate them, near 0 when they wait on a server."""
+        return self.process_cpu_s / self.seconds if self.seconds > 0 else 0.0
 
 
 def partial_path(final: Path) -> Path:
@@ -192,7 +200,7 @@ def copy_file(
     algorithm = split_digest(expected_hash)[0] if expected_hash else DEFAULT_ALGORITHM
     hasher = new_hasher(algorithm)
     partial = os.fspath(final) + PARTIAL_SUFFIX  # a str: pathlib costs microseconds per call
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     progress = Progress(started, throttle, on_bytes)
     try:
         with _open_source(fs, src_path, url, block_bytes) as src, _open_partial(partial) as dst:
@@ -247,6 +255,7 @@ def copy_file(
         seconds=time.perf_counter() - started,
         last_byte_s=progress.last_byte_s or progress.first_byte_s,
         version=local_version(opened) if opened is not None else None,
+        process_cpu_s=time.process_time() - cpu_started,
     )
 
 
