@@ -246,6 +246,22 @@ def test_copies_renamed_by_the_verdict_are_journaled_at_once(
     assert sorted(records) == staged  # each once: a line per shard, not two for the held ones
 
 
+def test_a_feed_is_starved_while_open_with_everything_handed_out() -> None:
+    """Copy threads ask before waiting for a stream slot: a slot held by a thread that then
+    waits for the walk would hold up the copy of an item another thread has taken."""
+    feed: ItemFeed[int] = ItemFeed([1, 2], closed=False)
+    items = iter(feed)
+    assert not feed.starved
+    assert (next(items), next(items)) == (1, 2)
+    assert feed.starved
+    feed.add([3])
+    assert not feed.starved
+    assert next(items) == 3
+    feed.close()
+    assert not feed.starved  # closed: the next take ends at once
+    assert list(items) == []
+
+
 def test_an_open_feed_says_when_it_waits() -> None:
     """A copy thread about to wait for items that the walk has not found yet hears it first,
     so that it gives back the stream slot it kept (else the other items of a batch wait)."""

@@ -202,3 +202,36 @@ def test_a_counter_made_while_numpy_imports_reads_the_copy_back(
     late.finish(read_at)
     assert sum(reads) >= len(data)  # the whole copy was read back
     _same_index(late.index(), _counted(data, 1000).index())
+
+
+@pytest.mark.parametrize("fmt", [tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_a_small_tar_the_walk_refuses_starts_the_import_it_waits_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: int
+) -> None:
+    """A tar of at most 64 KiB never reaches the scanner while it is fed, so nothing starts
+    numpy's import; one the walk does not vouch for (long names) must start it before waiting
+    for it, or its copy thread waits forever (a background stage-in calls no load_scanner)."""
+    import threading
+
+    import stager.shards.tarparse as tarparse
+
+    monkeypatch.setattr(tarparse, "_imported", threading.Event())
+    monkeypatch.setattr(tarparse, "_import_started", threading.Lock())
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=fmt) as tar:
+        for i in range(3):
+            for ext in ("cls", "jpg"):
+                info = tarfile.TarInfo("d" * 140 + f"/key{i}.{ext}")  # a name the walk refuses
+                info.size = 100
+                tar.addfile(info, io.BytesIO(bytes(100)))
+    data = buffer.getvalue()
+    assert len(data) <= 64 << 10
+    counter = TarSampleCounter()
+    counter.feed(data)
+    done = threading.Thread(
+        target=counter.finish, args=(lambda at, n: data[at : at + n],), daemon=True
+    )
+    done.start()
+    done.join(60)
+    assert not done.is_alive(), "finish() waited for an import nothing had started"
+    _same_index(counter.index(), _counted(data, 1000).index())

@@ -182,6 +182,7 @@ class TarSampleCounter:
             self._walked = _walk(read_at)  # few headers (large members): walked by pread
         if self._walked is not None:
             return
+        _start_import()  # (a small tar the walk refused: nothing may have started it yet)
         _imported.wait()  # at once, unless numpy was still importing when the copy began
         if scanner is None:
             scanner = _new_scanner()

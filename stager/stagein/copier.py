@@ -1,14 +1,11 @@
 """Copy a node's planned shards: adaptive streams, a bandwidth cap, retries, verified publication.
 
 Copy threads (started as needed) hold a stream slot, then take the next shard; the
-:class:`StreamController` sets how many slots there are. Each copy is verified and renamed by
-:func:`copy_file`; the tar headers are parsed in flight (:class:`TarSampleCounter`), so the
-loader's index needs no second read. Failures become report lines; the run's ending
-(:mod:`stager.stagein.finish`) decides the exit code.
+:class:`StreamController` sets the slots. Each copy is verified and renamed by :func:`copy_file`,
+its tar headers parsed in flight (:class:`TarSampleCounter`). Failures become report lines.
 
-Shards found by walking a directory without a manifest are sized on probe threads while the
-copies run (:mod:`stager.stagein.sizing`); their copies stay ``.partial`` until the free-space
-check on those sizes has passed, and a refusal leaves nothing new staged.
+Shards walked without a manifest are sized while they copy (:mod:`stager.stagein.sizing`) and
+stay ``.partial`` until the free-space check on those sizes has passed.
 """
 
 from __future__ import annotations
@@ -127,7 +124,7 @@ class Copier:
                 self.streams.ceiling,
                 name="stage-in",
                 on_exit=self._give_back_slot,
-                before_take=self._take_slot,
+                before_take=self._before_take,
             )
             if self.sizing is not None:
                 # Not on an error or interrupt: the probe's threads are daemons.
@@ -212,8 +209,12 @@ class Copier:
         shard = dataclasses.replace(item.shard, version=self.sizing.probe.versions[index])
         return dataclasses.replace(item, shard=shard, size=size)
 
+    def _before_take(self) -> None:
+        """A slot before the next item (the thread that kept one copies the next file); none
+        while the walk has nothing to hand out: a slot held waiting would hold up a copy."""
+        self._give_back_slot() if self.feed.starved else self._take_slot()
+
     def _take_slot(self) -> None:
-        """A stream slot before the next item: the thread that kept one copies the next file."""
         if not (getattr(self._slot, "held", False) and self.streams.still_kept()):
             self.streams.acquire()
             self._slot.held = True
@@ -291,7 +292,7 @@ class Copier:
                 publish=publish,
             )
 
-        self._take_slot()  # again, if given back while waiting for a size or the cache
+        self._take_slot()  # (again, if given back waiting for the walk, a size or the cache)
         result = None
         try:
             result = call_with_retries(attempt, self.options.retry, on_retry=self._on_retry)

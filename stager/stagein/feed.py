@@ -28,6 +28,7 @@ class ItemFeed(Generic[T]):
         """``on_wait()`` runs on the iterating thread before it waits for more items (a copy
         thread gives back the stream slot it kept, which another thread may need meanwhile)."""
         self._items: list[T] = list(items)
+        self._handed = 0  # items handed out by the shared iterator
         self._closed = closed
         self._on_wait = on_wait
         self._cond = threading.Condition()
@@ -48,6 +49,12 @@ class ItemFeed(Generic[T]):
     def __len__(self) -> int:
         return len(self._items)
 
+    @property
+    def starved(self) -> bool:
+        """Open, with every item so far handed out: the next take waits for more."""
+        with self._cond:
+            return not self._closed and self._handed >= len(self._items)
+
     def __iter__(self) -> Iterator[T]:
         position = 0
         while True:
@@ -61,5 +68,6 @@ class ItemFeed(Generic[T]):
                 if position >= len(self._items):
                     return
                 item = self._items[position]
+                self._handed = max(self._handed, position + 1)
             yield item
             position += 1
