@@ -181,10 +181,10 @@ class StageCache:
         log: TextIO,
         *,
         job_id: str | None,
-    ) -> StageCache | None:
-        """Open ``options.cache_dir`` and hold the dataset's lock; None without a cache."""
-        if options.cache_dir is None:
-            return None
+    ) -> StageCache:
+        """Open ``options.cache_dir`` (set: the caller imports this module only with
+        ``--cache``) and hold the dataset's lock."""
+        assert options.cache_dir is not None
         store = ShardCache.open(
             options.cache_dir,
             limit_bytes=options.cache_limit_bytes,
