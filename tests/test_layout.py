@@ -240,6 +240,8 @@ def test_no_import_cycles_between_stager_modules() -> None:
     graph: dict[str, set[str]] = {}
     for name in names:
         path = Path(importlib.util.find_spec(name).origin)  # type: ignore[union-attr, arg-type]
+        if path.suffix != ".py":
+            continue  # the compiled tar walk imports nothing of stager's
         graph[name] = {d for d in _stager_imports(path) if d in names and d != name}
     state: dict[str, int] = {}
 

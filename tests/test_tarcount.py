@@ -34,12 +34,26 @@ def _tar(path: Path, fmt: int, long_names: bool) -> Path:
     return path
 
 
-@pytest.fixture(params=["held", "scanned", "held_then_scanned"])
+@pytest.fixture
+def no_native(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The paths of an install without the compiled walk (no C compiler at install time)."""
+    import stager.shards.tarnative as tarnative
+
+    monkeypatch.setattr(tarnative, "_module", None)
+
+
+@pytest.fixture(params=["native", "held", "scanned", "held_then_scanned"])
 def hold(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """How the counter takes the bytes: all held for the small-shard walk (the test tars are
-    small), all fed to the scanner, or held until the tar outgrows the hold midway."""
+    """How the counter takes the bytes: all seen by the compiled walk (the usual install), or
+    without it: all held for the small-shard walk (the test tars are small), all fed to the
+    scanner, or held until the tar outgrows the hold midway."""
+    import stager.shards.tarnative as tarnative
     import stager.shards.tarparse as tarparse
 
+    if request.param == "native":
+        assert tarnative.available(), "the compiled walk is not built (pip install -e .)"
+        return request.param
+    monkeypatch.setattr(tarnative, "_module", None)
     limit = {"held": tarparse._HOLD_BYTES, "scanned": 0, "held_then_scanned": 5000}
     monkeypatch.setattr(tarparse, "_HOLD_BYTES", limit[request.param])
     return request.param
@@ -125,7 +139,7 @@ def _same_index(got, want) -> None:
 @pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
 @pytest.mark.parametrize("read", ["small", "whole", "walk", "map"])
 def test_index_tar_fast_path_agrees_with_tarfile(
-    tmp_path: Path, fmt: int, read: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, fmt: int, read: str, monkeypatch: pytest.MonkeyPatch, no_native: None
 ) -> None:
     import stager.shards.tarindex as tarindex
     import stager.shards.tarwalk as tarwalk
@@ -176,7 +190,7 @@ def test_fast_index_leaves_what_it_does_not_vouch_for_to_tarfile(tmp_path: Path)
 
 
 def test_a_counter_made_while_numpy_imports_reads_the_copy_back(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_native: None
 ) -> None:
     """The first copies of a stage-in run before the scanner's import is done: they skip the
     bytes in flight and index the copy from the page cache at finish(), with the same result."""
@@ -206,7 +220,7 @@ def test_a_counter_made_while_numpy_imports_reads_the_copy_back(
 
 @pytest.mark.parametrize("fmt", [tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
 def test_a_small_tar_the_walk_refuses_starts_the_import_it_waits_for(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: int, no_native: None
 ) -> None:
     """A tar of at most 64 KiB never reaches the scanner while it is fed, so nothing starts
     numpy's import; one the walk does not vouch for (long names) must start it before waiting
@@ -235,3 +249,49 @@ def test_a_small_tar_the_walk_refuses_starts_the_import_it_waits_for(
     done.join(60)
     assert not done.is_alive(), "finish() waited for an import nothing had started"
     _same_index(counter.index(), _counted(data, 1000).index())
+
+
+@pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.PAX_FORMAT])
+@pytest.mark.parametrize("read", ["whole", "map"])
+def test_index_tar_takes_the_compiled_walk_first(
+    tmp_path: Path, fmt: int, read: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Plain WebDataset shards are indexed by the compiled walk, read whole or mapped, and the
+    numpy scanner is never reached; the result is tarfile's."""
+    import stager.shards.tarindex as tarindex
+    import stager.shards.tarscan as tarscan
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("the scanner ran where the compiled walk vouches")
+
+    monkeypatch.setattr(tarscan, "scan_tar", refuse)
+    monkeypatch.setattr(tarscan.TarScanner, "finish", refuse)
+    if read == "map":
+        monkeypatch.setattr(tarindex, "WHOLE_READ_BYTES", 0)
+        monkeypatch.setattr(tarindex, "_WALK_PROBE", 4)
+        monkeypatch.setattr(tarindex, "_WALK_MIN_STRIDE", 1 << 40)
+        monkeypatch.setattr("stager.shards.tarwalk.MAX_HEADERS", 0)
+    path = _tar(tmp_path / "s.tar", fmt, long_names=False)
+    _same_index(tarindex._index_fast(path), tarindex.index_with_tarfile(path))
+
+
+@pytest.mark.parametrize("fmt", [tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_a_counter_the_compiled_walk_refuses_reads_the_copy_back(tmp_path: Path, fmt: int) -> None:
+    """Long names (GNU or PAX paths) are left to the scanner and tarfile: the counter reads the
+    copy back at finish() and gives their answer."""
+    from stager.shards.tarindex import index_with_tarfile
+
+    path = _tar(tmp_path / "s.tar", fmt, long_names=True)
+    data = path.read_bytes()
+    counter = TarSampleCounter()
+    reads: list[int] = []
+    for start in range(0, len(data), 4096):
+        counter.feed(data[start : start + 4096])
+
+    def read_at(offset: int, nbytes: int) -> bytes:
+        reads.append(nbytes)
+        return data[offset : offset + nbytes]
+
+    counter.finish(read_at)
+    assert sum(reads) >= len(data)
+    _same_index(counter.index(), index_with_tarfile(path))

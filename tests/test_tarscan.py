@@ -23,7 +23,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from stager.errors import IntegrityError
-from stager.shards.tarindex import TarIndex, index_tar, index_with_tarfile
+from stager.shards import tarnative
+from stager.shards.tarindex import TarIndex, duplicate_member, index_tar, index_with_tarfile
 from stager.shards.tarscan import TarScanner, scan_tar
 from stager.shards.tarwalk import MANY, walk_tar
 
@@ -122,8 +123,28 @@ def _walk(data: bytes) -> TarIndex | None:
     return got  # type: ignore[return-value]
 
 
+def _native(data: bytes) -> TarIndex | None:
+    """The compiled walk (stager/shards/_tarwalk.c), fed the whole tar at once; fed again in
+    uneven chunks (headers and PAX records split between them), it must say the same."""
+    assert tarnative.available(), "the compiled walk is not built (pip install -e .)"
+    whole = tarnative.walk_bytes(data)
+    walker = tarnative.native_walk()
+    assert walker is not None
+    pos, step = 0, 1
+    while pos < len(data):
+        walker.feed(data[pos : pos + step])
+        pos, step = pos + step, (step * 7 + 300) % 1500 + 1
+    parts = walker.finish()
+    assert (parts is None) == (whole is None)
+    if parts is not None and whole is not None:
+        _same(tarnative.to_index(parts), whole)
+    return whole
+
+
 #: The fast indexers, each held to tarfile's answer by the properties below.
-INDEXERS = pytest.mark.parametrize("indexer", [scan_tar, _walk], ids=["scanner", "walk"])
+INDEXERS = pytest.mark.parametrize(
+    "indexer", [scan_tar, _walk, _native], ids=["scanner", "walk", "native"]
+)
 
 
 def _check(data: bytes, path: Path, *, must_vouch: bool = False, indexer=scan_tar) -> None:
@@ -133,6 +154,8 @@ def _check(data: bytes, path: Path, *, must_vouch: bool = False, indexer=scan_ta
     if got is not None:
         assert not isinstance(want, IntegrityError), f"indexer vouched, tarfile said: {want}"
         _same(got, want)
+        if got.duplicates_checked:  # a member named twice in a sample: the same one reported
+            assert got.duplicate == duplicate_member(want)
     elif must_vouch:
         pytest.fail(f"the indexer left a tar written by tarfile to the slow path: {want}")
     if isinstance(want, IntegrityError):
@@ -165,6 +188,8 @@ def test_indexers_equal_tarfile_on_tars_tarfile_writes(
     except ValueError:  # e.g. a name too long for ustar
         assume(False)
     must_vouch = indexer is scan_tar or _plain_names(items)
+    if indexer is _native:  # the compiled walk also leaves control characters to the others
+        must_vouch = _plain_names(items) and all(n.isprintable() for n, *_ in items)
     _check(data, tmp_path / "s.tar", must_vouch=must_vouch, indexer=indexer)
 
 
@@ -218,6 +243,18 @@ def test_chunked_feeding_gives_the_same_index(
     assert (got is None) == (whole is None)
     if got is not None:
         _same(got, whole)
+    walker = tarnative.native_walk()
+    assert walker is not None, "the compiled walk is not built (pip install -e .)"
+    pos, i = 0, 0
+    while pos < len(data):
+        step = chunks[(i + 1) % len(chunks)]
+        walker.feed(memoryview(data)[pos : pos + step])
+        pos, i = pos + step, i + 1
+    parts = walker.finish()
+    at_once = _native(data)
+    assert (parts is None) == (at_once is None)
+    if parts is not None and at_once is not None:
+        _same(tarnative.to_index(parts), at_once)
 
 
 def _raw_header(name: bytes, size: int, kind: bytes, *, magic: bytes = b"ustar\x0000") -> bytes:

@@ -97,6 +97,7 @@ def _index_fast(path: Path) -> TarIndex | None:
     no Python per member; the walk goes first and hands over past a few dozen headers. On
     shards of large samples both read only the headers.
     """
+    from stager.shards.tarnative import walk_bytes  # the compiled walk, where it was built
     from stager.shards.tarscan import TarScanner, scan_tar  # numpy: imported on first use
     from stager.shards.tarwalk import walk_index
 
@@ -105,7 +106,7 @@ def _index_fast(path: Path) -> TarIndex | None:
         size = os.fstat(fd).st_size
         if size <= WHOLE_READ_BYTES:
             data = handle.readall()
-            return walk_index(data) or scan_tar(data)
+            return walk_bytes(data) or walk_index(data) or scan_tar(data)
 
         def read_at(offset: int, nbytes: int) -> bytes:
             return os.pread(fd, nbytes, offset)
@@ -119,7 +120,8 @@ def _index_fast(path: Path) -> TarIndex | None:
             scanner.feed_headers(*headers)
             return scanner.finish(read_at)
         with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as mapped:
-            return scan_tar(mapped)  # type: ignore[arg-type]  # a buffer, as bytes are
+            # small members: the compiled walk reads the headers where they lie, in place
+            return walk_bytes(mapped) or scan_tar(mapped)  # type: ignore[arg-type]
 
 
 def _walk_headers(read_at, size: int):

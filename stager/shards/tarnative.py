@@ -1,0 +1,89 @@
+"""The compiled tar walk (``stager/shards/_tarwalk.c``), where it was built: a shard's index
+from its bytes in flight, with no Python per member and without the interpreter lock.
+
+Why compiled: the numpy scanner (:mod:`stager.shards.tarscan`) costs ~36 ms per 77 MB shard of
+25,000 ~1 KB samples, as much as copying it; the walk costs ~1 ms, and while it runs the
+other copy threads keep the interpreter. It vouches for the same tars as the small-shard walk
+(:mod:`stager.shards.tarwalk`) when their names are printable ASCII; for anything else it
+says None and the callers go on to the scanner, then ``tarfile``, exactly as before.
+
+The extension is built by ``pip install`` (``setup.py``, optional: without a C compiler the
+package installs without it). ``STAGER_NATIVE_TAR=0`` turns it off, to compare or to rule it
+out; ``STAGER_NATIVE_TAR=1`` makes its absence an error (the test suite sets it, so a build
+that silently failed cannot pass as the fallback).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Protocol
+
+from stager.shards.members import TarColumns, TarIndex
+from stager.shards.tarheader import UTF8
+
+__all__ = ["NativeWalk", "available", "native_walk", "walk_bytes"]
+
+
+class NativeWalk(Protocol):
+    """What ``_tarwalk.TarWalker`` offers (typed here: the extension has no stubs)."""
+
+    def feed(self, chunk: bytes | bytearray | memoryview) -> None: ...
+    def finish(self) -> dict[str, Any] | None: ...
+
+    @property
+    def failed(self) -> bool: ...
+
+
+def _load() -> Any:
+    wanted = os.environ.get("STAGER_NATIVE_TAR", "")
+    if wanted == "0" or not UTF8:  # (tarfile's names and PAX records differ off UTF-8)
+        return None
+    try:
+        from stager.shards import _tarwalk  # type: ignore[attr-defined]
+    except ImportError:
+        if wanted == "1":
+            raise
+        return None
+    return _tarwalk
+
+
+_module = _load()
+
+
+def available() -> bool:
+    """Whether the compiled walk is built and enabled."""
+    return _module is not None
+
+
+def native_walk() -> NativeWalk | None:
+    """A new walker to feed a tar's bytes to, or None where the extension is not available."""
+    return None if _module is None else _module.TarWalker()
+
+
+def walk_bytes(data: bytes | bytearray | memoryview) -> TarIndex | None:
+    """The index of a whole tar in memory (or mapped), or None where the walk does not vouch
+    or is not available."""
+    walker = native_walk()
+    if walker is None:
+        return None
+    walker.feed(data)
+    parts = walker.finish()
+    return None if parts is None else to_index(parts)
+
+
+def to_index(parts: dict[str, Any]) -> TarIndex:
+    """The :class:`TarIndex` of a walk's result: its arrays are views of the walk's bytes."""
+    import numpy as np  # deferred: a copy thread reaches here only after the copies
+
+    key_bytes = np.frombuffer(parts["key_bytes"], dtype=f"S{parts['key_width']}")
+    codes = np.frombuffer(parts["ext_codes"], dtype=np.int16)
+    return TarIndex(
+        keys=parts["keys"],
+        member_start=np.frombuffer(parts["member_start"], dtype=np.int64),
+        exts=parts["exts"],
+        offsets=np.frombuffer(parts["offsets"], dtype=np.int64),
+        sizes=np.frombuffer(parts["sizes"], dtype=np.int64),
+        columns=TarColumns(key_bytes, codes, parts["ext_names"]),
+        duplicates_checked=True,
+        duplicate=parts["duplicate"],
+    )
