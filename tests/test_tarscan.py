@@ -306,6 +306,10 @@ def _padded(payload: bytes) -> bytes:
         "pax_path_in_padding",
         "pax_size_in_padding",
         "long_pax_path_in_padding",
+        "pax_hdrcharset_not_utf8",
+        "pax_hdrcharset_inside_a_value",
+        "pax_hdrcharset_in_padding",
+        "empty_extension_first",
     ],
 )
 @INDEXERS
@@ -367,6 +371,23 @@ def test_hand_made_forms(tmp_path: Path, case: str, indexer) -> None:
     elif case == "pax_before_end":  # records for a member that never comes
         pax = _record(b"mtime", b"1.5")
         data = _raw_header(b"p", len(pax), b"x") + _padded(pax) + end
+    elif case.startswith("pax_hdrcharset"):
+        # tarfile searches the padded records for "\d+ hdrcharset=...\n" and decodes the value
+        # as strict UTF-8: it raises where a fast indexer would have read an ordinary record
+        record = {
+            "pax_hdrcharset_not_utf8": _record(b"hdrcharset", b"\xff"),
+            "pax_hdrcharset_inside_a_value": _record(b"comment", b"1 hdrcharset=\xff"),
+            "pax_hdrcharset_in_padding": _record(b"mtime", b"1.5"),
+        }[case]
+        padded = _padded(record)
+        if case == "pax_hdrcharset_in_padding":  # after the NUL that ends the records
+            tail = b"\x0016 hdrcharset=\xff\n"
+            padded = record + tail + bytes(512 - len(record) - len(tail))
+        data = _raw_header(b"p", len(record), b"x") + padded
+        data += _raw_header(b"k.jpg", len(body), b"0") + _padded(body) + end
+    elif case == "empty_extension_first":  # "k." has the key "k" and an empty extension
+        data = _raw_header(b"k.", 3, b"0") + _padded(b"abc")
+        data += _raw_header(b"k.jpg", len(body), b"0") + _padded(body) + end
     elif case.endswith("_in_padding"):
         # tarfile parses records on into the block's padding, past the header's size: a record
         # hidden there renames the member or changes its size behind the header's back
@@ -401,7 +422,13 @@ def test_hand_made_forms(tmp_path: Path, case: str, indexer) -> None:
         header[148:156] = b"%06o\x00 " % sum(header)
         data = bytes(header) + _padded(body) + end
     _check(data, tmp_path / f"{case}.tar", indexer=indexer)
-    read_by_all = ("v7_dir_skips_no_payload", "spaced_numbers", "signed_checksum", "pax_mtime_only")
+    read_by_all = (
+        "v7_dir_skips_no_payload",
+        "spaced_numbers",
+        "signed_checksum",
+        "pax_mtime_only",
+        "empty_extension_first",
+    )
     if case in read_by_all or (case == "meta_run_first_wins" and indexer is scan_tar):
         assert indexer(data) is not None, "a form the indexer claims to read"
     if case == "meta_run_first_wins":

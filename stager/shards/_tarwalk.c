@@ -182,6 +182,15 @@ static int is_zero_block(const unsigned char *h) {
  * block's padding, where tarfile would go on parsing. */
 static int pax_renames_nothing(const unsigned char *p, size_t size, size_t padded) {
     if (padded > size && p[size] != 0) return 0;
+    /* tarfile searches the whole padded payload for "hdrcharset=" and decodes what follows as
+     * strict UTF-8, raising on anything else: left to it wherever it appears */
+    static const char charset[] = "hdrcharset=";
+    size_t charset_len = sizeof charset - 1;
+    for (const unsigned char *at = p; (size_t)(p + padded - at) >= charset_len; at++) {
+        at = memchr(at, 'h', (size_t)(p + padded - at) - charset_len + 1);
+        if (!at) break;
+        if (!memcmp(at, charset, charset_len)) return 0;
+    }
     size_t pos = 0;
     while (pos < size) {
         size_t space = pos;
@@ -216,7 +225,7 @@ static uint64_t hash_bytes(const char *s, size_t n) {
 
 static int arena_add(Walker *w, const char *s, size_t n, Span *span) {
     if (!grow((void **)&w->arena, &w->arena_cap, w->arena_len + n, 1)) return 0;
-    memcpy(w->arena + w->arena_len, s, n);
+    if (n) memcpy(w->arena + w->arena_len, s, n); /* (an empty extension: arena may be NULL) */
     span->at = (uint32_t)w->arena_len;
     span->len = (uint32_t)n;
     w->arena_len += n;

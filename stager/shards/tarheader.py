@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 __all__ = [
     "BLOCK",
+    "HDRCHARSET",
     "NAME_ENCODING",
     "UTF8",
     "checksums_ok",
@@ -33,6 +34,10 @@ UTF8 = sys.getfilesystemencoding().lower().replace("-", "") == "utf8"
 NAME_ENCODING = sys.getfilesystemencoding()
 
 _HIGH_BYTES = bytes(range(0x80, 0x100))
+
+#: A PAX header whose padded payload holds this anywhere is left to ``tarfile`` by every fast
+#: indexer (see :func:`padded_pax_records`).
+HDRCHARSET = b"hdrcharset="
 
 
 def _byte_sum(data: bytes) -> int:
@@ -98,8 +103,14 @@ def padded_pax_records(padded: bytes, size: int) -> dict[bytes, bytes] | None:
     (3.11.7 while they match, later releases up to a NUL, raising on anything else), so a
     record hidden there could rename a member or change its size behind the header's back:
     None unless the padding starts with a NUL (or there is none).
+
+    None too wherever :data:`HDRCHARSET` appears, even inside another record's value or in the
+    padding: tarfile searches the whole padded payload for it with a regular expression and
+    decodes what follows as strict UTF-8, raising on anything else.
     """
     if len(padded) > size and padded[size] != 0:
+        return None
+    if HDRCHARSET in padded:
         return None
     return pax_records(padded[:size])
 

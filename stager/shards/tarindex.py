@@ -56,7 +56,7 @@ def _open_tar(path: Path, mode: str, fileobj: BinaryIO | None = None) -> tarfile
         if fileobj is not None:
             return tarfile.open(fileobj=fileobj, mode=mode)  # type: ignore[call-overload]  # noqa: SIM115
         return tarfile.open(path, mode)  # type: ignore[call-overload]  # noqa: SIM115 - closed by the caller
-    except (tarfile.TarError, EOFError, OSError) as exc:
+    except (tarfile.TarError, EOFError, OSError, UnicodeError) as exc:
         raise IntegrityError(
             f"{path}: not a readable tar ({exc}); re-stage or re-create this shard"
         ) from exc
@@ -207,7 +207,7 @@ def index_with_tarfile(path: Path, fileobj: BinaryIO | None = None) -> TarIndex:
                         f"(needs {info.offset_data + info.size} bytes, file has {file_size})"
                     )
                 samples.add(info.name, info.offset_data, info.size)
-        except (tarfile.TarError, EOFError) as exc:
+        except (tarfile.TarError, EOFError, UnicodeError) as exc:  # (a PAX hdrcharset)
             raise IntegrityError(
                 f"{path}: corrupt tar header after member {last_name!r} ({exc}); "
                 "re-stage this shard or pass on_error='skip'"
@@ -282,7 +282,7 @@ def count_samples_stream(stream: BinaryIO, name: str, *, compressed: bool = Fals
             )
             while reader.read(1 << 20):
                 pass  # the padding, and for gzip the trailer whose CRC is checked on the way
-    except (tarfile.TarError, EOFError, gzip.BadGzipFile, zlib.error) as exc:
+    except (tarfile.TarError, EOFError, UnicodeError, gzip.BadGzipFile, zlib.error) as exc:
         raise IntegrityError(
             f"{name}: corrupt or truncated tar after member {last_name!r} ({exc}); "
             "re-create this shard"

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from stager.shards.members import split_key
-from stager.shards.tarheader import BLOCK, NAME_ENCODING, UTF8, padded_pax_records
+from stager.shards.tarheader import BLOCK, HDRCHARSET, NAME_ENCODING, UTF8, padded_pax_records
 
 if TYPE_CHECKING:
     from stager.shards.tarscan import Batch
@@ -76,6 +76,8 @@ def apply_meta(
         small = found & (sizes <= BLOCK)
         checked = np.zeros(len(pax_positions), dtype=bool)
         if small.any():
+            if HDRCHARSET in payloads[small].tobytes():
+                return False  # tarfile decodes what follows strictly (padded_pax_records)
             ok, plain = _pax_check(payloads[small], sizes[small])
             if not ok.all():
                 return False  # malformed, or a size / sparse record: tarfile decides
