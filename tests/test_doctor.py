@@ -3,6 +3,7 @@ each warning once, and one statement about staging, never two that contradict.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 from pathlib import Path
@@ -122,3 +123,13 @@ def test_default_worker_counts_follow_the_cpus() -> None:
     assert default_workers(1) == [0, 1]
     assert default_workers(2) == [0, 1]
     assert default_workers(16) == [0, 1, 2, 4, 8]
+
+
+def test_a_missing_compiled_tar_walk_is_said_and_a_built_one_is_not() -> None:
+    built = _diagnosis(500.0, 20_000.0)
+    assert not [v for v in _verdict(built, epochs=1, nodes=1, target=None) if "tar walk" in v]
+    assert "indexes shards with the compiled tar walk" in built.render()
+    missing = dataclasses.replace(built, compiled_tar_walk=False)
+    (line,) = [v for v in _verdict(missing, epochs=1, nodes=1, target=None) if "tar walk" in v]
+    assert "numpy scanner" in line and "C compiler" in line
+    assert "numpy scanner (no compiled walk)" in missing.render()
