@@ -188,8 +188,13 @@ def test_indexers_equal_tarfile_on_tars_tarfile_writes(
     except ValueError:  # e.g. a name too long for ustar
         assume(False)
     must_vouch = indexer is scan_tar or _plain_names(items)
-    if indexer is _native:  # the compiled walk also leaves control characters to the others
-        must_vouch = _plain_names(items) and all(n.isprintable() for n, *_ in items)
+    if indexer is _native:  # printable ASCII names of any length (GNU or PAX long names)
+        must_vouch = all(
+            name.isascii()
+            and name.isprintable()
+            and (fmt != tarfile.USTAR_FORMAT or kind != tarfile.REGTYPE or len(name) <= 100)
+            for name, kind, _, _ in items
+        )
     _check(data, tmp_path / "s.tar", must_vouch=must_vouch, indexer=indexer)
 
 
@@ -310,6 +315,12 @@ def _padded(payload: bytes) -> bytes:
         "pax_hdrcharset_inside_a_value",
         "pax_hdrcharset_in_padding",
         "empty_extension_first",
+        "pax_path_then_long_name",
+        "pax_path_trailing_slashes",
+        "long_name_fills_its_blocks",
+        "long_link_then_long_name",
+        "long_name_before_a_directory",
+        "long_name_not_printable",
     ],
 )
 @INDEXERS
@@ -385,6 +396,30 @@ def test_hand_made_forms(tmp_path: Path, case: str, indexer) -> None:
             padded = record + tail + bytes(512 - len(record) - len(tail))
         data = _raw_header(b"p", len(record), b"x") + padded
         data += _raw_header(b"k.jpg", len(body), b"0") + _padded(body) + end
+    elif case == "pax_path_then_long_name":  # x then L then the file: the PAX path wins
+        pax = _record(b"path", b"from.pax")
+        data = _raw_header(b"pax", len(pax), b"x") + _padded(pax)
+        data += _raw_header(b"././@LongLink", 13, b"L") + _padded(b"from.long.nm\x00")
+        data += _raw_header(b"header.jpg", len(body), b"0") + _padded(body) + end
+    elif case == "pax_path_trailing_slashes":  # tarfile strips every trailing '/' of a path
+        pax = _record(b"path", b"dir/k.jpg//")
+        data = _raw_header(b"pax", len(pax), b"x") + _padded(pax)
+        data += _raw_header(b"other.cls", len(body), b"0") + _padded(body) + end
+    elif case == "long_name_fills_its_blocks":  # no NUL: the name runs to the blocks' end
+        name = b"d/" + b"k" * 507 + b".jpg"
+        data = _raw_header(b"././@LongLink", len(name), b"L") + _padded(name)
+        data += _raw_header(b"short.jpg", len(body), b"0") + _padded(body) + end
+    elif case == "long_link_then_long_name":  # K sets a link target only
+        data = _raw_header(b"././@LongLink", 9, b"K") + _padded(b"t/a.jpg\x00\x00")
+        data += _raw_header(b"././@LongLink", 8, b"L") + _padded(b"l/b.cls\x00")
+        data += _raw_header(b"h.jpg", len(body), b"0") + _padded(body) + end
+    elif case == "long_name_before_a_directory":  # the name is the directory's, not the next
+        data = _raw_header(b"././@LongLink", 9, b"L") + _padded(b"x/y.jpg/\x00")
+        data += _raw_header(b"dir", 0, b"5") + _raw_header(b"k.jpg", len(body), b"0")
+        data += _padded(body) + end
+    elif case == "long_name_not_printable":  # a tab: left to the slower indexers
+        data = _raw_header(b"././@LongLink", 8, b"L") + _padded(b"a\tb.jpg\x00")
+        data += _raw_header(b"k.jpg", len(body), b"0") + _padded(body) + end
     elif case == "empty_extension_first":  # "k." has the key "k" and an empty extension
         data = _raw_header(b"k.", 3, b"0") + _padded(b"abc")
         data += _raw_header(b"k.jpg", len(body), b"0") + _padded(body) + end
@@ -429,6 +464,15 @@ def test_hand_made_forms(tmp_path: Path, case: str, indexer) -> None:
         "pax_mtime_only",
         "empty_extension_first",
     )
+    if indexer is _native:  # the long names and paths the compiled walk reads itself
+        read_by_all += (
+            "meta_run_first_wins",
+            "pax_path_then_long_name",
+            "pax_path_trailing_slashes",
+            "long_name_fills_its_blocks",
+            "long_link_then_long_name",
+            "long_name_before_a_directory",
+        )
     if case in read_by_all or (case == "meta_run_first_wins" and indexer is scan_tar):
         assert indexer(data) is not None, "a form the indexer claims to read"
     if case == "meta_run_first_wins":

@@ -7,16 +7,20 @@
  * tens of nanoseconds, the bytes are looked at while the copy has them in the CPU cache, and
  * the lock is released while they are, so copies on other threads go on.
  *
- * What it vouches for is exactly what the small-shard walk (stager/shards/tarwalk.py)
- * vouches for, checked the same way: the "ustar" magic; every numeric field in a form tarfile
- * reads (octal digits between spaces and up to a NUL, base-256 where tarfile allows it); the
- * checksum as unsigned or signed bytes; regular files, directories, links and devices; PAX
- * records that rename nothing (webdataset writes one before every member). Names must be
- * printable ASCII without a ustar prefix. It follows the sizes from byte 0 as tarfile does, so
- * a tar stored inside a payload is never seen, and the archive must end on a zero block.
- * Anything else (GNU long names, PAX paths, global headers, damage, a truncated copy) makes
- * finish() return None, and the caller asks the slower indexers, which accept exactly what
- * tarfile accepts. It never decides that a shard is bad.
+ * What it vouches for is what the small-shard walk (stager/shards/tarwalk.py) vouches for,
+ * checked the same way, plus long names: the "ustar" magic; every numeric field in a form
+ * tarfile reads (octal digits between spaces and up to a NUL, base-256 where tarfile allows
+ * it); the checksum as unsigned or signed bytes; regular files, directories, links and
+ * devices; PAX records that leave the size alone (webdataset writes one before every member),
+ * their "path" taken as tarfile takes it (trailing slashes stripped); GNU long names ("L", up
+ * to the first NUL of the padded payload) and long link names ("K", not read). In a run of
+ * such headers the first that names the member wins, as tarfile patches it last. Names must
+ * be printable ASCII, and without a long name there must be no ustar prefix. It follows the
+ * sizes from byte 0 as tarfile does, so a tar stored inside a payload is never seen, and the
+ * archive must end on a zero block. Anything else (global PAX headers, sparse files, a PAX
+ * "size", "hdrcharset", damage, a truncated copy) makes finish() return None, and the caller
+ * asks the slower indexers, which accept exactly what tarfile accepts. It never decides that
+ * a shard is bad.
  *
  * Members are grouped into samples as webdataset groups them (consecutive members with the
  * same key; the key is the name up to the first dot of its last path component), and a member
@@ -57,6 +61,10 @@ typedef struct {
     uint64_t next; /* where the next header starts */
     int state;
     int after_meta; /* the last header was a PAX header: another header must follow */
+    /* the name a GNU long name or a PAX path gives the next member (the first in a run wins) */
+    unsigned char *rename;
+    size_t rename_len, rename_cap;
+    int renamed;
     int busy;       /* a feed is running (without the lock) */
     /* a record (a header, or a PAX header with its records) split between two chunks */
     unsigned char *hold;
@@ -176,11 +184,14 @@ static int is_zero_block(const unsigned char *h) {
     return 1;
 }
 
-/* Whether a PAX header's records are well formed and change neither the next member's name
- * nor its size (stager.shards.tarheader.padded_pax_records and tarwalk._renames_nothing):
- * "%d %s=%s\n" records ending exactly at `size`, and nothing but a NUL after them in the
- * block's padding, where tarfile would go on parsing. */
-static int pax_renames_nothing(const unsigned char *p, size_t size, size_t padded) {
+/* Whether a PAX header's records are well formed and leave the next member's size alone
+ * (stager.shards.tarheader.padded_pax_records): "%d %s=%s\n" records ending exactly at `size`,
+ * nothing but a NUL after them in the block's padding, where tarfile would go on parsing, no
+ * "size" or "GNU.sparse.*" record. `*path` is set to the value of the last "path" record. */
+static int pax_check(const unsigned char *p, size_t size, size_t padded,
+                     const unsigned char **path, size_t *path_len) {
+    *path = NULL;
+    *path_len = 0;
     if (padded > size && p[size] != 0) return 0;
     /* tarfile searches the whole padded payload for "hdrcharset=" and decodes what follows as
      * strict UTF-8, raising on anything else: left to it wherever it appears */
@@ -209,9 +220,13 @@ static int pax_renames_nothing(const unsigned char *p, size_t size, size_t padde
         const unsigned char *eq = memchr(key, '=', (size_t)(p + end - 1 - key));
         if (!eq || eq == key) return 0;
         size_t key_len = (size_t)(eq - key);
-        if ((key_len == 4 && (!memcmp(key, "path", 4) || !memcmp(key, "size", 4))) ||
+        if ((key_len == 4 && !memcmp(key, "size", 4)) ||
             (key_len >= 11 && !memcmp(key, "GNU.sparse.", 11)))
             return 0;
+        if (key_len == 4 && !memcmp(key, "path", 4)) { /* the last one wins, as in tarfile */
+            *path = eq + 1;
+            *path_len = (size_t)(p + end - 1 - (eq + 1));
+        }
         pos = end;
     }
     return 1;
@@ -351,31 +366,62 @@ static int take_record(Walker *w, const unsigned char *rec, size_t avail, size_t
     if (kind == '0' || kind == 0 || kind == '7') {
         size_t len = 0;
         while (len < 100 && rec[len]) len++;
+        int renamed = w->renamed;
+        w->renamed = 0; /* a long name or PAX path applies to this member only */
         if (kind == 0 && len && rec[len - 1] == '/') {
-            /* tarfile reads it as a directory: no payload follows */
+            /* tarfile reads it as a directory (by its own name field): no payload follows */
         } else {
-            if (rec[345]) goto fail; /* a ustar prefix: left to the scanner */
+            const unsigned char *name = rec;
+            if (renamed) {
+                name = w->rename;
+                len = w->rename_len;
+            } else if (rec[345]) {
+                goto fail; /* a ustar prefix: left to the scanner */
+            }
             for (size_t i = 0; i < len; i++)
-                if (rec[i] < 0x20 || rec[i] > 0x7e) goto fail; /* not printable ASCII */
+                if (name[i] < 0x20 || name[i] > 0x7e) goto fail; /* not printable ASCII */
             payload = size;
-            int added = add_member(w, rec, len, (int64_t)(w->next + BLOCK), (int64_t)size);
+            int added = add_member(w, name, len, (int64_t)(w->next + BLOCK), (int64_t)size);
             if (added <= 0) {
                 w->out_of_memory = added < 0;
                 goto fail;
             }
         }
-    } else if (kind == 'x' || kind == 'X') {
+    } else if (kind == 'x' || kind == 'X' || kind == 'L') {
         if (size > MAX_PAX_BYTES) goto fail;
-        size_t whole = BLOCK + (size_t)padded_size(size);
-        if (avail < whole) {
-            *need = whole;
+        size_t padded = (size_t)padded_size(size);
+        if (avail < BLOCK + padded) {
+            *need = BLOCK + padded;
             return NEED_MORE;
         }
-        if (!pax_renames_nothing(rec + BLOCK, (size_t)size, (size_t)padded_size(size))) goto fail;
+        const unsigned char *name;
+        size_t len;
+        if (kind == 'L') { /* tarfile's nts(): up to the first NUL of the padded payload */
+            name = rec + BLOCK;
+            const unsigned char *nul = memchr(name, 0, padded);
+            len = nul ? (size_t)(nul - name) : padded;
+        } else {
+            if (!pax_check(rec + BLOCK, (size_t)size, padded, &name, &len)) goto fail;
+            while (name && len && name[len - 1] == '/') len--; /* tarfile strips a path's '/' */
+        }
+        if (name && !w->renamed) { /* the first in a run wins: tarfile patches it last */
+            if (!grow((void **)&w->rename, &w->rename_cap, len ? len : 1, 1)) {
+                w->out_of_memory = 1;
+                goto fail;
+            }
+            if (len) memcpy(w->rename, name, len);
+            w->rename_len = len;
+            w->renamed = 1;
+        }
         payload = size;
         meta = 1;
-    } else if (!(kind >= '1' && kind <= '6')) {
-        goto fail; /* GNU long names, global PAX headers, sparse files, unknown types */
+    } else if (kind == 'K') { /* a GNU long link name: sets the link target, no name */
+        payload = size;
+        meta = 1;
+    } else if (kind >= '1' && kind <= '6') {
+        w->renamed = 0; /* links, devices, directories, FIFOs: the name was theirs */
+    } else {
+        goto fail; /* global PAX headers, sparse files, unknown types */
     }
     w->after_meta = meta;
     w->next += BLOCK + padded_size(payload);
@@ -540,6 +586,7 @@ static PyObject *Walker_get_fed(Walker *w, void *Py_UNUSED(closure)) {
 
 static void Walker_dealloc(Walker *w) {
     free(w->hold);
+    free(w->rename);
     free(w->members);
     free(w->sample_start);
     free(w->keys);

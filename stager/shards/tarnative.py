@@ -3,9 +3,10 @@ from its bytes in flight, with no Python per member and without the interpreter 
 
 Why compiled: the numpy scanner (:mod:`stager.shards.tarscan`) costs ~36 ms per 77 MB shard of
 25,000 ~1 KB samples, as much as copying it; the walk costs ~1 ms, and while it runs the
-other copy threads keep the interpreter. It vouches for the same tars as the small-shard walk
-(:mod:`stager.shards.tarwalk`) when their names are printable ASCII; for anything else it
-says None and the callers go on to the scanner, then ``tarfile``, exactly as before.
+other copy threads keep the interpreter. It vouches for the tars the small-shard walk
+(:mod:`stager.shards.tarwalk`) vouches for, and for GNU long names and PAX paths, when the
+names are printable ASCII; for anything else it says None and the callers go on to the
+scanner, then ``tarfile``, exactly as before.
 
 The extension is built by ``pip install`` (``setup.py``, optional: without a C compiler the
 package installs without it). ``STAGER_NATIVE_TAR=0`` turns it off, to compare or to rule it
