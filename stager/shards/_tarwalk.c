@@ -60,7 +60,7 @@ typedef struct {
     uint64_t fed;  /* bytes fed so far */
     uint64_t next; /* where the next header starts */
     int state;
-    int after_meta; /* the last header was a PAX header: another header must follow */
+    int after_meta; /* the last header was metadata (PAX, L, K): another header must follow */
     /* the name a GNU long name or a PAX path gives the next member (the first in a run wins) */
     unsigned char *rename;
     size_t rename_len, rename_cap;
@@ -83,6 +83,7 @@ typedef struct {
     int32_t *ext_table; /* open addressing: code + 1, 0 = empty */
     size_t table_cap;
     int64_t duplicate; /* the first member named twice in its sample, or -1 */
+    size_t duplicate_sample; /* the sample it belongs to */
     int out_of_memory;
 } Walker;
 
@@ -321,6 +322,7 @@ static int add_member(Walker *w, const unsigned char *name, size_t len, int64_t 
         for (size_t m = (size_t)w->sample_start[w->n_samples - 1]; m < w->n_members; m++)
             if (w->members[m].ext == code) {
                 w->duplicate = (int64_t)w->n_members;
+                w->duplicate_sample = w->n_samples - 1;
                 break;
             }
     }
@@ -545,9 +547,8 @@ static PyObject *Walker_finish(Walker *w, PyObject *Py_UNUSED(ignored)) {
     }
     if (w->duplicate >= 0) {
         Member *m = &w->members[w->duplicate];
-        size_t sample = 0;
-        while (sample + 1 < ns && w->sample_start[sample + 1] <= w->duplicate) sample++;
-        dup = PyUnicode_FromFormat("%U.%U", PyList_GET_ITEM(keys, (Py_ssize_t)sample),
+        dup = PyUnicode_FromFormat("%U.%U",
+                                   PyList_GET_ITEM(keys, (Py_ssize_t)w->duplicate_sample),
                                    PyTuple_GET_ITEM(ext_names, m->ext));
         if (!dup) goto done;
     } else {
@@ -570,18 +571,6 @@ done:
     Py_XDECREF(sizes);
     Py_XDECREF(dup);
     return result;
-}
-
-static PyObject *Walker_get_failed(Walker *w, void *Py_UNUSED(closure)) {
-    return PyBool_FromLong(w->state == FAILED);
-}
-
-static PyObject *Walker_get_samples(Walker *w, void *Py_UNUSED(closure)) {
-    return PyLong_FromSize_t(w->n_samples);
-}
-
-static PyObject *Walker_get_fed(Walker *w, void *Py_UNUSED(closure)) {
-    return PyLong_FromUnsignedLongLong(w->fed);
 }
 
 static void Walker_dealloc(Walker *w) {
@@ -611,12 +600,6 @@ static PyMethodDef Walker_methods[] = {
      "finish() -> dict | None: the index's parts, or None where the walk does not vouch."},
     {NULL, NULL, 0, NULL}};
 
-static PyGetSetDef Walker_getset[] = {
-    {"failed", (getter)Walker_get_failed, NULL, "True once the walk stopped vouching.", NULL},
-    {"samples", (getter)Walker_get_samples, NULL, "Samples found so far.", NULL},
-    {"fed", (getter)Walker_get_fed, NULL, "Bytes fed so far.", NULL},
-    {NULL, NULL, NULL, NULL, NULL}};
-
 static PyTypeObject WalkerType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "stager.shards._tarwalk.TarWalker",
     .tp_basicsize = sizeof(Walker),
@@ -625,7 +608,6 @@ static PyTypeObject WalkerType = {
     .tp_new = Walker_new,
     .tp_dealloc = (destructor)Walker_dealloc,
     .tp_methods = Walker_methods,
-    .tp_getset = Walker_getset,
 };
 
 static struct PyModuleDef tarwalk_module = {

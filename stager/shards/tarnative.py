@@ -31,9 +31,6 @@ class NativeWalk(Protocol):
     def feed(self, chunk: bytes | bytearray | memoryview) -> None: ...
     def finish(self) -> dict[str, Any] | None: ...
 
-    @property
-    def failed(self) -> bool: ...
-
 
 def _load() -> Any:
     wanted = os.environ.get("STAGER_NATIVE_TAR", "")

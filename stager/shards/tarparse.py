@@ -162,7 +162,7 @@ class TarSampleCounter:
         self._native = native_walk()
         self._walk_parts: dict[str, Any] | None = None  # what the compiled walk found
         self._scanner: TarScanner | None = None
-        self._late = self._native is not None  # True: finish() reads the copy back if needed
+        self._late = False  # the scanner was not importable when the bytes passed
         self._index: TarIndex | None = None
         self._walked: SampleGrouper | None = None  # members found by a walk, not indexed yet
         self._fed = 0
