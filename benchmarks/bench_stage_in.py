@@ -223,6 +223,20 @@ def matrix_tools(jobs: int, sweep: bool, baseline: Path | None = None) -> dict[s
     return {name: cmd for name, cmd in tools.items() if shutil.which(cmd[0]) or "/" in cmd[0]}
 
 
+#: Conditions whose source is copied to a tmpfs (its page cache never dropped).
+TMPFS_SOURCE = ("warm", "memory")
+
+
+def _condition_roots(condition: str) -> tuple[Path | None, Path]:
+    """Temporary source and destination folders for ``condition``: the source on a tmpfs for
+    ``warm`` and ``memory`` (None for ``cold``: the stored copy on disk is read), the
+    destination on the disk for ``warm`` only."""
+    on_tmpfs = condition in TMPFS_SOURCE
+    src_root = Path(tempfile.mkdtemp(prefix="bench-src-", dir=WARM_SRC)) if on_tmpfs else None
+    dst_dir = DISK if condition == "warm" else WARM_SRC
+    return src_root, Path(tempfile.mkdtemp(prefix="bench-dst-", dir=dst_dir))
+
+
 def _dataset(data_dir: Path, label: str, shards: int, samples: int, sample_bytes: int) -> Path:
     """The row's synthetic shards under ``data_dir`` (on disk), written once and reused."""
     out = data_dir / f"ds-{shards}x{samples}x{sample_bytes}"
@@ -276,10 +290,8 @@ def _bench_condition(
     sweep: bool,
     baseline: Path | None = None,
 ) -> list[dict]:
-    warm = condition in ("warm", "memory")  # the source on a tmpfs; no caches dropped
-    src_root = Path(tempfile.mkdtemp(prefix="bench-src-", dir=WARM_SRC)) if warm else None
-    dst_disk = condition == "warm"
-    dst_root = Path(tempfile.mkdtemp(prefix="bench-dst-", dir=DISK if dst_disk else WARM_SRC))
+    warm = condition in TMPFS_SOURCE  # no caches dropped
+    src_root, dst_root = _condition_roots(condition)
     try:
         if src_root is not None:
             src = src_root / "ds"
@@ -361,12 +373,10 @@ def bench_sample_sizes(
         tools["stage-in (defaults), baseline"] = baseline_stage_in(baseline)
     rows = []
     for condition in conditions:
-        warm = condition in ("warm", "memory")  # the source on a tmpfs; no caches dropped
+        warm = condition in TMPFS_SOURCE  # no caches dropped
         if not warm and os.geteuid() != 0:
             continue
-        src_root = Path(tempfile.mkdtemp(prefix="bench-src-", dir=WARM_SRC)) if warm else None
-        dst_disk = condition == "warm"
-        dst_root = Path(tempfile.mkdtemp(prefix="bench-dst-", dir=DISK if dst_disk else WARM_SRC))
+        src_root, dst_root = _condition_roots(condition)
         try:
             sources = []
             for i, ds in enumerate(stored):
