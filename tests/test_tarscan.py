@@ -539,3 +539,15 @@ def test_non_ascii_names_read_as_tarfile_reads_them_in_a_non_utf8_locale(tmp_pat
     )
     assert done.returncode == 0, done.stderr
     assert "\\udcc3" in done.stdout  # the undecodable bytes kept, as tarfile keeps them
+
+
+def test_a_stream_tarfile_cannot_decode_is_an_integrity_error() -> None:
+    """A PAX hdrcharset that is not UTF-8 makes tarfile raise UnicodeDecodeError; counting a
+    stream (a remote or compressed shard) reports it as a corrupt shard, by name."""
+    from stager.shards.tarindex import count_samples_stream
+
+    record = _record(b"hdrcharset", b"\xff")
+    data = _raw_header(b"p", len(record), b"x") + _padded(record)
+    data += _raw_header(b"k.jpg", 3, b"0") + _padded(b"abc") + bytes(1024)
+    with pytest.raises(IntegrityError, match="s.tar"):
+        count_samples_stream(io.BytesIO(data), "s.tar")
