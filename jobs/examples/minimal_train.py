@@ -49,5 +49,6 @@ while step < args.steps:
         if step == args.steps:
             break
     epoch += 1
+dist.barrier()  # every rank done (rank 0's checkpoint saved) before any tears the group down
 print(f"rank {rank}: done at step {step}, loss {loss.item():.4f}", flush=True)
 dist.destroy_process_group()
