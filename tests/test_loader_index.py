@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import io
 import mmap
 import pickle
+import tarfile
 import tracemalloc
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from stager.errors import IntegrityError
+from stager.shards import tarnative
 from stager.shards.arrayfile import map_arrays, write_arrays
 from stager.shards.loader_index import (
+    _ARRAYS,
     FlatIndex,
     build_flat_index,
     dataset_index_path,
@@ -136,3 +142,79 @@ def test_a_count_past_int64_is_a_mismatch_not_a_crash(tmp_path: Path, promised: 
         shards, relpaths=relpaths, expected_samples=expected, cache_dir=cache, on_error="skip"
     )
     assert skipped == [relpaths[1]] and flat.shard_samples.tolist() == [7, 0, 7]
+
+
+_KEYS = st.sampled_from(["a", "s0001", "x" * 40, "d/e/k9", "s0001"])
+_EXTS = st.sampled_from(["jpg", "cls", "json", "seg.png", "txt"])
+_SHARD = st.lists(st.tuples(_KEYS, _EXTS, st.integers(0, 700)), max_size=12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(shards=st.lists(_SHARD, max_size=6))
+def test_joining_walks_column_by_column_equals_flattening_each_index(
+    shards: list[list[tuple[str, str, int]]],
+) -> None:
+    """stage-in's finish joins the compiled walks' bytes (_flatten_walks); the loader flattens a
+    TarIndex per shard (_flatten). Over shards that differ in key width, extension sets and
+    their order, and empty shards, both must give the same index, array for array."""
+    from stager.shards.loader_index import _flatten, _flatten_walks
+
+    assert tarnative.available(), "the compiled walk is not built (pip install -e .)"
+    walks = []
+    for members in shards:
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w", format=tarfile.GNU_FORMAT) as tar:
+            for key, ext, size in members:
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = size
+                tar.addfile(info, io.BytesIO(bytes(size)))
+        walker = tarnative.native_walk()
+        assert walker is not None
+        walker.feed(buffer.getvalue())
+        parts = walker.finish()
+        assert parts is not None, "plain ASCII names: the walk must vouch"
+        walks.append(parts)
+    joined = _flatten_walks(walks)
+    each = _flatten([tarnative.to_index(parts) for parts in walks])
+    assert joined.ext_names == each.ext_names
+    for name in _ARRAYS:
+        got, want = getattr(joined, name), getattr(each, name)
+        assert got.dtype == want.dtype and np.array_equal(got, want), name
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["all-walked", "one-not-ascii"])
+def test_stage_in_writes_the_index_the_loader_would_build(tmp_path: Path, mixed: bool) -> None:
+    """The index stage-in writes from the bytes in flight (joined walks, or TarIndexes where
+    a shard's names sent it to the slower indexers) is the one the loader builds itself."""
+    from stager.shards.indexkey import dataset_key
+    from stager.shards.loader_index import _CACHE_VERSION
+    from stager.slurm import SlurmEnv
+    from stager.stagein.run import StageInOptions, stage_in
+    from stager.storage.sources import resolve_source
+
+    source = tmp_path / "ds"
+    source.mkdir()
+    layouts = [
+        ("s", ["jpg", "cls"]),
+        ("longer-key-", ["cls", "json"]),
+        ("é" if mixed else "t", ["txt"]),
+    ]
+    for number, (prefix, exts) in enumerate(layouts):
+        with tarfile.open(source / f"shard-{number}.tar", "w", format=tarfile.PAX_FORMAT) as tar:
+            for sample in range(3):
+                for ext in exts:
+                    info = tarfile.TarInfo(f"{prefix}{sample}.{ext}")
+                    info.size = 10 + sample
+                    tar.addfile(info, io.BytesIO(bytes(info.size)))
+    options = StageInOptions(dest_root=tmp_path / "scratch", progress="none", jitter_max_s=0)
+    report = stage_in(resolve_source(str(source)), options, slurm=SlurmEnv.from_environ({}))
+    staged = Path(report.dataset_dir)
+    written, _, stamp = open_dataset_index(dataset_index_path(staged / ".stager" / "index"))
+    shards = sorted(staged.glob("*.tar"))
+    relpaths = [p.name for p in shards]
+    built, _ = build_flat_index(shards, relpaths=relpaths, expected_samples=[3, 3, 3])
+    assert stamp == dataset_key(shards, relpaths, [3, 3, 3], "raise", version=_CACHE_VERSION)
+    assert written.ext_names == built.ext_names
+    for name in _ARRAYS:
+        assert np.array_equal(getattr(written, name), getattr(built, name)), name
+    assert written.keys[-1].decode() == ("é2" if mixed else "t2")

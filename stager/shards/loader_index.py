@@ -29,6 +29,7 @@ from stager.errors import IntegrityError
 from stager.shards.arrayfile import map_arrays, write_arrays
 from stager.shards.indexkey import dataset_key
 from stager.shards.tarindex import TarIndex, duplicate_member, index_tar
+from stager.shards.tarnative import WalkResult
 from stager.shards.tarscan import scan_tar  # noqa: F401 - loaded with numpy, not on first use
 
 __all__ = [
@@ -221,10 +222,10 @@ def build_flat_index(
 
 
 def save_dataset_index(
-    shards: Sequence[Path],
+    shards: Sequence[str | os.PathLike[str]],
     relpaths: Sequence[str],
     expected_samples: Sequence[int | None],
-    per_shard: Sequence[TarIndex],
+    per_shard: Sequence[TarIndex | WalkResult],
     cache_dir: Path,
 ) -> None:
     """Write the one-file index a loader would build, from indexes made elsewhere.
@@ -235,7 +236,11 @@ def save_dataset_index(
     only means the loader rebuilds it.
     """
     stamp = dataset_key(shards, relpaths, expected_samples, "raise", version=_CACHE_VERSION)
-    _save_flat(dataset_index_path(cache_dir), stamp, _flatten(list(per_shard)), [])
+    if all(isinstance(index, WalkResult) for index in per_shard):
+        flat = _flatten_walks([index.parts for index in per_shard])  # type: ignore[union-attr]
+    else:
+        flat = _flatten([i.index() if isinstance(i, WalkResult) else i for i in per_shard])
+    _save_flat(dataset_index_path(cache_dir), stamp, flat, [])
 
 
 _ARRAYS = (
@@ -337,22 +342,86 @@ def _flatten(per_shard: list[TarIndex | None]) -> FlatIndex:
         offsets.append(index.offsets)
         sizes.append(index.sizes)
         member_base += len(index.exts)
-    shard_samples = np.asarray(counts, dtype=np.int64)
 
     def cat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
         return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
 
+    return _assemble(
+        np.asarray(counts, dtype=np.int64),
+        np.concatenate(keys) if keys else np.zeros(0, "S1"),
+        np.concatenate([cat(starts, np.int64), np.asarray([member_base], np.int64)]),
+        cat(exts, np.int16),
+        cat(offsets, np.int64),
+        cat(sizes, np.int64),
+        tuple(ext_codes),
+    )
+
+
+def _flatten_walks(walks: Sequence[dict[str, Any]]) -> FlatIndex:
+    """What :func:`_flatten` makes of these compiled walks' results, joined column by column.
+
+    Why: a :class:`TarIndex` per shard and the numpy calls on each cost ~25 us per shard, most
+    of the finish of 10,000 shards of 20 KB; joining the walks' bytes costs ~1 us per shard,
+    with numpy calls per distinct set of extensions and key width (one, for a dataset written by
+    one writer), not per shard.
+    """
+    shards = len(walks)
+    counts = np.fromiter((len(w["keys"]) for w in walks), np.int64, shards)
+    members = np.fromiter((len(w["sizes"]) // 8 for w in walks), np.int64, shards)
+    member_base = np.concatenate([np.zeros(1, np.int64), np.cumsum(members)])
+    starts = np.frombuffer(b"".join(memoryview(w["member_start"])[:-8] for w in walks), np.int64)
+    starts = starts + np.repeat(member_base[:-1], counts)
+    widths = {w["key_width"] for w in walks}
+    if len(widths) <= 1:
+        width = widths.pop() if widths else 1
+        keys = np.frombuffer(b"".join(w["key_bytes"] for w in walks), f"S{width}")
+    else:  # numpy widens each to the longest
+        keys = np.concatenate([np.frombuffer(w["key_bytes"], f"S{w['key_width']}") for w in walks])
+    # Extension codes are per shard; the flat index numbers them in order of first appearance,
+    # as _flatten does. One lookup table per distinct tuple of names, laid end to end.
+    ext_codes: dict[str, int] = {}
+    table_at: dict[tuple[str, ...], int] = {}
+    tables: list[list[int]] = []
+    for w in walks:
+        names = w["ext_names"]
+        if names not in table_at:
+            table_at[names] = sum(map(len, tables))
+            tables.append([ext_codes.setdefault(e, len(ext_codes)) for e in names])
+    codes = np.frombuffer(b"".join(w["ext_codes"] for w in walks), np.int16).astype(np.int64)
+    lookup = np.asarray([code for table in tables for code in table] or [0], np.int16)
+    if len(tables) > 1:
+        base = np.fromiter((table_at[w["ext_names"]] for w in walks), np.int64, shards)
+        codes = codes + np.repeat(base, members)
+    return _assemble(
+        counts,
+        keys,
+        np.concatenate([starts, member_base[-1:]]),
+        lookup[codes] if len(codes) else np.zeros(0, np.int16),
+        np.frombuffer(b"".join(w["offsets"] for w in walks), np.int64),
+        np.frombuffer(b"".join(w["sizes"] for w in walks), np.int64),
+        tuple(ext_codes),
+    )
+
+
+def _assemble(
+    shard_samples: np.ndarray,
+    keys: np.ndarray,
+    member_start: np.ndarray,
+    member_ext: np.ndarray,
+    member_offset: np.ndarray,
+    member_size: np.ndarray,
+    ext_names: tuple[str, ...],
+) -> FlatIndex:
+    """The index from whole columns, narrowed to the types it is stored in."""
     return FlatIndex(
         shard_samples=shard_samples,
         sample_offsets=np.concatenate([np.zeros(1, np.int64), np.cumsum(shard_samples)]),
-        keys=_narrow_strings(np.concatenate(keys)) if keys else np.zeros(0, "S1"),
-        member_start=_narrow(
-            np.concatenate([cat(starts, np.int64), np.asarray([member_base], np.int64)])
-        ),
-        member_ext=cat(exts, np.int16).astype(np.uint8 if len(ext_codes) <= 256 else np.int16),
-        member_offset=_narrow(cat(offsets, np.int64)),
-        member_size=_narrow(cat(sizes, np.int64)),
-        ext_names=tuple(ext_codes),
+        keys=_narrow_strings(keys) if len(keys) else np.zeros(0, "S1"),
+        member_start=_narrow(member_start),
+        member_ext=member_ext.astype(np.uint8 if len(ext_names) <= 256 else np.int16),
+        member_offset=_narrow(member_offset),
+        member_size=_narrow(member_size),
+        ext_names=ext_names,
     )
 
 

@@ -45,8 +45,8 @@ from stager.errors import IntegrityError
 from stager.shards.members import SampleGrouper
 from stager.shards.tarheader import BLOCK
 from stager.shards.tarindex import TarIndex, index_with_tarfile
+from stager.shards.tarnative import WalkResult, native_walk, to_index
 from stager.shards.tarnative import available as native_walk_available
-from stager.shards.tarnative import native_walk, to_index
 from stager.shards.tarwalk import MAX_HEADERS, walk_members
 
 if TYPE_CHECKING:
@@ -237,6 +237,13 @@ class TarSampleCounter:
         if self._walked is not None:
             return self._walked.num_samples
         return None if self._index is None else self._index.num_samples
+
+    def result(self) -> TarIndex | WalkResult | None:
+        """:meth:`index`, or where the compiled walk vouched, its columns as they came (no
+        numpy per shard: :func:`stager.shards.loader_index.save_dataset_index` joins them)."""
+        if self._index is None and self._walk_parts is not None:
+            return WalkResult(self._walk_parts)
+        return self.index()
 
     def index(self) -> TarIndex | None:
         """Where each sample's members sit, as :func:`stager.shards.tarindex.index_tar` says."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from stager.layout import StagedDataset
 from stager.shards import tarindex
 from stager.shards.manifest import Manifest, ManifestEntry
 from stager.shards.tarindex import TarIndex
+from stager.shards.tarnative import WalkResult
 from stager.shards.tarparse import TarSampleCounter
 from stager.stagein.journal import Journal
 from stager.stagein.options import StageInOptions
@@ -121,12 +123,15 @@ def _unchanged(path: Path, manifest: Manifest) -> bool:
     return same_meta and before.entries == manifest.entries
 
 
-def _count_and_index(run: Staging) -> dict[str, TarIndex]:
+Indexes = dict[str, TarIndex | WalkResult]
+
+
+def _count_and_index(run: Staging) -> Indexes:
     """Samples for entries that have none, and the member index of every uncompressed tar staged
     in this run, from the parse in flight or, where there was none, from the staged file."""
-    indexes: dict[str, TarIndex] = {}
+    indexes: Indexes = {}
     for relpath, counter in run.parsed.items():
-        index = counter.index()
+        index = counter.result()
         if index is not None and relpath in run.entries:
             indexes[relpath] = index
     for relpath in sorted(run.unverified & run.entries.keys()):
@@ -149,7 +154,7 @@ def _count_and_index(run: Staging) -> dict[str, TarIndex]:
     return indexes
 
 
-def _verify_count(run: Staging, relpath: str, indexes: dict[str, TarIndex]) -> None:
+def _verify_count(run: Staging, relpath: str, indexes: Indexes) -> None:
     """Unstage ``relpath`` as corrupt when its samples differ from the manifest's count."""
     entry = run.entries[relpath]
     if entry.samples is None:
@@ -181,7 +186,7 @@ def _verify_count(run: Staging, relpath: str, indexes: dict[str, TarIndex]) -> N
     )
 
 
-def _save_loader_index(run: Staging, manifest: Manifest, indexes: dict[str, TarIndex]) -> None:
+def _save_loader_index(run: Staging, manifest: Manifest, indexes: Indexes) -> None:
     """The loader's one-file sample index of the staged copy, beside it (best effort).
 
     From the indexes in hand when every shard has one; otherwise the loader's own builder,
@@ -192,13 +197,19 @@ def _save_loader_index(run: Staging, manifest: Manifest, indexes: dict[str, TarI
     entries = manifest.entries
     if not entries or tarindex.any_compressed(e.relpath for e in entries):
         return  # compressed shards are streamed by the loader, never indexed
-    paths = [run.staged.dir / e.relpath for e in entries]
     relpaths = [e.relpath for e in entries]
     samples = [e.samples for e in entries]
     try:
         if all(e.relpath in indexes for e in entries):
+            base = f"{run.staged.dir}{os.sep}"  # str paths: a Path per shard costs ~10 us
+            paths = [base + relpath for relpath in relpaths]
             for relpath in relpaths:
-                twice = tarindex.duplicate_member(indexes[relpath])
+                index = indexes[relpath]
+                twice = (
+                    index.duplicate
+                    if isinstance(index, WalkResult)
+                    else tarindex.duplicate_member(index)
+                )
                 if twice is not None:  # the loader refuses it (naming it); no index says otherwise
                     raise IntegrityError(f"{relpath}: member {twice!r} appears twice in one sample")
             loader_index.save_dataset_index(
@@ -206,7 +217,10 @@ def _save_loader_index(run: Staging, manifest: Manifest, indexes: dict[str, TarI
             )
         else:
             loader_index.build_flat_index(
-                paths, relpaths=relpaths, expected_samples=samples, cache_dir=run.staged.index_dir
+                [run.staged.dir / relpath for relpath in relpaths],
+                relpaths=relpaths,
+                expected_samples=samples,
+                cache_dir=run.staged.index_dir,
             )
     except (IntegrityError, OSError) as exc:  # the loader indexes it itself; correct, only slower
         print(
