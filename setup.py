@@ -1,8 +1,10 @@
-"""The one compiled part: the tar walk that indexes shards as stage-in copies them
-(stager/shards/_tarwalk.c). Everything else is in pyproject.toml.
+"""The compiled parts: the tar walk that indexes shards as stage-in copies them
+(stager/shards/_tarwalk.c), and the run of stats that sizes walked shards beside the copies
+(stager/storage/_statmany.c). Everything else is in pyproject.toml.
 
-``optional=True``: where no C compiler is found the package still installs, and the walk's
-callers use the numpy scanner instead (stager/shards/tarnative.py says which one runs).
+``optional=True``: where no C compiler is found the package still installs, and the callers
+use Python instead: the numpy scanner (stager/shards/tarnative.py says which one runs), and
+``os.stat`` (stager/storage/statmany.py).
 """
 
 from setuptools import Extension, setup
@@ -13,6 +15,11 @@ setup(
             "stager.shards._tarwalk",
             ["stager/shards/_tarwalk.c"],
             optional=True,
-        )
+        ),
+        Extension(
+            "stager.storage._statmany",
+            ["stager/storage/_statmany.c"],
+            optional=True,
+        ),
     ]
 )

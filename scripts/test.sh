@@ -4,8 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
-# The compiled tar walk must have been built: without it the fallback paths would pass alone.
-export STAGER_NATIVE_TAR=1
+# The compiled helpers must have been built: without them the fallback paths would pass alone.
+export STAGER_NATIVE_TAR=1 STAGER_NATIVE_STAT=1
 # Lint and types first (configured in pyproject.toml): seconds, and they fail with a file:line.
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .

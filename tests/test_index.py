@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import json
+import os
 import shutil
 import tarfile
 from pathlib import Path
@@ -22,6 +23,7 @@ from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 from stager.shards.tarindex import count_samples, count_samples_stream, index_tar
 from stager.storage.hashing import hash_file
 from stager.storage.sources import resolve_source
+from stager.storage.statmany import stat_many_python
 
 from .conftest import run_cli
 from .faulty_fs import FaultyFileSystem
@@ -233,9 +235,13 @@ def test_stage_in_stats_only_the_shards_the_manifest_does_not_describe(
         "stat_one",
         lambda fs, path: stat_calls.append(path) or real_info(fs, path),
     )
-    real_stat = stager.stagein.sizing._stat  # shards not in the manifest are sized while they copy
+    # shards not in the manifest are sized while they copy
     monkeypatch.setattr(
-        stager.stagein.sizing, "_stat", lambda path: stat_calls.append(path) or real_stat(path)
+        stager.stagein.sizing,
+        "_stat_run",
+        lambda paths, budget_s: stat_many_python(
+            paths, budget_s, stat=lambda path: stat_calls.append(path) or os.stat(path)
+        ),
     )
     dest = tmp_path / "scratch"
     result = run_main(

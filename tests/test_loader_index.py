@@ -154,10 +154,10 @@ _SHARD = st.lists(st.tuples(_KEYS, _EXTS, st.integers(0, 700)), max_size=12)
 def test_joining_walks_column_by_column_equals_flattening_each_index(
     shards: list[list[tuple[str, str, int]]],
 ) -> None:
-    """stage-in's finish joins the compiled walks' bytes (_flatten_walks); the loader flattens a
-    TarIndex per shard (_flatten). Over shards that differ in key width, extension sets and
+    """stage-in's finish joins the compiled walks' bytes (flatten_walks); the loader flattens a
+    TarIndex per shard (flatten). Over shards that differ in key width, extension sets and
     their order, and empty shards, both must give the same index, array for array."""
-    from stager.shards.loader_index import _flatten, _flatten_walks
+    from stager.shards.flatindex import flatten, flatten_walks
 
     assert tarnative.available(), "the compiled walk is not built (pip install -e .)"
     walks = []
@@ -174,8 +174,8 @@ def test_joining_walks_column_by_column_equals_flattening_each_index(
         parts = walker.finish()
         assert parts is not None, "plain ASCII names: the walk must vouch"
         walks.append(parts)
-    joined = _flatten_walks(walks)
-    each = _flatten([tarnative.to_index(parts) for parts in walks])
+    joined = flatten_walks(walks)
+    each = flatten([tarnative.to_index(parts) for parts in walks])
     assert joined.ext_names == each.ext_names
     for name in _ARRAYS:
         got, want = getattr(joined, name), getattr(each, name)

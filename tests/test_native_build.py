@@ -1,6 +1,7 @@
-"""The compiled tar walk is optional at install time: without a C compiler the package still
-builds and installs, and stage-in's indexing falls back to the numpy scanner (which
-tests/test_tarcount.py and tests/test_tarscan.py hold to tarfile's answer)."""
+"""The compiled helpers are optional at install time: without a C compiler the package still
+builds and installs, stage-in's indexing falls back to the numpy scanner (which
+tests/test_tarcount.py and tests/test_tarscan.py hold to tarfile's answer), and its size probe
+to ``os.stat`` (tests/test_statmany.py holds both to the same answers)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ from pathlib import Path
 import pytest
 
 from stager.shards import tarnative
+from stager.storage import statmany
 
 from .conftest import REPO, clean_env
 
 _FALLBACK_CHECK = """
 import io, tarfile
 import stager.shards.tarnative as tarnative
+import stager.storage.statmany as statmany
 from stager.shards.tarparse import TarSampleCounter
 buf = io.BytesIO()
 with tarfile.open(fileobj=buf, mode="w") as tar:
@@ -30,13 +33,16 @@ data = buf.getvalue()
 counter = TarSampleCounter()
 counter.feed(data)
 counter.finish(lambda offset, nbytes: data[offset : offset + nbytes])
-print(tarnative.__file__, tarnative.available(), counter.samples)
+rows, _ = statmany.stat_many([tarnative.__file__, tarnative.__file__ + "-gone"], 60.0)
+print(tarnative.__file__, tarnative.available(), counter.samples, statmany.available(), rows[1])
 """
 
 
-def test_the_compiled_walk_is_built_here() -> None:
-    """The test run's own install has it (scripts/test.sh also sets STAGER_NATIVE_TAR=1)."""
+def test_the_compiled_helpers_are_built_here() -> None:
+    """The test run's own install has them (scripts/test.sh also sets STAGER_NATIVE_TAR=1 and
+    STAGER_NATIVE_STAT=1)."""
     assert tarnative.available(), "stager/shards/_tarwalk.c was not built: pip install -e ."
+    assert statmany.available(), "stager/storage/_statmany.c was not built: pip install -e ."
 
 
 @pytest.mark.timeout(600)
@@ -47,7 +53,7 @@ def test_without_a_c_compiler_the_package_builds_and_falls_back(tmp_path: Path) 
         shutil.copy(REPO / name, src / name)
     for package in ("stager", "loaders"):
         shutil.copytree(REPO / package, src / package, ignore=shutil.ignore_patterns("*.so"))
-    env = clean_env(CC="/bin/false")  # (without STAGER_NATIVE_TAR=1, which would refuse)
+    env = clean_env(CC="/bin/false")  # (without STAGER_NATIVE_*=1, which would refuse)
     built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
         + ["-w", str(tmp_path / "wheel"), str(src)],
@@ -70,6 +76,6 @@ def test_without_a_c_compiler_the_package_builds_and_falls_back(tmp_path: Path) 
         timeout=120,
     )
     assert checked.returncode == 0, checked.stderr
-    where, available, samples = checked.stdout.split()
+    where, available, samples, stat_available, gone = checked.stdout.split()
     assert Path(where).is_relative_to(tmp_path / "site")  # the wheel's, not this checkout's
-    assert (available, samples) == ("False", "2")
+    assert (available, samples, stat_available, gone) == ("False", "2", "False", "2")

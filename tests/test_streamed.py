@@ -277,3 +277,21 @@ def test_an_open_feed_says_when_it_waits() -> None:
     feed.close()
     reader.join(10)
     assert got == [1, 2] and waits[0] == 0
+
+
+def test_feed_runs_hand_out_consecutive_items_and_wait_only_for_the_first() -> None:
+    feed: ItemFeed[int] = ItemFeed(range(5), closed=False)
+    sizes = iter([3, 3, 1, 4])
+    runs = feed.runs(lambda: next(sizes))
+    assert next(runs) == [0, 1, 2]
+    assert next(runs) == [3, 4]  # fewer than asked: the rest are not added yet
+    taken: list[list[int]] = []
+    waiter = threading.Thread(target=lambda: taken.append(next(runs)))
+    waiter.start()
+    waiter.join(timeout=0.2)
+    assert waiter.is_alive() and not taken  # the first of a run is waited for
+    feed.add([5, 6])
+    waiter.join(timeout=10)
+    assert taken == [[5]]
+    feed.close()
+    assert list(runs) == [[6]]

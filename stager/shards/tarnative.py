@@ -16,10 +16,10 @@ that silently failed cannot pass as the fallback).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from stager.native import load_optional
 from stager.shards.members import TarColumns, TarIndex
 from stager.shards.tarheader import UTF8
 
@@ -33,20 +33,8 @@ class NativeWalk(Protocol):
     def finish(self) -> dict[str, Any] | None: ...
 
 
-def _load() -> Any:
-    wanted = os.environ.get("STAGER_NATIVE_TAR", "")
-    if wanted == "0" or not UTF8:  # (tarfile's names and PAX records differ off UTF-8)
-        return None
-    try:
-        from stager.shards import _tarwalk  # type: ignore[attr-defined]
-    except ImportError:
-        if wanted == "1":
-            raise
-        return None
-    return _tarwalk
-
-
-_module = _load()
+#: (Off where the filesystem encoding is not UTF-8: tarfile's names and PAX records differ.)
+_module: Any = load_optional("stager.shards._tarwalk", "STAGER_NATIVE_TAR") if UTF8 else None
 
 
 @dataclass(frozen=True, eq=False)

@@ -56,6 +56,12 @@ class ItemFeed(Generic[T]):
             return not self._closed and self._handed >= len(self._items)
 
     def __iter__(self) -> Iterator[T]:
+        for run in self.runs(lambda: 1):
+            yield run[0]
+
+    def runs(self, size: Callable[[], int]) -> Iterator[list[T]]:
+        """Iterate in runs: each take hands out the next item (waiting for it as iteration
+        does) and up to ``size() - 1`` more of those already added, never waiting for them."""
         position = 0
         while True:
             with self._cond:
@@ -67,7 +73,8 @@ class ItemFeed(Generic[T]):
                     self._cond.wait()
                 if position >= len(self._items):
                     return
-                item = self._items[position]
-                self._handed = max(self._handed, position + 1)
-            yield item
-            position += 1
+                end = min(len(self._items), position + max(1, size()))
+                run = self._items[position:end]
+                self._handed = max(self._handed, end)
+            yield run
+            position = end

@@ -13,14 +13,16 @@ Until it has passed, finished copies stay ``.partial``: a refusal still leaves n
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 import threading
 from collections.abc import Callable, Sequence
 
 from stager.stagein.feed import ItemFeed
-from stager.storage.identity import local_version
+from stager.storage.identity import version_of
 from stager.storage.paths import discard
+from stager.storage.statmany import StatRow, stat_many
 from stager.storage.workers import run_in_threads
 
 __all__ = ["DROPPED", "UNKNOWN", "SizeProbe", "PublishGate", "DeferredPreflight"]
@@ -34,16 +36,29 @@ UNKNOWN = -2
 _PENDING = object()
 
 
-def _stat(path: str) -> os.stat_result:
-    """One metadata round trip (a module function, so tests can count them)."""
-    return os.stat(path)
+#: The stats a probe thread runs for one take of the interpreter lock (the helper stops once
+#: they have taken this long), and the most paths one take claims. On NFS, where a stat is a
+#: round trip, that is one path, and the threads keep the round trips in flight.
+RUN_BUDGET_S = 0.002
+MAX_RUN = 64
+
+#: How the probe stats a run of paths (a module attribute, so tests can count and slow them).
+_stat_run = stat_many
 
 
 class SizeProbe:
-    """``os.stat`` each path on background threads, in order; :meth:`get` waits for one result.
+    """``stat`` each path on background threads, in order; :meth:`get` waits for one result.
 
     Results are a size in bytes, :data:`DROPPED` or :data:`UNKNOWN`. ``on_size(size)`` is
     called (on a probe thread) for each size found; ``on_done()`` once all are in.
+
+    A thread claims a run of paths and stats them with the interpreter lock released once
+    (:mod:`stager.storage.statmany`), not once per path. The run doubles while a stat takes
+    less than :data:`RUN_BUDGET_S` over its length and shrinks to what fits in it once stats
+    are slower: on tmpfs a run is :data:`MAX_RUN` paths, on NFS one. Why: beside copy threads
+    that keep the lock busy, a thread that takes it back after every stat waits for it each
+    time; 32 probe threads took 1.0-1.5 s for 10,000 stats of a tmpfs that take ~40 ms alone,
+    and the copies waited on them.
     """
 
     def __init__(
@@ -66,6 +81,7 @@ class SizeProbe:
         self._cond = threading.Condition()
         self._waiting = 0
         self._errors: dict[int, str] = {}
+        self._run_length = 1  # paths per take: grown while stats are fast (see the class docstring)
         self.versions: list[str | None] = [None] * len(self._paths)  # stager.storage.identity
         self.not_regular: list[int] = []  # indexes of FIFOs, sockets, devices
         self.failure: BaseException | None = None  # the probe itself broke (not one stat)
@@ -116,23 +132,36 @@ class SizeProbe:
         """Why ``paths[index]`` is :data:`UNKNOWN`."""
         return self._errors.get(index, "the size probe stopped before reaching it")
 
-    def _probe(self, index: int) -> None:
-        try:
-            st = _stat(self._paths[index])
-            if stat.S_ISDIR(st.st_mode):
+    def _probe(self, run: list[int]) -> None:
+        paths = [self._paths[index] for index in run]
+        done = 0
+        while done < len(run):  # the helper stops early once its budget is spent
+            results, spent_s = _stat_run(paths[done:], RUN_BUDGET_S)
+            per_stat_s = spent_s / max(1, len(results))
+            fits = int(RUN_BUDGET_S / per_stat_s) if per_stat_s > 0 else MAX_RUN
+            self._run_length = max(1, min(MAX_RUN, 2 * self._run_length, fits))
+            for offset, result in enumerate(results):
+                self._record(run[done + offset], result)
+            done += len(results)
+
+    def _record(self, index: int, found: StatRow | int) -> None:
+        if isinstance(found, int):  # an errno
+            if found == errno.ENOENT:
                 result = DROPPED
-            elif not stat.S_ISREG(st.st_mode):
+            else:
+                result = UNKNOWN
+                self._errors[index] = f"cannot stat it: {os.strerror(found)}"
+        else:
+            mode, size, inode, mtime_ns, ctime_ns = found
+            if stat.S_ISDIR(mode):
+                result = DROPPED
+            elif not stat.S_ISREG(mode):
                 result = DROPPED
                 with self._cond:
                     self.not_regular.append(index)
             else:
-                result = st.st_size
-                self.versions[index] = local_version(st)
-        except FileNotFoundError:
-            result = DROPPED
-        except OSError as exc:
-            result = UNKNOWN
-            self._errors[index] = f"cannot stat it: {exc.strerror or exc}"
+                result = size
+                self.versions[index] = version_of(inode, mtime_ns, ctime_ns)
         if result >= 0 and self._on_size is not None:
             self._on_size(result)
         with self._cond:
@@ -142,7 +171,8 @@ class SizeProbe:
 
     def _run(self) -> None:
         try:
-            run_in_threads(self._probe, self._indexes, self._threads, name="size-probe")
+            runs = self._indexes.runs(lambda: self._run_length)
+            run_in_threads(self._probe, runs, self._threads, name="size-probe")
         except BaseException as exc:  # noqa: BLE001 - kept for the caller; no copy may wait forever
             self.failure = exc
         finally:

@@ -44,7 +44,12 @@ _VERSION_KEYS = (
 
 def local_version(st: os.stat_result) -> str:
     """The version token of a local file from one ``stat``."""
-    return f"{st.st_ino}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+    return version_of(st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def version_of(inode: int, mtime_ns: int, ctime_ns: int) -> str:
+    """:func:`local_version` from the fields it reads."""
+    return f"{inode}:{mtime_ns}:{ctime_ns}"
 
 
 def remote_version(info: Mapping[str, Any]) -> str | None:

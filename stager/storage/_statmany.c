@@ -1,0 +1,112 @@
+/* Many stat() calls for one release of the interpreter lock (see stager/storage/statmany.py).
+ *
+ * Why C: os.stat releases the interpreter lock for its system call and takes it back after.
+ * A thread that does only that, beside copy threads that keep the lock busy, waits for the
+ * lock after every stat: on tmpfs the 32 size-probe threads of a stage-in took 1.0-1.5 s for
+ * 10,000 stats that take ~40 ms alone, and the copies waited on them. Here a run of paths is
+ * stat'ed with the lock released once.
+ *
+ * stat_many(paths, budget_s) -> (results, seconds)
+ *   paths: a list of str (encoded as os.stat encodes them: the filesystem encoding with
+ *   surrogateescape). It stats them in order and stops after the first once budget_s seconds
+ *   have been spent, so a slow filesystem never serialises many round trips on one thread:
+ *   results covers a prefix of paths, at least one when paths is not empty. Each result is
+ *   (st_mode, st_size, st_ino, st_mtime_ns, st_ctime_ns) as os.stat gives them, or the errno
+ *   of a failed stat as an int. seconds: the time spent in the calls.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <sys/stat.h>
+#include <time.h>
+
+static double monotonic_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+/* seconds * 10**9 + nanoseconds as a Python int, exact for any time (as os.stat computes it). */
+static PyObject *nanoseconds(long long seconds, long nanos) {
+    const long long limit = 9000000000LL; /* |seconds| * 10**9 stays inside 64 bits */
+    if (seconds > -limit && seconds < limit)
+        return PyLong_FromLongLong(seconds * 1000000000LL + nanos);
+    PyObject *s = PyLong_FromLongLong(seconds), *scale = PyLong_FromLong(1000000000L);
+    PyObject *n = PyLong_FromLong(nanos), *product = NULL, *sum = NULL;
+    if (s && scale && n) product = PyNumber_Multiply(s, scale);
+    if (product) sum = PyNumber_Add(product, n);
+    Py_XDECREF(s);
+    Py_XDECREF(scale);
+    Py_XDECREF(n);
+    Py_XDECREF(product);
+    return sum;
+}
+
+static PyObject *row_of(const struct stat *st) {
+    PyObject *mtime = nanoseconds((long long)st->st_mtim.tv_sec, st->st_mtim.tv_nsec);
+    PyObject *ctime = mtime ? nanoseconds((long long)st->st_ctim.tv_sec, st->st_ctim.tv_nsec)
+                            : NULL;
+    PyObject *row = NULL;
+    if (ctime)
+        row = Py_BuildValue("(lLKOO)", (long)st->st_mode, (long long)st->st_size,
+                            (unsigned long long)st->st_ino, mtime, ctime);
+    Py_XDECREF(mtime);
+    Py_XDECREF(ctime);
+    return row;
+}
+
+static PyObject *stat_many(PyObject *self, PyObject *args) {
+    PyObject *paths, *results = NULL, *answer = NULL;
+    double budget;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "O!d", &PyList_Type, &paths, &budget)) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(paths), done = 0, encoded = 0;
+    size_t slots = n > 0 ? (size_t)n : 1;
+    PyObject **names = PyMem_Calloc(slots, sizeof(PyObject *));
+    struct stat *stats = PyMem_Calloc(slots, sizeof(struct stat));
+    int *errors = PyMem_Calloc(slots, sizeof(int));
+    if (!names || !stats || !errors) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; encoded < n; encoded++) {
+        if (!PyUnicode_FSConverter(PyList_GET_ITEM(paths, encoded), &names[encoded])) goto done;
+    }
+    double spent = 0.0;
+    Py_BEGIN_ALLOW_THREADS;
+    double start = monotonic_s();
+    while (done < n) {
+        errors[done] = stat(PyBytes_AS_STRING(names[done]), &stats[done]) == 0 ? 0 : errno;
+        done++;
+        if (monotonic_s() - start >= budget) break;
+    }
+    spent = monotonic_s() - start;
+    Py_END_ALLOW_THREADS;
+    results = PyList_New(done);
+    if (!results) goto done;
+    for (Py_ssize_t i = 0; i < done; i++) {
+        PyObject *item = errors[i] ? PyLong_FromLong(errors[i]) : row_of(&stats[i]);
+        if (!item) goto done;
+        PyList_SET_ITEM(results, i, item);
+    }
+    answer = Py_BuildValue("(Od)", results, spent);
+done:
+    if (names)
+        for (Py_ssize_t i = 0; i < encoded; i++) Py_XDECREF(names[i]);
+    PyMem_Free(names);
+    PyMem_Free(stats);
+    PyMem_Free(errors);
+    Py_XDECREF(results);
+    return answer;
+}
+
+static PyMethodDef statmany_methods[] = {
+    {"stat_many", stat_many, METH_VARARGS,
+     "stat_many(paths, budget_s) -> (results, seconds): see stager/storage/statmany.py."},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef statmany_module = {
+    PyModuleDef_HEAD_INIT, "_statmany", "Many stat() calls for one release of the lock.", -1,
+    statmany_methods};
+
+PyMODINIT_FUNC PyInit__statmany(void) { return PyModule_Create(&statmany_module); }

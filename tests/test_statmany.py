@@ -1,0 +1,81 @@
+"""stat_many: the compiled run of stats answers exactly as ``os.stat`` does, path by path, on
+random trees (files, directories, FIFOs, symlinks dangling and looping, missing paths, a file
+used as a directory, names too long, names that are not UTF-8, times past 2262), and stops at
+its time budget after at least one path."""
+
+from __future__ import annotations
+
+import errno
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from stager.storage import statmany
+
+_KINDS = st.sampled_from(
+    ["file", "empty", "dir", "fifo", "link", "dangling", "loop", "missing", "under-file", "long"]
+)
+
+
+def _make(root: Path, index: int, kind: str) -> str:
+    """One path of ``kind`` under ``root`` (as a str, which is what the probe passes)."""
+    name = root / f"p{index}-{kind}"
+    if kind == "file":
+        name.write_bytes(b"x" * (index * 37 % 1000))
+    elif kind == "empty":
+        name.touch()
+        os.utime(name, ns=(0, 10**19 + 123))  # 10^10 s: past int64 nanoseconds' 2262
+    elif kind == "dir":
+        name.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(name)
+    elif kind == "link":
+        (root / f"t{index}").write_bytes(b"target")
+        name.symlink_to(root / f"t{index}")
+    elif kind == "dangling":
+        name.symlink_to(root / "nowhere")
+    elif kind == "loop":
+        name.symlink_to(name)
+    elif kind == "under-file":
+        name.write_bytes(b"")
+        return str(name / "child")  # ENOTDIR
+    elif kind == "long":
+        return str(root / ("n" * 300))  # ENAMETOOLONG
+    return str(name)
+
+
+def _expected(path: str) -> statmany.StatRow | int:
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        return exc.errno or errno.EIO
+    return (st.st_mode, st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(kinds=st.lists(_KINDS, min_size=1, max_size=20))
+def test_the_compiled_runs_answer_as_os_stat_does(tmp_path: Path, kinds: list[str]) -> None:
+    assert statmany.available(), "stager/storage/_statmany.c was not built: pip install -e ."
+    root = Path(tempfile.mkdtemp(dir=tmp_path))  # a fresh tree per example
+    paths = [_make(root, i, kind) for i, kind in enumerate(kinds)]
+    raw = os.fsencode(str(root / "caf\udce9"))  # not UTF-8: os.stat takes it surrogate-escaped
+    Path(os.fsdecode(raw)).write_bytes(b"latin-1 name")
+    paths.append(os.fsdecode(raw))
+    want = [_expected(path) for path in paths]
+    for stat_run in (statmany.stat_many, statmany.stat_many_python):
+        got, spent_s = stat_run(paths, 60.0)
+        assert got == want and spent_s >= 0
+
+
+@pytest.mark.parametrize("stat_run", [statmany.stat_many, statmany.stat_many_python])
+def test_a_spent_budget_ends_the_run_after_at_least_one_path(tmp_path: Path, stat_run) -> None:
+    paths = [_make(tmp_path, i, "file") for i in range(50)]
+    got, _ = stat_run(paths, 0.0)
+    assert got == [_expected(paths[0])]
+    assert stat_run([], 0.0)[0] == []
