@@ -31,7 +31,7 @@ from stager.stagein.sizing import DROPPED, UNKNOWN, DeferredPreflight
 from stager.stagein.streams import StreamController
 from stager.storage.copy import CopyResult, copy_file
 from stager.storage.retry import call_with_retries
-from stager.storage.sources import SourceSet
+from stager.storage.sources import SourceSet, SourceShard
 from stager.storage.throttle import Throttle
 from stager.storage.workers import run_in_threads
 
@@ -206,8 +206,24 @@ class Copier:
         if size == UNKNOWN:
             self._fail(item, self.sizing.probe.error(index))
             return None
-        shard = dataclasses.replace(item.shard, version=self.sizing.probe.versions[index])
-        return dataclasses.replace(item, shard=shard, size=size)
+        # Built field by field: dataclasses.replace costs ~4 us, twice per shard (~5% of a
+        # 20 KB shard's copy). A field added to either class must be added here.
+        was = item.shard
+        shard = SourceShard(
+            url=was.url,
+            path=was.path,
+            relpath=was.relpath,
+            size=was.size,
+            version=self.sizing.probe.versions[index],
+        )
+        return CopyItem(
+            shard=shard,
+            target=item.target,
+            size=size,
+            want_hash=item.want_hash,
+            from_manifest=item.from_manifest,
+            want_samples=item.want_samples,
+        )
 
     def _before_take(self) -> None:
         """A slot before the next item (the thread that kept one copies the next file); none

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+from json.encoder import encode_basestring_ascii
 from pathlib import Path
 
 from stager.shards.manifest import ManifestEntry
@@ -31,9 +32,7 @@ class Journal:
 
     def record(self, entry: ManifestEntry) -> None:
         """Append ``entry`` (best effort: without it the shard is only copied again)."""
-        line = json.dumps(
-            [entry.relpath, entry.size, entry.hash, entry.samples, entry.version]
-        ).encode()
+        line = _line(entry)
         with self._lock:
             try:
                 if self._fd is None:
@@ -72,3 +71,21 @@ class Journal:
             self.path.unlink()
         except OSError:
             pass
+
+
+def _line(entry: ManifestEntry) -> bytes:
+    """``json.dumps`` of the entry's fields as a list, written out: json.dumps costs ~7 us a
+    call, most of the journal's share of a small shard's copy. Strings go through the json
+    module's own C escaper, so :meth:`Journal.read` reads back exactly what was recorded."""
+    fields = (
+        _text(entry.relpath),
+        str(int(entry.size)),
+        _text(entry.hash),
+        "null" if entry.samples is None else str(int(entry.samples)),
+        _text(entry.version),
+    )
+    return f"[{', '.join(fields)}]".encode()
+
+
+def _text(value: str | None) -> str:
+    return "null" if value is None else encode_basestring_ascii(value)

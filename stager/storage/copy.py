@@ -276,8 +276,13 @@ def _check_unchanged(src: _Fd, opened: os.stat_result, copied: int, url: str) ->
     bytes: its size may match and no manifest hash may exist to tell.
     """
     now = os.fstat(src.fd)
-    if local_version(now) != local_version(opened) or now.st_size != copied:
+    if _identity(now) != _identity(opened) or now.st_size != copied:
         raise SizeMismatch(
             f"{url}: the source changed while it was copied ({copied} bytes read, now "
             f"{now.st_size}); retrying"
         )
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int]:
+    """What :func:`~stager.storage.identity.local_version` is made of, without the string."""
+    return st.st_ino, st.st_mtime_ns, st.st_ctime_ns
