@@ -169,7 +169,7 @@ def test_held_compressed_shards_are_counted_once_renamed(
 def test_refusal_after_held_copies_reports_nothing_copied(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import stager.stagein.run
+    import stager.stagein.guards
 
     clean_process_env(monkeypatch)
     src = tmp_path / "ds"
@@ -179,7 +179,7 @@ def test_refusal_after_held_copies_reports_nothing_copied(
     _slow_last_stat(monkeypatch, shards[-1].name)
     real_usage = shutil.disk_usage
     monkeypatch.setattr(
-        stager.stagein.plan.shutil,
+        stager.stagein.guards.shutil,
         "disk_usage",
         lambda path: real_usage(path)._replace(free=total - 1),
     )

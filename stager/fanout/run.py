@@ -44,9 +44,9 @@ from stager.plan.fanout import plan_fanout, shard_list_digest
 from stager.shards.manifest import ManifestEntry
 from stager.slurm import SlurmEnv
 from stager.stagein.finish import Staging, finish
+from stager.stagein.guards import preflight
 from stager.stagein.node import attach_report, run_once_per_node
 from stager.stagein.options import StageInOptions
-from stager.stagein.plan import preflight
 from stager.stagein.progress import Progress
 from stager.stagein.report import StageInReport
 from stager.stagein.run import copy_per_node, new_report, prepare, stage_in, staged_dataset

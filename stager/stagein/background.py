@@ -40,10 +40,11 @@ from stager.shards.manifest import ManifestEntry
 from stager.slurm import SlurmEnv
 from stager.stagein.copier import Copier
 from stager.stagein.finish import finish
+from stager.stagein.guards import preflight
 from stager.stagein.node import attach_report, run_once_per_node
 from stager.stagein.options import StageInOptions
 from stager.stagein.pacing import CopierStopped, OrderedThrottle
-from stager.stagein.plan import CopyItem, LocalPlan, clean_partials, preflight
+from stager.stagein.plan import CopyItem, LocalPlan, clean_partials
 from stager.stagein.report import StageInReport
 from stager.stagein.run import jitter_s, new_report, prepare, staged_dataset
 from stager.stagein.status import PlanFacts, discard_plan, write_plan

@@ -40,7 +40,7 @@ def run_once_per_node(
 
     A result is adopted only if it staged the same ``spec`` (what was asked for); a task that
     waited on another dataset's copier under the same name does the work itself, which then
-    refuses the name (see :func:`stager.stagein.plan.check_same_source`). ``work`` attaches its
+    refuses the name (see :func:`stager.stagein.guards.check_same_source`). ``work`` attaches its
     report to any exception it raises (:func:`attach_report`), and calls the heartbeat it is
     given as it makes progress, so that waiting tasks can tell a slow copier from a hung one.
     """

@@ -31,16 +31,14 @@ from stager.slurm import SlurmEnv
 from stager.stagein.copier import Copier
 from stager.stagein.expected import EntriesByRelpath
 from stager.stagein.finish import Staging, finish
+from stager.stagein.guards import check_outside_source, check_same_source, preflight
 from stager.stagein.node import attach_report, run_once_per_node
 from stager.stagein.options import StageInOptions
 from stager.stagein.plan import (
     LocalPlan,
-    check_outside_source,
-    check_same_source,
     clean_partials,
     load_source_manifest,
     plan_local,
-    preflight,
     read_previous,
     remove_unlisted,
     sized_while_copying,

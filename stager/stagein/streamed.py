@@ -37,14 +37,13 @@ from stager.shards.tarparse import load_scanner
 from stager.slurm import SlurmEnv
 from stager.stagein.copier import Copier
 from stager.stagein.finish import Staging, finish
+from stager.stagein.guards import check_same_source, preflight
 from stager.stagein.node import attach_report, run_once_per_node
 from stager.stagein.options import StageInOptions
 from stager.stagein.plan import (
     CopyItem,
     LocalPlan,
-    check_same_source,
     clean_partials,
-    preflight,
     read_previous,
 )
 from stager.stagein.report import StageInReport

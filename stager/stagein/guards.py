@@ -1,0 +1,71 @@
+"""Refusals before anything is copied: a destination inside the source, a staged copy of
+another source under the same name, and not enough free space. Each names what it refused and
+what to do, and raises before the first byte moves, so a refusal leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from stager.errors import ScratchFull, StagerError, UsageError
+from stager.layout import StagedDataset
+from stager.shards.manifest import Manifest
+from stager.stagein.options import StageInOptions
+from stager.storage.sources import SourceSet
+from stager.units import human_bytes
+
+__all__ = ["check_outside_source", "check_same_source", "preflight", "space_error"]
+
+
+def check_outside_source(staged: StagedDataset, source: SourceSet) -> None:
+    """Refuse a destination inside a local source: every rerun would stage the copy again."""
+    if not source.is_local:
+        return
+    root = os.path.realpath(source.root_url)
+    dest = os.path.realpath(staged.dir)
+    if dest == root or dest.startswith(root.rstrip("/") + "/"):
+        raise UsageError(
+            f"the destination {staged.dir} is inside the source {source.root_url}: each run "
+            "would stage its own copy again; pass --dest outside the source"
+        )
+
+
+def check_same_source(staged: StagedDataset, source: SourceSet) -> None:
+    """Refuse to stage ``source`` where a copy of another source (or spec) already lives.
+
+    Two datasets under one name would mix: the rerun would keep the other one's shards of the
+    same names and its manifest would claim them for this source.
+    """
+    if not staged.manifest_path.is_file():
+        return
+    try:
+        meta = Manifest.read(staged.manifest_path).meta
+    except StagerError:
+        return  # a damaged staged manifest: every shard is verified again anyway
+    before = meta.get("spec")
+    if before and source.spec and before != source.spec:
+        raise UsageError(
+            f"{staged.dir} holds a staged copy of {before!r}, not of {source.spec!r}; pass "
+            "--name to stage this one beside it, or remove the old copy (rm -r it)"
+        )
+
+
+def preflight(dataset_dir: Path, needed: int, options: StageInOptions, node: str) -> int:
+    """Refuse if ``needed`` bytes (plus ``--min-free``) do not fit; return the free bytes."""
+    free = shutil.disk_usage(dataset_dir).free
+    if needed + options.min_free_bytes > free:
+        raise space_error(dataset_dir, needed + options.min_free_bytes, free, node)
+    return free
+
+
+def space_error(dataset_dir: Path | str, needed: int, free: int, node: str) -> ScratchFull:
+    return ScratchFull(
+        f"[{node}] not enough space on {dataset_dir}: need {human_bytes(needed)} ({needed} bytes), "
+        f"free {human_bytes(free)} ({free} bytes); nothing was copied. Free space, stage a subset "
+        "(--subset node) or pass --dest to a larger filesystem",
+        needed_bytes=needed,
+        free_bytes=free,
+        where=str(dataset_dir),
+    )
