@@ -31,6 +31,7 @@ from typing import Any
 from stager.shards import tarnative
 from stager.slurm import usable_cpus
 from stager.stagein.streams import DEFAULT_JOBS
+from stager.storage import statmany
 from stager.storage.probe import ScratchProbe, SourceProbe, probe_scratch, probe_source
 from stager.storage.sources import SourceSet
 from stager.units import human_bytes
@@ -78,6 +79,9 @@ class Diagnosis:
     #: whether stage-in indexes shards with the compiled tar walk (False: the numpy scanner,
     #: where the install found no C compiler)
     compiled_tar_walk: bool = True
+    #: whether stage-in's size probe stats walked shards in runs without the interpreter lock
+    #: (False: ``os.stat`` one at a time, where the install found no C compiler)
+    compiled_stat_runs: bool = True
     verdict: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -114,6 +118,8 @@ class Diagnosis:
             lines.append(f"  loader   not measured: {loader.error}")
         walk = "compiled tar walk" if self.compiled_tar_walk else "numpy scanner (no compiled walk)"
         lines.append(f"  index    stage-in indexes shards with the {walk}")
+        if not self.compiled_stat_runs:
+            lines.append("  sizes    stage-in sizes walked shards with os.stat (no compiled runs)")
         lines.append("verdict:")
         lines.extend(f"  - {v}" for v in self.verdict)
         return "\n".join(lines)
@@ -297,6 +303,13 @@ def _verdict(diag: Diagnosis, *, epochs: int, nodes: int, target: float | None) 
             "of ~1 KB samples indexing then costs ~4x the CPU: reinstall with a C compiler "
             "(docs/tuning.md)"
         )
+    if not diag.compiled_stat_runs:
+        out.append(
+            "stage-in sizes walked shards with one os.stat per shard: the compiled stat runs "
+            "were not built (no C compiler at install, or STAGER_NATIVE_STAT=0); on many small "
+            "shards from a fast source the copies then wait on the stats: reinstall with a C "
+            "compiler, or give the dataset a manifest (stager index)"
+        )
     if diag.scratch.free_bytes < diag.dataset_bytes:
         out.append(
             f"scratch has {human_bytes(diag.scratch.free_bytes)} free for a "
@@ -346,6 +359,7 @@ def diagnose(
         loader=loader,
         cpus=usable_cpus(),
         compiled_tar_walk=tarnative.available(),
+        compiled_stat_runs=statmany.available(),
     )
     diag.verdict = _verdict(diag, epochs=epochs, nodes=nodes, target=target)
     return diag
