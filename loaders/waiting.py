@@ -314,7 +314,7 @@ class GrowingTarDataset(Dataset):
             payload=payload,
             keys=keys,
             member_sample=np.asarray(owner, dtype=np.int32),
-            member_ext=np.asarray([code[e] for e in exts], dtype=np.int16),
+            member_ext=np.asarray([code[e] for e in exts], dtype=np.int32),
             member_size=np.asarray(sizes, dtype=np.int64),
             ext_names=names,
         )

@@ -218,3 +218,28 @@ def test_stage_in_writes_the_index_the_loader_would_build(tmp_path: Path, mixed:
     for name in _ARRAYS:
         assert np.array_equal(getattr(written, name), getattr(built, name)), name
     assert written.keys[-1].decode() == ("é2" if mixed else "t2")
+
+
+def test_more_extensions_than_int16_holds_are_indexed_not_a_crash() -> None:
+    """Two shards of 17,000 distinct extensions each: 34,000 codes need int32 (an int16 table
+    raised OverflowError and stage-in ended with a traceback and no manifest)."""
+    from stager.shards.flatindex import flatten, flatten_walks
+
+    walks = []
+    for prefix in ("a", "b"):
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w", format=tarfile.GNU_FORMAT) as tar:
+            for number in range(17_000):
+                tar.addfile(tarfile.TarInfo(f"k{number}.{prefix}{number}"), io.BytesIO())
+        walker = tarnative.native_walk()
+        assert walker is not None
+        walker.feed(buffer.getvalue())
+        parts = walker.finish()
+        assert parts is not None
+        walks.append(parts)
+    joined = flatten_walks(walks)
+    each = flatten([tarnative.to_index(parts) for parts in walks])
+    assert joined.member_ext.dtype == each.member_ext.dtype == np.int32
+    for name in _ARRAYS:
+        assert np.array_equal(getattr(joined, name), getattr(each, name)), name
+    assert joined.ext_names[int(joined.member_ext[-1])] == "b16999"

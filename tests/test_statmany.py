@@ -79,3 +79,17 @@ def test_a_spent_budget_ends_the_run_after_at_least_one_path(tmp_path: Path, sta
     got, _ = stat_run(paths, 0.0)
     assert got == [_expected(paths[0])]
     assert stat_run([], 0.0)[0] == []
+
+
+def test_a_path_like_that_changes_the_list_cannot_crash_it(tmp_path: Path) -> None:
+    """Encoding an item may run Python (``__fspath__``); the helper reads a copy of the list."""
+    paths: list = []
+
+    class Shrinking:
+        def __fspath__(self) -> str:
+            paths.clear()
+            return str(tmp_path)
+
+    paths.extend([Shrinking()] + [str(tmp_path)] * 10)
+    got, _ = statmany.stat_many(paths, 60.0)
+    assert got == [_expected(str(tmp_path))] * 11

@@ -36,7 +36,7 @@ class FlatIndex:
     keys: np.ndarray  # bytes ("S") per sample, utf-8
     # the member arrays are uint32 where the values fit, else int64 (see _narrow)
     member_start: np.ndarray  # num_samples + 1
-    member_ext: np.ndarray  # uint8 (or int16 past 256 extensions) per member
+    member_ext: np.ndarray  # uint8 (int16 past 256 extensions, int32 past 32,767) per member
     member_offset: np.ndarray  # per member
     member_size: np.ndarray  # per member
     ext_names: tuple[str, ...]
@@ -118,12 +118,12 @@ def flatten(per_shard: list[TarIndex | None]) -> FlatIndex:
         if columns is not None:  # the scanner's arrays: no loop over members
             keys.append(columns.key_bytes)
             ids = [ext_codes.setdefault(e, len(ext_codes)) for e in columns.ext_names]
-            exts.append(np.asarray(ids, dtype=np.int16)[columns.ext_codes])
+            exts.append(np.asarray(ids, dtype=np.int32)[columns.ext_codes])
         else:
             keys.append(np.asarray([k.encode() for k in index.keys], dtype="S"))
             exts.append(
                 np.asarray(
-                    [ext_codes.setdefault(e, len(ext_codes)) for e in index.exts], dtype=np.int16
+                    [ext_codes.setdefault(e, len(ext_codes)) for e in index.exts], dtype=np.int32
                 )
             )
         offsets.append(index.offsets)
@@ -137,7 +137,7 @@ def flatten(per_shard: list[TarIndex | None]) -> FlatIndex:
         np.asarray(counts, dtype=np.int64),
         np.concatenate(keys) if keys else np.zeros(0, "S1"),
         np.concatenate([cat(starts, np.int64), np.asarray([member_base], np.int64)]),
-        cat(exts, np.int16),
+        cat(exts, np.int32),
         cat(offsets, np.int64),
         cat(sizes, np.int64),
         tuple(ext_codes),
@@ -175,7 +175,7 @@ def flatten_walks(walks: Sequence[dict[str, Any]]) -> FlatIndex:
             table_at[names] = sum(map(len, tables))
             tables.append([ext_codes.setdefault(e, len(ext_codes)) for e in names])
     codes = np.frombuffer(b"".join(w["ext_codes"] for w in walks), np.int16).astype(np.int64)
-    lookup = np.asarray([code for table in tables for code in table] or [0], np.int16)
+    lookup = np.asarray([code for table in tables for code in table] or [0], np.int32)
     if len(tables) > 1:
         base = np.fromiter((table_at[w["ext_names"]] for w in walks), np.int64, shards)
         codes = codes + np.repeat(base, members)
@@ -183,7 +183,7 @@ def flatten_walks(walks: Sequence[dict[str, Any]]) -> FlatIndex:
         counts,
         keys,
         np.concatenate([starts, member_base[-1:]]),
-        lookup[codes] if len(codes) else np.zeros(0, np.int16),
+        lookup[codes] if len(codes) else np.zeros(0, np.int32),
         np.frombuffer(b"".join(w["offsets"] for w in walks), np.int64),
         np.frombuffer(b"".join(w["sizes"] for w in walks), np.int64),
         tuple(ext_codes),
@@ -205,7 +205,7 @@ def _assemble(
         sample_offsets=np.concatenate([np.zeros(1, np.int64), np.cumsum(shard_samples)]),
         keys=_narrow_strings(keys) if len(keys) else np.zeros(0, "S1"),
         member_start=_narrow(member_start),
-        member_ext=member_ext.astype(np.uint8 if len(ext_names) <= 256 else np.int16),
+        member_ext=member_ext.astype(_code_type(len(ext_names))),
         member_offset=_narrow(member_offset),
         member_size=_narrow(member_size),
         ext_names=ext_names,
@@ -222,3 +222,11 @@ def _narrow(values: np.ndarray) -> np.ndarray:
     if values.size == 0 or (values.min() >= 0 and values.max() < 2**32):
         return values.astype(np.uint32)
     return values
+
+
+def _code_type(names: int) -> type:
+    """The narrowest type for extension codes: every worker maps a byte per member of uint8.
+    (A dataset of more than 32,767 distinct extensions is odd, but must not crash the index.)"""
+    if names <= 256:
+        return np.uint8
+    return np.int16 if names <= 2**15 else np.int32

@@ -56,10 +56,14 @@ static PyObject *row_of(const struct stat *st) {
 }
 
 static PyObject *stat_many(PyObject *self, PyObject *args) {
-    PyObject *paths, *results = NULL, *answer = NULL;
+    PyObject *given, *paths = NULL, *results = NULL, *answer = NULL;
     double budget;
     (void)self;
-    if (!PyArg_ParseTuple(args, "O!d", &PyList_Type, &paths, &budget)) return NULL;
+    if (!PyArg_ParseTuple(args, "O!d", &PyList_Type, &given, &budget)) return NULL;
+    /* A copy: encoding an item may run Python (a PathLike's __fspath__), which could change
+     * the caller's list under the loop. The copy holds its items for as long as we read them. */
+    paths = PyList_GetSlice(given, 0, PyList_GET_SIZE(given));
+    if (!paths) return NULL;
     Py_ssize_t n = PyList_GET_SIZE(paths), done = 0, encoded = 0;
     size_t slots = n > 0 ? (size_t)n : 1;
     PyObject **names = PyMem_Calloc(slots, sizeof(PyObject *));
@@ -97,6 +101,7 @@ done:
     PyMem_Free(stats);
     PyMem_Free(errors);
     Py_XDECREF(results);
+    Py_DECREF(paths);
     return answer;
 }
 
