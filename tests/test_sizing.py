@@ -326,3 +326,83 @@ def test_probe_keeps_slow_stats_in_flight_on_several_threads(
     assert [probe.get(i) for i in range(len(paths))] == [1] * 24
     probe.join()
     assert claimed == [1] * 24 and peak[0] >= 2
+
+
+def test_a_run_whose_stats_turn_slow_is_handed_back_path_by_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Runs grow long while stats are fast; when they turn slow (attributes cached by the
+    listing, then not), the rest of a claimed run goes back one path at a time, so the round
+    trips overlap on the threads instead of queueing on the one that claimed them."""
+    import stager.stagein.sizing
+
+    fast, slow_count = 300, 40
+    paths = _files(tmp_path, [1] * (fast + slow_count))
+    slow = set(paths[fast:])
+    calls: list[list[str]] = []
+    lock = threading.Lock()
+    inside, peak = [0], [0]
+
+    def stat_(path: str) -> os.stat_result:
+        if path in slow:
+            with lock:
+                inside[0] += 1
+                peak[0] = max(peak[0], inside[0])
+            time.sleep(0.01)
+            with lock:
+                inside[0] -= 1
+        return os.stat(path)
+
+    def stat_run(run: list[str], budget_s: float) -> tuple[list[StatRow | int], float]:
+        calls.append(run)
+        return stat_many_python(run, budget_s, stat=stat_)
+
+    monkeypatch.setattr(stager.stagein.sizing, "_stat_run", stat_run)
+    threads = 4
+    probe = SizeProbe(paths, threads).start()
+    assert [probe.get(i) for i in range(len(paths))] == [1] * len(paths)
+    probe.join()
+    long_slow = [run for run in calls if run[0] in slow and len(run) > 1]
+    assert len(long_slow) <= threads, "a slow remainder was statted by the thread that claimed it"
+    assert peak[0] >= 2
+    assert max(map(len, calls)) > 1  # (the runs did grow while the stats were fast)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    slow=st.lists(st.booleans(), min_size=1, max_size=120),
+    threads=st.integers(1, 8),
+    batches=st.integers(1, 4),
+)
+def test_probe_answers_every_path_once_whatever_the_speeds(
+    tmp_path_factory: pytest.TempPathFactory, slow: list[bool], threads: int, batches: int
+) -> None:
+    """Random fast and slow stats, a listing streamed in batches: every path gets its size,
+    none is stat'ed twice, and the probe ends (no run left in flight or handed back)."""
+    import stager.stagein.sizing
+
+    root = tmp_path_factory.mktemp("probe")
+    paths = _files(root, [i % 5 for i in range(len(slow))])
+    delay = {p: 0.003 for p, s in zip(paths, slow, strict=True) if s}
+    seen: list[str] = []
+
+    def stat_(path: str) -> os.stat_result:
+        seen.append(path)
+        time.sleep(delay.get(path, 0.0))
+        return os.stat(path)
+
+    real = stager.stagein.sizing._stat_run
+    stager.stagein.sizing._stat_run = lambda run, budget_s: stat_many_python(
+        run, budget_s, stat=stat_
+    )
+    try:
+        cut = [len(paths) * k // batches for k in range(batches + 1)]
+        probe = SizeProbe(paths[: cut[1]], threads, more=True).start()
+        for lo, hi in zip(cut[1:-1], cut[2:], strict=True):
+            probe.add(paths[lo:hi])
+        probe.close()
+        assert [probe.get(i) for i in range(len(paths))] == [i % 5 for i in range(len(paths))]
+        probe.join()
+    finally:
+        stager.stagein.sizing._stat_run = real
+    assert sorted(seen) == sorted(paths)
