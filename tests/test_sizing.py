@@ -296,23 +296,33 @@ def test_probe_stats_fast_paths_in_runs(tmp_path: Path, monkeypatch: pytest.Monk
     assert sum(calls) == len(paths) and len(calls) < len(paths) / 4
 
 
+class _SlowStats:
+    """``os.stat`` that sleeps ``delay_s`` first (for the paths in ``only``, else every path),
+    counting the most slow stats in flight at once (``peak``)."""
+
+    def __init__(self, delay_s: float, only: set[str] | None = None) -> None:
+        self.delay_s, self.only = delay_s, only
+        self.inside = self.peak = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, path: str) -> os.stat_result:
+        if self.only is None or path in self.only:
+            with self._lock:
+                self.inside += 1
+                self.peak = max(self.peak, self.inside)
+            time.sleep(self.delay_s)
+            with self._lock:
+                self.inside -= 1
+        return os.stat(path)
+
+
 def test_probe_keeps_slow_stats_in_flight_on_several_threads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where a stat is a slow round trip (NFS), each thread claims one path at a time, so the
     round trips overlap instead of queueing behind one thread's run."""
-    inside, peak = [0], [0]
-    lock = threading.Lock()
+    slow = _SlowStats(delay_s=0.02)
     claimed: list[int] = []
-
-    def slow(path: str) -> os.stat_result:
-        with lock:
-            inside[0] += 1
-            peak[0] = max(peak[0], inside[0])
-        time.sleep(0.02)
-        with lock:
-            inside[0] -= 1
-        return os.stat(path)
 
     import stager.stagein.sizing
 
@@ -325,7 +335,7 @@ def test_probe_keeps_slow_stats_in_flight_on_several_threads(
     probe = SizeProbe(paths, 4).start()
     assert [probe.get(i) for i in range(len(paths))] == [1] * 24
     probe.join()
-    assert claimed == [1] * 24 and peak[0] >= 2
+    assert claimed == [1] * 24 and slow.peak >= 2
 
 
 def test_a_run_whose_stats_turn_slow_is_handed_back_path_by_path(
@@ -340,22 +350,11 @@ def test_a_run_whose_stats_turn_slow_is_handed_back_path_by_path(
     paths = _files(tmp_path, [1] * (fast + slow_count))
     slow = set(paths[fast:])
     calls: list[list[str]] = []
-    lock = threading.Lock()
-    inside, peak = [0], [0]
-
-    def stat_(path: str) -> os.stat_result:
-        if path in slow:
-            with lock:
-                inside[0] += 1
-                peak[0] = max(peak[0], inside[0])
-            time.sleep(0.01)
-            with lock:
-                inside[0] -= 1
-        return os.stat(path)
+    slow_stat = _SlowStats(delay_s=0.01, only=slow)
 
     def stat_run(run: list[str], budget_s: float) -> tuple[list[StatRow | int], float]:
         calls.append(run)
-        return stat_many_python(run, budget_s, stat=stat_)
+        return stat_many_python(run, budget_s, stat=slow_stat)
 
     monkeypatch.setattr(stager.stagein.sizing, "_stat_run", stat_run)
     threads = 4
@@ -364,7 +363,7 @@ def test_a_run_whose_stats_turn_slow_is_handed_back_path_by_path(
     probe.join()
     long_slow = [run for run in calls if run[0] in slow and len(run) > 1]
     assert len(long_slow) <= threads, "a slow remainder was statted by the thread that claimed it"
-    assert peak[0] >= 2
+    assert slow_stat.peak >= 2
     assert max(map(len, calls)) > 1  # (the runs did grow while the stats were fast)
 
 

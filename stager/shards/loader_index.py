@@ -205,8 +205,9 @@ def save_dataset_index(
     only means the loader rebuilds it.
     """
     stamp = dataset_key(shards, relpaths, expected_samples, "raise", version=_CACHE_VERSION)
-    if all(isinstance(index, WalkResult) for index in per_shard):
-        flat = flatten_walks([index.parts for index in per_shard])  # type: ignore[union-attr]
+    walks = [index.parts for index in per_shard if isinstance(index, WalkResult)]
+    if len(walks) == len(per_shard):
+        flat = flatten_walks(walks)
     else:
         flat = flatten([i.index() if isinstance(i, WalkResult) else i for i in per_shard])
     _save_flat(dataset_index_path(cache_dir), stamp, flat, [])

@@ -3,7 +3,8 @@
 A staged file is kept only when it matches what the source promises: the manifest's size and
 hash when there is a manifest, else the listing's size. Leftover ``.partial`` files of a killed
 run are deleted first, and the bytes still to copy are checked against the free space before
-any copy starts (:func:`preflight`), so a full scratch is refused up front.
+any copy starts (:func:`stager.stagein.guards.preflight`), so a full scratch is refused up
+front.
 """
 
 from __future__ import annotations

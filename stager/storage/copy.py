@@ -25,7 +25,7 @@ from stager.storage.bytepath import (
     copy_kernel,
 )
 from stager.storage.hashing import DEFAULT_ALGORITHM, new_hasher, split_digest
-from stager.storage.identity import is_regular, local_version
+from stager.storage.identity import is_regular, local_identity, local_version
 from stager.storage.paths import PARTIAL_SUFFIX, discard
 from stager.storage.sources import protocol_of
 from stager.storage.throttle import Throttle
@@ -276,13 +276,8 @@ def _check_unchanged(src: _Fd, opened: os.stat_result, copied: int, url: str) ->
     bytes: its size may match and no manifest hash may exist to tell.
     """
     now = os.fstat(src.fd)
-    if _identity(now) != _identity(opened) or now.st_size != copied:
+    if local_identity(now) != local_identity(opened) or now.st_size != copied:
         raise SizeMismatch(
             f"{url}: the source changed while it was copied ({copied} bytes read, now "
             f"{now.st_size}); retrying"
         )
-
-
-def _identity(st: os.stat_result) -> tuple[int, int, int]:
-    """What :func:`~stager.storage.identity.local_version` is made of, without the string."""
-    return st.st_ino, st.st_mtime_ns, st.st_ctime_ns

@@ -22,7 +22,7 @@ import stat
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["local_version", "remote_version", "is_regular"]
+__all__ = ["local_version", "local_identity", "version_of", "remote_version", "is_regular"]
 
 #: fsspec ``info`` fields that change when an object's bytes change, by backend:
 #: s3fs (ETag, VersionId, LastModified), gcsfs (generation, md5Hash, updated), adlfs (etag,
@@ -44,7 +44,12 @@ _VERSION_KEYS = (
 
 def local_version(st: os.stat_result) -> str:
     """The version token of a local file from one ``stat``."""
-    return version_of(st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+    return version_of(*local_identity(st))
+
+
+def local_identity(st: os.stat_result) -> tuple[int, int, int]:
+    """What :func:`local_version` is made of, to compare two stats without the string."""
+    return st.st_ino, st.st_mtime_ns, st.st_ctime_ns
 
 
 def version_of(inode: int, mtime_ns: int, ctime_ns: int) -> str:
