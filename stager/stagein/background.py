@@ -37,6 +37,7 @@ from stager.errors import StagingStopped, UsageError
 from stager.layout import StagedDataset
 from stager.plan.staging import copy_order, copy_salt
 from stager.shards.manifest import ManifestEntry
+from stager.signalevent import SignalSafeEvent
 from stager.slurm import SlurmEnv
 from stager.stagein.copier import Copier
 from stager.stagein.finish import finish
@@ -110,7 +111,7 @@ def plan_entries(
 
 
 @contextlib.contextmanager
-def _stop_on_signals(stop: threading.Event, copying: threading.Event) -> Iterator[None]:
+def _stop_on_signals(stop: SignalSafeEvent, copying: threading.Event) -> Iterator[None]:
     """SIGTERM/SIGINT set ``stop`` (before the copies start they also raise at once, as
     nothing partial exists yet); SIGUSR1/SIGUSR2 are ignored while the run lasts."""
     if threading.current_thread() is not threading.main_thread():
@@ -143,7 +144,7 @@ def background_stage_in(
     copy_seed: int = 0,
     slurm: SlurmEnv | None = None,
     select: Callable[[SourceSet], Sequence[SourceShard]] | None = None,
-    stop: threading.Event | None = None,
+    stop: SignalSafeEvent | None = None,
 ) -> StageInReport:
     """Stage the source ``list_source()`` lists into ``staged``, in the loader's order.
 
@@ -159,7 +160,7 @@ def background_stage_in(
         slurm or SlurmEnv.from_environ(),
         staged,
         options.log or sys.stderr,
-        stop or threading.Event(),
+        stop or SignalSafeEvent(),
         copy_seed,
         select,
     )
@@ -190,7 +191,7 @@ class _BackgroundRun:
     slurm: SlurmEnv
     staged: StagedDataset
     log: TextIO
-    stop: threading.Event
+    stop: SignalSafeEvent
     copy_seed: int
     select: Callable[[SourceSet], Sequence[SourceShard]] | None
     copying: threading.Event = field(default_factory=threading.Event)

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from stager.errors import CheckpointError, DestinationError, IntegrityError, SourceError
+from stager.signalevent import SignalSafeEvent
 from stager.stageout.run import Outcome, StageOutOptions, stage_out
 
 __all__ = ["watch", "stop_on_signals", "STOP_SIGNALS", "WATCH_INTERVAL_S"]
@@ -26,10 +27,13 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 @contextmanager
 def stop_on_signals(
-    stop: threading.Event, signals: Sequence[int] = STOP_SIGNALS, *, graceful: bool = True
-) -> Iterator[threading.Event]:
+    stop: SignalSafeEvent, signals: Sequence[int] = STOP_SIGNALS, *, graceful: bool = True
+) -> Iterator[SignalSafeEvent]:
     """First signal sets ``stop``; a second (or, unless ``graceful``, the first) raises
-    KeyboardInterrupt, which abandons the copy in flight atomically."""
+    KeyboardInterrupt, which abandons the copy in flight atomically.
+
+    ``stop`` is a :class:`SignalSafeEvent`: the watch loop waits on it between passes, and a
+    plain ``Event`` set by the handler inside that wait hung the process now and then."""
 
     def handler(signum: int, _frame: object) -> None:
         if stop.is_set() or not graceful:

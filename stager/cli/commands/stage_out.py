@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import argparse
-import threading
 from pathlib import Path
 
 from stager.cli.argtypes import default_of, mbps, positive_seconds, seconds
 from stager.errors import NoCheckpoint, UsageError
+from stager.signalevent import SignalSafeEvent
 from stager.slurm import SlurmEnv
 from stager.stageout.deadline import DEADLINE_MARGIN_S, resolve_deadline
 from stager.stageout.run import StageOutOptions, check_outcomes, stage_out
@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     def list_ckpts() -> list[Path]:
         return list_checkpoints(ckpt) if args.all else [ckpt]
 
-    stop = threading.Event()
+    stop = SignalSafeEvent()  # set by a signal handler: see stager.signalevent
     if args.watch:
         with stop_on_signals(stop):
             watch(list_ckpts, args.dest, options, interval_s=args.interval, stop=stop)
