@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import mmap
+import os
 import pickle
 import tarfile
 import tracemalloc
@@ -243,3 +244,34 @@ def test_more_extensions_than_int16_holds_are_indexed_not_a_crash() -> None:
     for name in _ARRAYS:
         assert np.array_equal(getattr(joined, name), getattr(each, name)), name
     assert joined.ext_names[int(joined.member_ext[-1])] == "b16999"
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["stat-runs", "os-stat"])
+def test_the_dataset_key_stats_what_it_is_not_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compiled: bool
+) -> None:
+    """Rows not given are stat'ed (in runs, past one run's 4,096 paths): the key equals the one
+    made from ``os.stat`` rows, and a shard gone raises FileNotFoundError naming it."""
+    from stager.shards import indexkey
+    from stager.storage import statmany
+
+    if not compiled:
+        monkeypatch.setattr(statmany, "_module", None)
+    shards = []
+    for number in range(indexkey._RUN + 7):
+        path = tmp_path / f"{number:05d}.tar"
+        path.write_bytes(bytes(number % 13))
+        shards.append(str(path))
+    relpaths = [os.path.basename(p) for p in shards]
+    counts = [1] * len(shards)
+    rows = [(os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in shards]
+    want = indexkey.dataset_key(shards, relpaths, counts, "raise", rows, version=1)
+    assert indexkey.dataset_key(shards, relpaths, counts, "raise", version=1) == want
+    some = [row if number % 3 else None for number, row in enumerate(rows)]
+    assert indexkey.dataset_key(shards, relpaths, counts, "raise", some, version=1) == want
+    os.utime(shards[-2], ns=(1, 1))
+    assert indexkey.dataset_key(shards, relpaths, counts, "raise", version=1) != want
+    os.unlink(shards[-1])
+    with pytest.raises(FileNotFoundError) as raised:
+        indexkey.dataset_key(shards, relpaths, counts, "raise", version=1)
+    assert raised.value.filename == shards[-1]
