@@ -71,7 +71,7 @@ class _OrderedCopier(Copier):
         self.priority = priority
 
     def _copy_one(self, item: CopyItem) -> None:
-        self._give_back_slot()  # no slot kept across the wait for this item's turn
+        self.slots.give_back()  # no slot kept across the wait for this item's turn
         self.pacing.check()
         self.pacing.begin(self.priority[item.shard.relpath])
         try:

@@ -29,7 +29,7 @@ from stager.stagein.plan import CopyItem, LocalPlan, count_samples_of
 from stager.stagein.progress import Progress
 from stager.stagein.report import StageInReport
 from stager.stagein.sizing import DROPPED, UNKNOWN, DeferredPreflight
-from stager.stagein.streams import StreamController
+from stager.stagein.streams import KeptSlots, StreamController
 from stager.storage.copy import CopyResult, copy_file
 from stager.storage.retry import call_with_retries
 from stager.storage.sources import SourceSet
@@ -93,7 +93,6 @@ class Copier:
         relpaths = map(attrgetter("relpath"), late)
         self.late = dict(zip(relpaths, range(len(late)), strict=False))  # C loops
         self.sizing: DeferredPreflight | None = None
-        self.feed = ItemFeed(plan.to_copy, closed=not streamed, on_wait=self._give_back_slot)
         self.stopped_by: BaseException | None = None  # why a streamed listing ended early
         if late or streamed:
             self.sizing = DeferredPreflight(
@@ -112,7 +111,8 @@ class Copier:
         pending = len(plan.to_copy) if cache is None else cache.misses(plan)
         ceiling = options.jobs if streamed else max(1, min(options.jobs, pending))
         self.streams = StreamController(ceiling, floor=options.min_jobs, adaptive=options.adaptive)
-        self._slot = threading.local()  # .held: this thread kept its stream slot for the next
+        self.slots = KeptSlots(self.streams)
+        self.feed = ItemFeed(plan.to_copy, closed=not streamed, on_wait=self.slots.give_back)
 
     def run(self) -> CopyOutcome:
         """Copy every planned shard; failures are in the report, the staged ones in the outcome."""
@@ -124,7 +124,7 @@ class Copier:
                 self.feed,
                 self.streams.ceiling,
                 name="stage-in",
-                on_exit=self._give_back_slot,
+                on_exit=self.slots.give_back,
                 before_take=self._before_take,
             )
             if self.sizing is not None:
@@ -212,18 +212,7 @@ class Copier:
     def _before_take(self) -> None:
         """A slot before the next item (the thread that kept one copies the next file); none
         while the walk has nothing to hand out: a slot held waiting would hold up a copy."""
-        self._give_back_slot() if self.feed.starved else self._take_slot()
-
-    def _take_slot(self) -> None:
-        if not (getattr(self._slot, "held", False) and self.streams.still_kept()):
-            self.streams.acquire()
-            self._slot.held = True
-
-    def _give_back_slot(self) -> None:
-        """Release the stream slot this thread kept from its last file, if it kept one."""
-        if getattr(self._slot, "held", False):
-            self._slot.held = False
-            self.streams.release()
+        self.slots.give_back() if self.feed.starved else self.slots.take()
 
     def _copy_one(self, item: CopyItem) -> None:
         sizing = self.sizing
@@ -231,7 +220,7 @@ class Copier:
         if self.cache is not None or (
             sizing is not None and late and not sizing.probe.ready(self.late[item.shard.relpath])
         ):
-            self._give_back_slot()  # not while waiting for a size or another job's fill
+            self.slots.give_back()  # not while waiting for a size or another job's fill
         if late:
             sized = self._late_size(item)
             if sized is None:
@@ -292,7 +281,7 @@ class Copier:
                 publish=publish,
             )
 
-        self._take_slot()  # (again, if given back waiting for the walk, a size or the cache)
+        self.slots.take()  # (again, if given back waiting for the walk, a size or the cache)
         result = None
         try:
             result = call_with_retries(attempt, self.options.retry, on_retry=self._on_retry)
@@ -306,7 +295,7 @@ class Copier:
             return
         finally:
             timing = (result.first_byte_s, result.last_byte_s, result.cores_used) if result else ()
-            self._slot.held = self.streams.finished(*timing)
+            self.slots.finished(*timing)
             if claim is not None:
                 claim.release()
         self._staged(item, result, counters[0] if counters else None, published[0])

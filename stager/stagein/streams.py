@@ -36,7 +36,7 @@ from collections import deque
 from stager.slurm import usable_cpus
 from stager.stagein.rateprobe import RateProbe
 
-__all__ = ["StreamController", "DEFAULT_JOBS"]
+__all__ = ["StreamController", "KeptSlots", "DEFAULT_JOBS"]
 
 #: The most copy streams per node unless ``--jobs`` says otherwise. The stream controller runs
 #: this many only while per-file latency dominates (many small files on a slow-to-answer
@@ -185,3 +185,29 @@ class StreamController:
             # on them. 16 x 64 MB from a tmpfs on 2 cores: 4 streams took ~10% longer than 2.
             floor = min(floor, self.cores)
         return max(floor, min(self.ceiling, wanted))
+
+
+class KeptSlots:
+    """Each copy thread's stream slot, kept from one file to the next where the controller
+    allows (:meth:`StreamController.finished`): a thread that keeps its slot starts its next
+    file without queueing behind the others."""
+
+    def __init__(self, streams: StreamController) -> None:
+        self.streams = streams
+        self._local = threading.local()  # .held: this thread kept its slot for the next file
+
+    def take(self) -> None:
+        """A slot for this thread's next file: the kept one if still allowed, else wait."""
+        if not (getattr(self._local, "held", False) and self.streams.still_kept()):
+            self.streams.acquire()
+            self._local.held = True
+
+    def give_back(self) -> None:
+        """Release the slot this thread kept from its last file, if it kept one."""
+        if getattr(self._local, "held", False):
+            self._local.held = False
+            self.streams.release()
+
+    def finished(self, *timing: float) -> None:
+        """This thread's file ended (its timing: see :meth:`StreamController.finished`)."""
+        self._local.held = self.streams.finished(*timing)

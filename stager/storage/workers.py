@@ -26,6 +26,7 @@ def run_in_threads(
     name: str = "worker",
     on_exit: Callable[[], object] | None = None,
     before_take: Callable[[], object] | None = None,
+    on_interrupt: Callable[[], object] | None = None,
 ) -> None:
     """Call ``fn(item)`` for every item on up to ``threads`` threads; return when all are done.
 
@@ -34,6 +35,12 @@ def run_in_threads(
     thread as it stops taking items (to give back what the thread held between items).
     ``before_take()`` runs on a thread before it takes its next item (to wait for a stream
     slot first: a thread that waits while holding an item keeps it from a thread that is free).
+    ``on_interrupt()``: when given, an exception raised on the calling thread while it waits
+    (a KeyboardInterrupt: Ctrl-C, or SIGTERM where a handler turns it into one) stops the
+    threads from taking items and calls it (to abandon the items in progress); the threads are
+    then joined, and the exception re-raised, so that none outlives the call half-way through
+    an item. A second one while they are joined is raised at once. Without it, the exception
+    leaves at once and the (daemon) threads die with the process wherever they are.
 
     Threads start as they are needed, not all at once: one keeps looking for the next item
     while the others work, and a thread that takes an item while none is looking starts
@@ -85,13 +92,23 @@ def run_in_threads(
             pool.append(threading.Thread(target=loop, name=f"{name}-0", daemon=True))
             pool[0].start()
         joined = 0
+        interrupted: BaseException | None = None
         while True:
-            with take:
-                if joined == len(pool):
-                    break
-                thread = pool[joined]
-            thread.join()  # a thread starts any spare before it ends, so the list is complete
-            joined += 1
+            try:
+                with take:
+                    if joined == len(pool):
+                        break
+                    thread = pool[joined]
+                thread.join()  # a thread starts any spare before it ends: the list is complete
+                joined += 1
+            except BaseException as exc:
+                if on_interrupt is None or interrupted is not None:
+                    raise
+                interrupted = exc
+                failures.append(exc)  # no thread takes another item
+                on_interrupt()
+        if interrupted is not None:
+            raise interrupted
     if failures:
         raise failures[0]
 
