@@ -109,7 +109,8 @@ EXIT_CODES: dict[int, str] = {
     EXIT_FANOUT: "--fanout: a peer node failed after the group formed (rerun to resume)",
     EXIT_STAGING_STOPPED: "--background: the copier stopped (signal, or died) before staging "
     "everything",
-    EXIT_INTERRUPTED: "interrupted (SIGINT); rerun to resume",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C; SIGTERM in a foreground stage-in or a one-shot "
+    "stage-out); rerun to resume",
 }
 
 

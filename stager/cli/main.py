@@ -100,8 +100,9 @@ def _run(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
             print(line, file=sys.stderr)
         print(f"{prog}: error: {one_line(exc)}", file=sys.stderr)
         return exit_code_for(exc)
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted; rerun to resume", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # Ctrl-C, or a signal a command turned into one
+        why = f" ({exc.args[0]})" if exc.args else ""
+        print(f"{prog}: interrupted{why}; rerun to resume", file=sys.stderr)
         return EXIT_INTERRUPTED
 
 

@@ -25,6 +25,7 @@ from stager.stagein.feed import ItemFeed
 from stager.stagein.guards import space_error
 from stager.stagein.journal import Journal
 from stager.stagein.options import StageInOptions
+from stager.stagein.pacing import CopierStopped
 from stager.stagein.plan import CopyItem, LocalPlan, count_samples_of
 from stager.stagein.progress import Progress
 from stager.stagein.report import StageInReport
@@ -94,6 +95,7 @@ class Copier:
         self.late = dict(zip(relpaths, range(len(late)), strict=False))  # C loops
         self.sizing: DeferredPreflight | None = None
         self.stopped_by: BaseException | None = None  # why a streamed listing ended early
+        self.interrupted = False  # Ctrl-C or SIGTERM: the copies in progress stop
         if late or streamed:
             self.sizing = DeferredPreflight(
                 [shard.path for shard in late],
@@ -126,6 +128,7 @@ class Copier:
                 name="stage-in",
                 on_exit=self.slots.give_back,
                 before_take=self._before_take,
+                on_interrupt=self._interrupt,
             )
             if self.sizing is not None:
                 # Not on an error or interrupt: the probe's threads are daemons.
@@ -164,6 +167,12 @@ class Copier:
             self.sizing.gate.refuse()
         self.close()
 
+    def _interrupt(self) -> None:
+        """Ctrl-C or SIGTERM on the main thread: each copy in progress stops at its next block,
+        deleting its ``.partial``, and :meth:`abort` deletes those held for the verdict."""
+        self.interrupted = True
+        self.abort(KeyboardInterrupt())
+
     def _journal_passed(self, failed: list[tuple[str, OSError]]) -> None:
         """Journal the held copies the verdict has just renamed, while other copies still run:
         a kill before the end must not leave final files that a rerun copies again."""
@@ -185,6 +194,8 @@ class Copier:
             self.report.add_failure(ShardFailure(item.shard.url, reason, kind))
 
     def _on_bytes(self, n: int) -> None:
+        if self.interrupted:
+            raise CopierStopped  # unwinds copy_file, which deletes its .partial
         with self.lock:
             self.report.bytes_read_source += n
         self.progress.advance(n)

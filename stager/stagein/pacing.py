@@ -35,8 +35,8 @@ _LAST = 1 << 62  # the priority of a thread that did not say which shard it copi
 
 
 class CopierStopped(BaseException):
-    """The background copier was told to stop: unwinds a copy thread (not an ``Exception``,
-    so no retry loop or per-shard handler swallows it)."""
+    """The copier was told to stop (a signal; Ctrl-C in the foreground): unwinds a copy thread
+    (not an ``Exception``, so no retry loop or per-shard handler swallows it)."""
 
 
 class OrderedThrottle(Throttle):

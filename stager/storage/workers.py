@@ -54,6 +54,8 @@ def run_in_threads(
     count = max(1, threads)
     pool: list[threading.Thread] = []
     looking = [0]  # threads between finishing an item (or starting) and taking the next
+    ended = [0]  # threads that have left ``loop``
+    all_ended = threading.Condition(take)
 
     def loop() -> None:
         try:
@@ -75,8 +77,13 @@ def run_in_threads(
                     failures.append(exc)
                     return
         finally:
-            if on_exit is not None:
-                on_exit()
+            try:
+                if on_exit is not None:
+                    on_exit()
+            finally:
+                with take:
+                    ended[0] += 1
+                    all_ended.notify_all()
 
     def _start_spare() -> None:
         """Start another thread (under ``take``: the joiner never meets one not started)."""
@@ -91,22 +98,23 @@ def run_in_threads(
         with take:
             pool.append(threading.Thread(target=loop, name=f"{name}-0", daemon=True))
             pool[0].start()
-        joined = 0
         interrupted: BaseException | None = None
         while True:
             try:
-                with take:
-                    if joined == len(pool):
-                        break
-                    thread = pool[joined]
-                thread.join()  # a thread starts any spare before it ends: the list is complete
-                joined += 1
+                # Not Thread.join: one interrupted by a signal marks its thread as stopped
+                # while it still runs (CPython 3.11), and the next join returns at once.
+                with all_ended:  # a thread starts any spare before it ends: pool is complete
+                    while ended[0] < len(pool):
+                        all_ended.wait()
+                break
             except BaseException as exc:
                 if on_interrupt is None or interrupted is not None:
                     raise
                 interrupted = exc
                 failures.append(exc)  # no thread takes another item
                 on_interrupt()
+        for thread in pool:
+            thread.join()  # each has left loop(): only its last bytecodes remain
         if interrupted is not None:
             raise interrupted
     if failures:

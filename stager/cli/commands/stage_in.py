@@ -18,6 +18,7 @@ from stager.cli.argtypes import (
     seconds,
     size,
 )
+from stager.cli.fanout_flags import add_fanout_arguments, fanout_options_from_args
 from stager.cli.staging_flags import (
     add_background_arguments,
     background_dataset,
@@ -34,8 +35,8 @@ from stager.errors import (
     exit_codes_text,
     one_line,
 )
-from stager.fanout.group import FanoutOptions
 from stager.gcpause import collection_paused, freezing_after_pauses
+from stager.interrupts import sigterm_interrupts
 from stager.slurm import SlurmEnv
 from stager.stagein.options import PROGRESS_STYLES, SUBSETS, StageInOptions
 from stager.stagein.report import StageInReport
@@ -52,7 +53,6 @@ def _d(name: str) -> object:
 
 
 _RETRY = RetryPolicy()
-_FANOUT = FanoutOptions()
 
 EPILOG = f"""exit codes: {exit_codes_text()}.
 with --checkpoint: {EXIT_OK} restored (its local path is the only line on stdout); \
@@ -285,7 +285,8 @@ def _run(args: argparse.Namespace) -> int:
             report = fanout_stage_in(source, options, fanout_options_from_args(args), slurm=slurm)
         else:  # a directory's first run copies while its walk goes on
             spec = None if args.from_list else args.source  # a list's shards are named
-            report = stage_in_foreground(spec, options, slurm, list_source, select)
+            with sigterm_interrupts():  # the copies in flight end without a .partial left
+                report = stage_in_foreground(spec, options, slurm, list_source, select)
     except Exception as exc:
         report = getattr(exc, "report", None)
         if report is not None and (report.files_total or report.failures):
@@ -338,63 +339,3 @@ def _restore(args: argparse.Namespace) -> int:
     path = restore_checkpoint(args.checkpoint, resolve_dest_root(args.dest))
     print(os.path.abspath(path), flush=True)
     return 0
-
-
-def add_fanout_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``--fanout*`` flags of ``stage-in``."""
-    add = parser.add_argument
-    add(
-        "--fanout",
-        action="store_true",
-        help="replicated staging that reads the source once in total: the node tasks (srun "
-        "--ntasks-per-node=1) form a gloo group, each reads its part and broadcasts it to the "
-        "others",
-    )
-    add(
-        "--fanout-host",
-        metavar="HOST",
-        help="rendezvous host (default: $STAGER_FANOUT_HOST, else the job's first node)",
-    )
-    add(
-        "--fanout-port",
-        type=positive_count,
-        metavar="PORT",
-        help="rendezvous TCP port (default: $STAGER_FANOUT_PORT, else derived from the job id)",
-    )
-    add(
-        "--fanout-timeout",
-        type=positive_seconds,
-        default=_FANOUT.form_timeout_s,
-        metavar="S",
-        help="seconds to wait for all nodes to join; then fall back to plain copying with a "
-        f"warning (default {_FANOUT.form_timeout_s:g})",
-    )
-    add(
-        "--fanout-op-timeout",
-        type=positive_seconds,
-        default=_FANOUT.op_timeout_s,
-        metavar="S",
-        help="seconds one exchange step may wait for a peer (longer than one shard's source "
-        f"read; default {_FANOUT.op_timeout_s:g})",
-    )
-    add(
-        "--fanout-chunk-kib",
-        type=positive_count,
-        default=_FANOUT.chunk_bytes >> 10,
-        metavar="KIB",
-        help=f"size of one broadcast message in KiB (default {_FANOUT.chunk_bytes >> 10})",
-    )
-
-
-def fanout_options_from_args(args: argparse.Namespace) -> FanoutOptions:
-    if not 1 <= args.fanout_chunk_kib <= 1 << 20:
-        raise UsageError("--fanout-chunk-kib must be between 1 and 1048576")
-    if args.fanout_port is not None and not 1 <= args.fanout_port <= 65535:
-        raise UsageError("--fanout-port must be between 1 and 65535")
-    return FanoutOptions(
-        host=args.fanout_host,
-        port=args.fanout_port,
-        form_timeout_s=args.fanout_timeout,
-        op_timeout_s=args.fanout_op_timeout,
-        chunk_bytes=args.fanout_chunk_kib << 10,
-    )

@@ -1,0 +1,166 @@
+"""Ctrl-C and SIGTERM during a foreground stage-in: the copies in flight stop at their next
+block and delete their ``.partial``, the run exits 130 with one line, and a rerun completes.
+
+(SIGKILL cannot be handled: tests/test_faults.py checks that what it leaves is never trusted.)
+"""
+
+from __future__ import annotations
+
+import filecmp
+import random
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from stager.errors import EXIT_INTERRUPTED
+from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
+from stager.storage.workers import run_in_threads
+
+from .conftest import BIN, clean_env, run_cli
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def test_an_interrupt_stops_the_items_in_progress_and_outlives_no_thread() -> None:
+    """The caller's thread is interrupted while it waits: ``on_interrupt`` runs once, no item
+    is taken after it, and the exception comes out only after every thread has finished."""
+    told = threading.Event()
+    started: list[int] = []
+    finished: list[int] = []
+
+    def raise_here(_signum: int, _frame: object) -> None:
+        raise _Interrupted
+
+    def work(item: int) -> None:
+        started.append(item)
+        if item == 0:
+            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGUSR1)
+        assert told.wait(30), "on_interrupt never ran"
+        time.sleep(0.05)  # still working after the interrupt: the caller must wait for this
+        finished.append(item)
+
+    previous = signal.signal(signal.SIGUSR1, raise_here)
+    try:
+        with pytest.raises(_Interrupted):
+            run_in_threads(work, range(100), 4, on_interrupt=told.set)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert told.is_set()
+    assert sorted(finished) == sorted(started)  # nothing was left half-way
+    assert len(started) <= 4  # only the items in progress when it came; none after
+
+
+def _restore_default_signals() -> None:
+    """A test runner started in the background (``cmd &``) ignores SIGINT, and a child would
+    inherit that; a job step's processes start with the defaults."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """4 shards of ~2 MB: at --bw-limit 2 the run takes ~4 s, so a signal finds copies in
+    flight."""
+    src = tmp_path_factory.mktemp("interrupt") / "ds"
+    write_synthetic_dataset(
+        src, SyntheticSpec(num_shards=4, samples_per_shard=20, image_bytes=100_000)
+    )
+    return src
+
+
+def _start(source: Path, dest: Path) -> subprocess.Popen[str]:
+    argv = [BIN / "stage-in", source, "--dest", dest, "--bw-limit", "2", "--jobs", "2"]
+    return subprocess.Popen(
+        [str(a) for a in [*argv, "--progress", "none", "--jitter-max", "0"]],
+        env=clean_env(),
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_restore_default_signals,
+    )
+
+
+def _check_left(source: Path, dest: Path) -> None:
+    """Nothing partial anywhere; every file under a shard's final name is that shard."""
+    assert not [p for p in dest.rglob("*.partial")], "a .partial was left behind"
+    for staged in (dest / "ds").glob("*.tar") if (dest / "ds").exists() else []:
+        assert filecmp.cmp(staged, source / staged.name, shallow=False), staged.name
+
+
+def _rerun_completes(source: Path, dest: Path) -> None:
+    result = run_cli("stage-in", str(source), "--dest", str(dest), "--quiet", "--jitter-max", "0")
+    assert result.returncode == 0, result.stderr
+    names = sorted(p.name for p in source.glob("*.tar"))
+    assert sorted(p.name for p in (dest / "ds").glob("*.tar")) == names
+    _check_left(source, dest)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("manifest", [False, True], ids=["walked", "manifest"])
+def test_a_signal_mid_copy_leaves_no_partial_and_exits_130(
+    source: Path, tmp_path: Path, sig: int, manifest: bool
+) -> None:
+    if manifest:
+        src = tmp_path / "src" / "ds"
+        src.mkdir(parents=True)
+        for shard in source.glob("*.tar"):
+            (src / shard.name).write_bytes(shard.read_bytes())
+        assert run_cli("stager", "index", str(src)).returncode == 0
+    else:
+        src = source
+    dest = tmp_path / "scratch"
+    proc = _start(src, dest)
+    deadline = time.monotonic() + 30
+    while not list(dest.rglob("*.partial")) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert list(dest.rglob("*.partial")), "no copy was caught in flight"
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == EXIT_INTERRUPTED, err
+    last = err.strip().splitlines()[-1]
+    assert "interrupted" in last and "rerun" in last, err
+    if sig == signal.SIGTERM:
+        assert "SIGTERM" in last
+    assert "Traceback" not in err
+    _check_left(src, dest)
+    _rerun_completes(src, dest)
+
+
+def _signal_trial(source: Path, tmp_path: Path, seed: int) -> None:
+    """SIGTERM or SIGINT at a random moment once staging began (locking, listing, copies, the
+    finish): the run ends 0 or 130 with one line, never leaves a .partial or a wrong final
+    file, and a rerun completes. (Before that, the interpreter is still importing: Python's
+    own Ctrl-C traceback, or SIGTERM's default death, and nothing on scratch yet.)"""
+    rng = random.Random(seed)
+    dest = tmp_path / f"run{seed}"
+    proc = _start(source, dest)
+    deadline = time.monotonic() + 30
+    while not (dest / "ds").exists() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(rng.uniform(0.0, 4.5))  # the whole run takes ~4 s
+    proc.send_signal(rng.choice([signal.SIGINT, signal.SIGTERM]))
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode in (0, EXIT_INTERRUPTED), f"seed {seed}: {err}"
+    assert "Traceback" not in err, f"seed {seed}: {err}"
+    _check_left(source, dest)
+    _rerun_completes(source, dest)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_signal_at_a_random_moment_leaves_nothing_partial(
+    source: Path, tmp_path: Path, seed: int
+) -> None:
+    _signal_trial(source, tmp_path, seed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(100, 120))
+def test_a_signal_at_a_random_moment_leaves_nothing_partial_many(
+    source: Path, tmp_path: Path, seed: int
+) -> None:
+    _signal_trial(source, tmp_path, seed)
