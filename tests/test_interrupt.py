@@ -56,6 +56,37 @@ def test_an_interrupt_stops_the_items_in_progress_and_outlives_no_thread() -> No
     assert len(started) <= 4  # only the items in progress when it came; none after
 
 
+@pytest.mark.parametrize("started", [True, False], ids=["after-start", "before-start"])
+def test_an_interrupt_while_the_first_thread_starts(
+    monkeypatch: pytest.MonkeyPatch, started: bool
+) -> None:
+    """Interrupted inside the first ``Thread.start``: if the thread began, its item is told
+    and waited for; if it never began, nothing is taken. Either way the exception comes out."""
+    original = threading.Thread.start
+    taken: list[int] = []
+    finished: list[int] = []
+    told = threading.Event()
+
+    def interrupted_start(thread: threading.Thread) -> None:
+        if threading.current_thread() is threading.main_thread():
+            if started:
+                original(thread)
+            raise _Interrupted
+        original(thread)
+
+    def work(item: int) -> None:
+        taken.append(item)
+        told.wait(30)
+        finished.append(item)
+
+    monkeypatch.setattr(threading.Thread, "start", interrupted_start)
+    with pytest.raises(_Interrupted):
+        run_in_threads(work, range(100), 4, on_interrupt=told.set)
+    assert told.is_set()
+    assert sorted(finished) == sorted(taken)
+    assert len(taken) <= 4 if started else taken == []
+
+
 def _restore_default_signals() -> None:
     """A test runner started in the background (``cmd &``) ignores SIGINT, and a child would
     inherit that; a job step's processes start with the defaults."""

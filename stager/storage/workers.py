@@ -95,10 +95,18 @@ def run_in_threads(
         pool.append(threading.current_thread())  # nothing to grow into
         loop()
     else:
+        first = threading.Thread(target=loop, name=f"{name}-0", daemon=True)
         with take:
-            pool.append(threading.Thread(target=loop, name=f"{name}-0", daemon=True))
-            pool[0].start()
+            pool.append(first)
         interrupted: BaseException | None = None
+        try:
+            first.start()
+        except BaseException as exc:
+            if on_interrupt is None:
+                raise
+            interrupted = _stop_taking(exc, failures, on_interrupt)
+            if first.ident is None:  # it never reached loop(), and will take nothing if it does
+                raise
         while True:
             try:
                 # Not Thread.join: one interrupted by a signal marks its thread as stopped
@@ -110,15 +118,23 @@ def run_in_threads(
             except BaseException as exc:
                 if on_interrupt is None or interrupted is not None:
                     raise
-                interrupted = exc
-                failures.append(exc)  # no thread takes another item
-                on_interrupt()
+                interrupted = _stop_taking(exc, failures, on_interrupt)
         for thread in pool:
             thread.join()  # each has left loop(): only its last bytecodes remain
         if interrupted is not None:
             raise interrupted
     if failures:
         raise failures[0]
+
+
+def _stop_taking(
+    exc: BaseException, failures: list[BaseException], on_interrupt: Callable[[], object]
+) -> BaseException:
+    """The waiting thread was interrupted by ``exc``: no thread takes another item, and the
+    items in progress are told (``on_interrupt``)."""
+    failures.append(exc)
+    on_interrupt()
+    return exc
 
 
 def map_in_threads(
