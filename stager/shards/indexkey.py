@@ -60,8 +60,10 @@ def _stat_missing(shards: Sequence[str | os.PathLike[str]], table: np.ndarray) -
     """Fill the rows of ``table`` still ``-1`` with their shard's ``(size, mtime_ns)``.
 
     In runs of :func:`~stager.storage.statmany.stat_many` (one release of the interpreter lock
-    per run where the helper is built): stage-in's finish keys 10,000 just-copied shards here,
-    which took ~50 ms one ``os.stat`` at a time. A failed stat raises as ``os.stat`` would.
+    per run where the helper is built): stage-in's finish keys every just-copied shard here,
+    and a loader's start every shard it was not given a stat for. On tmpfs 10,000 stats took
+    22 ms in runs against 28 ms one ``os.stat`` at a time; each ``os.stat`` is also a point
+    where another thread may take the lock. A failed stat raises as ``os.stat`` would.
     """
     missing = np.flatnonzero(table[:, 1] < 0).tolist()
     paths = [os.fspath(shards[i]) for i in missing]  # str: pathlib costs ~25 us per shard
