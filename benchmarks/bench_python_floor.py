@@ -1,0 +1,101 @@
+"""Benchmark: the least a Python copier can spend per shard, against ``cp -r`` and stage-in.
+
+Run: ``.venv/bin/python -m benchmarks.bench_python_floor SRC SCRATCH [--threads 1,2,4]
+[--repeats 3]`` with ``SRC`` a directory of shards and ``SCRATCH`` a directory to copy into
+(both on a tmpfs, to measure the copiers rather than the disk; it is emptied between runs).
+
+The "floor" copier does only what a verified, atomic copy of a whole small file needs: open,
+``fstat``, one read, xxh3, create ``<name>.partial``, write, close, rename. No journal,
+manifest, index, retries, progress or stream control. Where stage-in trails ``cp -r`` on tiny
+shards, this tells the interpreter's share of the gap from stage-in's own bookkeeping
+(docs/benchmarks.md, "What a Python copier can reach on tiny shards at all").
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import xxhash
+
+
+def _files(root: str) -> list[str]:
+    return [os.path.join(d, f) for d, _, names in os.walk(root) for f in names]
+
+
+def floor_copy(files: list[str], src: str, dst: str, threads: int) -> float:
+    """Copy ``files`` (under ``src``) to ``dst`` on ``threads`` threads; seconds taken."""
+    for directory in {os.path.dirname(dst + p[len(src) :]) for p in files}:
+        os.makedirs(directory, exist_ok=True)
+
+    def work(part: list[str]) -> None:
+        for path in part:
+            out = dst + path[len(src) :]
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                data = os.read(fd, os.fstat(fd).st_size + 1)
+            finally:
+                os.close(fd)
+            xxhash.xxh3_64_hexdigest(data)
+            partial = out + ".partial"
+            fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+            os.rename(partial, out)
+
+    started = time.perf_counter()
+    pool = [threading.Thread(target=work, args=(files[i::threads],)) for i in range(threads)]
+    for thread in pool:
+        thread.start()
+    for thread in pool:
+        thread.join()
+    return time.perf_counter() - started
+
+
+def _timed(argv: list[str]) -> float:
+    started = time.perf_counter()
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - started
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("src")
+    parser.add_argument("scratch")
+    parser.add_argument("--threads", default="1,2,4")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    src = os.path.abspath(args.src).rstrip("/")
+    out = os.path.join(os.path.abspath(args.scratch), "copy")
+    os.makedirs(args.scratch, exist_ok=True)
+    files = _files(src)
+    stage_in = [sys.executable, "-m", "stager", "stage-in", src, "--dest", out]
+    stage_in += ["--jitter-max", "0", "--quiet", "--no-cache"]
+    runs: dict[str, list[float]] = {}
+    for _ in range(args.repeats):  # alternating, so drift touches every tool alike
+        tools = [("cp -r", lambda: _timed(["cp", "-r", src, out]))]
+        for n in (int(t) for t in args.threads.split(",")):
+            tools.append((f"floor, {n} thread(s)", lambda n=n: floor_copy(files, src, out, n)))
+        tools.append(("stage-in (defaults)", lambda: _timed(stage_in)))
+        for name, run in tools:
+            shutil.rmtree(out, ignore_errors=True)
+            runs.setdefault(name, []).append(run())
+    shutil.rmtree(out, ignore_errors=True)
+    base = statistics.median(runs["cp -r"])
+    print(f"{len(files)} files from {src}; median of {args.repeats}")
+    for name, seconds in runs.items():
+        median = statistics.median(seconds)
+        print(f"{name:24s} {median:7.3f} s  {base / median:5.2f}x cp -r")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
