@@ -11,11 +11,17 @@ cleanly; a flood of signals reproduces it within seconds (tests/test_signalevent
 :class:`SignalSafeEvent` is an ``Event`` whose lock is reentrant: the handler, on the thread that
 holds it, takes it again, sets the flag and wakes every waiter. Other threads see an ordinary
 ``Event``.
+
+Its :meth:`~SignalSafeEvent.wait` also wakes at least every quarter second to look at the
+flag: a handler that runs after ``wait`` has read the flag but before it has registered as a
+waiter sets the flag and notifies no one, and a plain wait then sleeps its whole timeout
+(up to a minute in ``--watch``).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 
 __all__ = ["SignalSafeEvent"]
 
@@ -27,3 +33,17 @@ class SignalSafeEvent(threading.Event):
         super().__init__()
         # Event's methods all go through ``_cond`` (CPython 3.8 to 3.14); only its lock changes.
         self._cond = threading.Condition(threading.RLock())
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """``Event.wait``, in slices of at most :data:`WAKE_S` (see the module doc)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = WAKE_S if deadline is None else min(WAKE_S, deadline - time.monotonic())
+            if left <= 0:
+                return self.is_set()
+            if super().wait(left):
+                return True
+
+
+#: The longest one slice of :meth:`SignalSafeEvent.wait` sleeps.
+WAKE_S = 0.25

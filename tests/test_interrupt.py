@@ -10,6 +10,7 @@ import filecmp
 import random
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -87,6 +88,30 @@ def test_an_interrupt_while_the_first_thread_starts(
     assert len(taken) <= 4 if started else taken == []
 
 
+def test_on_one_thread_an_interrupt_in_an_item_calls_on_interrupt_too() -> None:
+    """With one thread the items run on the caller's: a KeyboardInterrupt raised in one is
+    the interrupt (held copies must still be deleted), an ordinary error is not."""
+    told: list[bool] = []
+    seen: list[int] = []
+
+    def work(item: int) -> None:
+        seen.append(item)
+        if item == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_in_threads(work, range(10), 1, on_interrupt=lambda: told.append(True))
+    assert told == [True] and seen == [0, 1, 2, 3]
+
+    def fail(item: int) -> None:
+        raise ValueError(item)
+
+    told.clear()
+    with pytest.raises(ValueError):
+        run_in_threads(fail, range(10), 1, on_interrupt=lambda: told.append(True))
+    assert told == []
+
+
 def _restore_default_signals() -> None:
     """A test runner started in the background (``cmd &``) ignores SIGINT, and a child would
     inherit that; a job step's processes start with the defaults."""
@@ -105,15 +130,27 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return src
 
 
-def _start(source: Path, dest: Path) -> subprocess.Popen[str]:
-    argv = [BIN / "stage-in", source, "--dest", dest, "--bw-limit", "2", "--jobs", "2"]
+def _launch(argv: list[object]) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [str(a) for a in [*argv, "--progress", "none", "--jitter-max", "0"]],
+        [str(a) for a in argv],
         env=clean_env(),
         stderr=subprocess.PIPE,
         text=True,
         preexec_fn=_restore_default_signals,
     )
+
+
+def _start(source: Path, dest: Path) -> subprocess.Popen[str]:
+    argv = [BIN / "stage-in", source, "--dest", dest, "--bw-limit", "2", "--jobs", "2"]
+    return _launch([*argv, "--progress", "none", "--jitter-max", "0"])
+
+
+def _await_partials(dest: Path, count: int) -> None:
+    """Until ``count`` copies are in flight (or held) under ``dest``; fails after 30 s."""
+    deadline = time.monotonic() + 30
+    while len(list(dest.rglob("*.partial"))) < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(list(dest.rglob("*.partial"))) >= count, "the copies were not caught in flight"
 
 
 def _check_left(source: Path, dest: Path) -> None:
@@ -146,10 +183,7 @@ def test_a_signal_mid_copy_leaves_no_partial_and_exits_130(
         src = source
     dest = tmp_path / "scratch"
     proc = _start(src, dest)
-    deadline = time.monotonic() + 30
-    while not list(dest.rglob("*.partial")) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert list(dest.rglob("*.partial")), "no copy was caught in flight"
+    _await_partials(dest, 1)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == EXIT_INTERRUPTED, err
@@ -195,3 +229,65 @@ def test_a_signal_at_a_random_moment_leaves_nothing_partial_many(
     source: Path, tmp_path: Path, seed: int
 ) -> None:
     _signal_trial(source, tmp_path, seed)
+
+
+# The listing of a walked source, slowed as NFS would (50 ms a directory): copies finish while
+# the walk goes on, and are held as .partial until the last size is in (the free-space check).
+_SLOW_WALK = """
+import sys, time
+import stager.storage.listing as listing
+walk_one = listing._list_dir
+def slow(*args, **kwargs):
+    time.sleep(0.05)
+    return walk_one(*args, **kwargs)
+listing._list_dir = slow
+from stager.cli.main import stage_in_main
+sys.exit(stage_in_main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("jobs", ["1", "4"])
+def test_copies_held_for_the_free_space_check_are_deleted_on_sigterm(
+    tmp_path: Path, jobs: str
+) -> None:
+    flat = tmp_path / "flat"
+    write_synthetic_dataset(flat, SyntheticSpec(num_shards=80, samples_per_shard=2))
+    source = tmp_path / "ds"
+    for number, shard in enumerate(sorted(flat.glob("*.tar"))):
+        (source / f"d{number:03d}").mkdir(parents=True)
+        shard.rename(source / f"d{number:03d}" / shard.name)
+    dest = tmp_path / "scratch"
+    argv = [str(source), "--dest", str(dest), "--jobs", jobs, "--progress", "none"]
+    proc = _launch([sys.executable, "-c", _SLOW_WALK, *argv, "--jitter-max", "0"])
+    _await_partials(dest, 3)  # held: the walk is far from its end
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == EXIT_INTERRUPTED, err
+    assert "interrupted (SIGTERM)" in err.strip().splitlines()[-1]
+    assert not list(dest.rglob("*.partial")), "held copies were left behind"
+    assert not list(dest.rglob("*.tar")), "a held copy was published without the verdict"
+
+
+def test_a_signal_ends_the_bandwidth_caps_sleep_not_after_it(tmp_path: Path) -> None:
+    """Under ``--bw-limit`` a copy sleeps off its share of the cap: 8 streams of 2 MB at
+    0.1 MB/s owe ~160 s between them once their second blocks are read. A signal must end
+    those sleeps, not wait them out (this run took over 30 s before): Slurm's SIGKILL follows
+    SIGTERM after 30 s by default."""
+    source = tmp_path / "ds"
+    write_synthetic_dataset(
+        source, SyntheticSpec(num_shards=8, samples_per_shard=20, image_bytes=100_000)
+    )
+    dest = tmp_path / "scratch"
+    argv = [BIN / "stage-in", source, "--dest", dest, "--bw-limit", "0.1", "--jobs", "8"]
+    proc = _launch([*argv, "--fixed-jobs", "--progress", "none", "--jitter-max", "0"])
+    _await_partials(dest, 8)
+    time.sleep(3.0)  # streams have read their second block and sleep off the cap
+    proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        pytest.fail("stage-in waited out the --bw-limit sleeps after SIGTERM")
+    assert proc.returncode == EXIT_INTERRUPTED, err
+    _check_left(source, dest)

@@ -80,3 +80,34 @@ def test_it_is_an_event_to_every_other_thread() -> None:
     assert seen == [True] and event.is_set()
     event.clear()
     assert not event.is_set() and event.wait(0) is False
+
+
+def test_a_set_between_reading_the_flag_and_waiting_wakes_the_waiter_soon() -> None:
+    """The handler runs inside ``wait`` after the flag was read and before the waiter is
+    registered (forced here with a trace hook): the set notifies no one, and a plain Event
+    would sleep its whole timeout. This one looks again within a quarter second."""
+    import os
+    import signal
+    import time
+
+    event = SignalSafeEvent()
+    fired: list[int] = []
+
+    def tracer(frame, event_name, _arg):  # noqa: ANN001, ANN202 - sys.settrace's signature
+        if event_name == "call" and frame.f_code is threading.Condition.wait.__code__:
+            if not fired:
+                fired.append(1)
+                os.kill(os.getpid(), signal.SIGUSR1)  # runs at the next bytecode boundary
+        return None
+
+    previous = signal.signal(signal.SIGUSR1, lambda *_: event.set())
+    try:
+        sys.settrace(tracer)
+        started = time.monotonic()
+        woke = event.wait(60)
+        took = time.monotonic() - started
+    finally:
+        sys.settrace(None)
+        signal.signal(signal.SIGUSR1, previous)
+    assert fired and woke and event.is_set()
+    assert took < 30, f"slept {took:.1f} s of a 60 s timeout after the flag was set"

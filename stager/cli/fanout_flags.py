@@ -64,6 +64,8 @@ def add_fanout_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def fanout_options_from_args(args: argparse.Namespace) -> FanoutOptions:
+    """The parsed ``--fanout*`` flags as :class:`FanoutOptions`; out-of-range values raise a
+    one-line :class:`UsageError` here, before any node joins the group."""
     if not 1 <= args.fanout_chunk_kib <= 1 << 20:
         raise UsageError("--fanout-chunk-kib must be between 1 and 1048576")
     if args.fanout_port is not None and not 1 <= args.fanout_port <= 65535:

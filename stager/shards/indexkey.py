@@ -67,10 +67,14 @@ def _stat_missing(shards: Sequence[str | os.PathLike[str]], table: np.ndarray) -
     """
     missing = np.flatnonzero(table[:, 1] < 0).tolist()
     paths = [os.fspath(shards[i]) for i in missing]  # str: pathlib costs ~25 us per shard
-    done = 0
+    done, size = 0, 64
     while done < len(paths):
-        run = paths[done : done + _RUN]  # stat_many copies its list: never the whole rest
+        # stat_many copies and encodes the whole list it is given, before its budget stops
+        # it: runs start small and double while stats are fast (slow NFS stats stay short)
+        run = paths[done : done + size]
         rows, _ = stat_many(run, _STAT_BUDGET_S)
+        if len(rows) == len(run):
+            size = min(_RUN, size * 2)
         for k, row in enumerate(rows):
             if isinstance(row, int):
                 raise OSError(row, os.strerror(row), run[k])

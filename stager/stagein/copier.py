@@ -14,7 +14,6 @@ import dataclasses
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import TYPE_CHECKING, TextIO
 
@@ -25,8 +24,8 @@ from stager.stagein.feed import ItemFeed
 from stager.stagein.guards import space_error
 from stager.stagein.journal import Journal
 from stager.stagein.options import StageInOptions
-from stager.stagein.pacing import CopierStopped
-from stager.stagein.plan import CopyItem, LocalPlan, count_samples_of
+from stager.stagein.pacing import Halt
+from stager.stagein.plan import CopyItem, CopyOutcome, LocalPlan, count_samples_of
 from stager.stagein.progress import Progress
 from stager.stagein.report import StageInReport
 from stager.stagein.sizing import DROPPED, UNKNOWN, DeferredPreflight
@@ -41,14 +40,6 @@ if TYPE_CHECKING:
     from stager.stagein.cache import Claim, StageCache
 
 __all__ = ["Copier", "CopyOutcome"]
-
-
-@dataclass
-class CopyOutcome:
-    """What the copies produced: entries for the staged manifest, and indexes parsed in flight."""
-
-    entries: dict[str, ManifestEntry] = field(default_factory=dict)
-    parsed: dict[str, TarSampleCounter] = field(default_factory=dict)
 
 
 class Copier:
@@ -82,7 +73,9 @@ class Copier:
             interval_s=options.progress_interval_s,
             stream=log,
         )
-        self.throttle = Throttle(options.bw_limit_mbps * 1e6) if options.bw_limit_mbps else None
+        self.halt = Halt()  # Ctrl-C or SIGTERM: the copies in progress stop, waits end
+        rate = options.bw_limit_mbps * 1e6 if options.bw_limit_mbps else None
+        self.throttle = Throttle(rate, sleep=self.halt.pause) if rate else None
         self.lock = threading.Lock()
         self.full = threading.Event()  # scratch is full: the remaining copies cannot succeed
         self.dropped: list[str] = []  # sized later and found gone or a directory: not shards
@@ -95,7 +88,6 @@ class Copier:
         self.late = dict(zip(relpaths, range(len(late)), strict=False))  # C loops
         self.sizing: DeferredPreflight | None = None
         self.stopped_by: BaseException | None = None  # why a streamed listing ended early
-        self.interrupted = False  # Ctrl-C or SIGTERM: the copies in progress stop
         if late or streamed:
             self.sizing = DeferredPreflight(
                 [shard.path for shard in late],
@@ -170,7 +162,7 @@ class Copier:
     def _interrupt(self) -> None:
         """Ctrl-C or SIGTERM on the main thread: each copy in progress stops at its next block,
         deleting its ``.partial``, and :meth:`abort` deletes those held for the verdict."""
-        self.interrupted = True
+        self.halt.set()
         self.abort(KeyboardInterrupt())
 
     def _journal_passed(self, failed: list[tuple[str, OSError]]) -> None:
@@ -194,8 +186,7 @@ class Copier:
             self.report.add_failure(ShardFailure(item.shard.url, reason, kind))
 
     def _on_bytes(self, n: int) -> None:
-        if self.interrupted:
-            raise CopierStopped  # unwinds copy_file, which deletes its .partial
+        self.halt.check()  # CopierStopped unwinds copy_file, which deletes its .partial
         with self.lock:
             self.report.bytes_read_source += n
         self.progress.advance(n)
@@ -295,7 +286,8 @@ class Copier:
         self.slots.take()  # (again, if given back waiting for the walk, a size or the cache)
         result = None
         try:
-            result = call_with_retries(attempt, self.options.retry, on_retry=self._on_retry)
+            retry, on_retry = self.options.retry, self._on_retry
+            result = call_with_retries(attempt, retry, on_retry=on_retry, sleep=self.halt.pause)
             if claim is not None:  # copied into the cache: record it, place it in scratch
                 result = claim.publish(result, counters[0].samples if counters else None)
         except Exception as exc:  # noqa: BLE001 - every failure becomes one report line

@@ -101,8 +101,10 @@ def _write_result(staged: StagedDataset, report: StageInReport, exc: BaseExcepti
     try:
         tmp.write_text(json.dumps(payload))
         tmp.replace(path)
-    except OSError:
+    except BaseException as failure:  # a Ctrl-C or SIGTERM mid-write too: no .partial left
         try:
             tmp.unlink()
         except OSError:
             pass
+        if not isinstance(failure, OSError):
+            raise

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 from stager.storage.throttle import Throttle
 
-__all__ = ["CopierStopped", "OrderedThrottle", "GRACE_S", "BURST_S"]
+__all__ = ["CopierStopped", "Halt", "OrderedThrottle", "GRACE_S", "BURST_S"]
 
 #: How long the link must stay idle before a later shard may take bytes from an earlier one.
 GRACE_S = 0.1
@@ -37,6 +37,29 @@ _LAST = 1 << 62  # the priority of a thread that did not say which shard it copi
 class CopierStopped(BaseException):
     """The copier was told to stop (a signal; Ctrl-C in the foreground): unwinds a copy thread
     (not an ``Exception``, so no retry loop or per-shard handler swallows it)."""
+
+
+class Halt:
+    """A foreground copier's stop (Ctrl-C or SIGTERM on the main thread): a copy thread
+    raises :class:`CopierStopped` at its next block (:meth:`check`), and out of any wait it is
+    in (:meth:`pause`: the ``--bw-limit`` sleep, a retry's back-off), not after it."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def check(self) -> None:
+        if self._event.is_set():
+            raise CopierStopped
+
+    def pause(self, seconds: float) -> None:
+        """Sleep ``seconds``, unless (or until) the copier is halted."""
+        if self._event.wait(seconds):
+            raise CopierStopped
 
 
 class OrderedThrottle(Throttle):

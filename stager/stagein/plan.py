@@ -23,6 +23,7 @@ from stager.errors import IntegrityError, StagerError
 from stager.layout import PARTIAL_SUFFIX, StagedDataset
 from stager.shards import tarindex
 from stager.shards.manifest import MANIFEST_NAMES, Manifest, ManifestEntry, find_manifest
+from stager.shards.tarparse import TarSampleCounter
 from stager.stagein.journal import Journal
 from stager.stagein.options import StageInOptions
 from stager.stagein.stagedtree import StagedNames
@@ -32,6 +33,7 @@ from stager.storage.sources import SourceSet, SourceShard
 
 __all__ = [
     "CopyItem",
+    "CopyOutcome",
     "LocalPlan",
     "load_source_manifest",
     "read_previous",
@@ -81,6 +83,14 @@ class CopyItem:
             from_manifest=self.from_manifest,
             want_samples=self.want_samples,
         )
+
+
+@dataclass
+class CopyOutcome:
+    """What the copies produced: entries for the staged manifest, and indexes parsed in flight."""
+
+    entries: dict[str, ManifestEntry] = field(default_factory=dict)
+    parsed: dict[str, TarSampleCounter] = field(default_factory=dict)
 
 
 @dataclass

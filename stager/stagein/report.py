@@ -95,7 +95,10 @@ class StageInReport:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp.write_text(json.dumps(self.to_json(), indent=1) + "\n")
             os.replace(tmp, path)
-        except OSError as exc:
+        except BaseException as exc:
+            if not isinstance(exc, OSError):  # a Ctrl-C or SIGTERM mid-write: no .partial left
+                discard(tmp)
+                raise
             discard(tmp)
             reason = exc.strerror or str(exc)
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):

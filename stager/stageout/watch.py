@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import signal
 import sys
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,7 +36,8 @@ def stop_on_signals(
 
     def handler(signum: int, _frame: object) -> None:
         if stop.is_set() or not graceful:
-            raise KeyboardInterrupt(f"second signal {signal.Signals(signum).name}")
+            name = signal.Signals(signum).name
+            raise KeyboardInterrupt(f"second signal {name}" if stop.is_set() else name)
         stop.set()
 
     previous = {s: signal.signal(s, handler) for s in signals}
@@ -58,7 +58,7 @@ def watch(
     options: StageOutOptions,
     *,
     interval_s: float,
-    stop: threading.Event,
+    stop: SignalSafeEvent,
     on_pass: Callable[[list[Outcome]], None] | None = None,
 ) -> int:
     """Stage out ``list_ckpts()`` every ``interval_s`` until ``stop`` is set; return passes run."""

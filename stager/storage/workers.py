@@ -55,7 +55,13 @@ def run_in_threads(
     pool: list[threading.Thread] = []
     looking = [0]  # threads between finishing an item (or starting) and taking the next
     ended = [0]  # threads that have left ``loop``
-    all_ended = threading.Condition(take)
+    # Held until the last thread has left ``loop``, which releases it. The caller waits by
+    # acquiring it: a C-level lock it never has to release. (A Condition on ``take`` was
+    # tried: a signal landing inside its Python-level __enter__ leaked ``take`` and hung
+    # every thread; Thread.join interrupted by a signal marks a running thread as stopped.)
+    finished = threading.Lock()
+    finished.acquire()
+    all_ended = [False]
 
     def loop() -> None:
         try:
@@ -83,7 +89,10 @@ def run_in_threads(
             finally:
                 with take:
                     ended[0] += 1
-                    all_ended.notify_all()
+                    last = ended[0] == len(pool)  # pool grows only under take, by the living
+                if last:
+                    all_ended[0] = True
+                    finished.release()
 
     def _start_spare() -> None:
         """Start another thread (under ``take``: the joiner never meets one not started)."""
@@ -93,7 +102,12 @@ def run_in_threads(
 
     if count == 1:
         pool.append(threading.current_thread())  # nothing to grow into
-        loop()
+        try:
+            loop()
+        except BaseException as exc:  # noqa: BLE001 - outside fn (on_exit), as if in it
+            failures.append(exc)
+        if on_interrupt is not None and failures and not isinstance(failures[0], Exception):
+            on_interrupt()  # a KeyboardInterrupt raised on this thread, in an item or between
     else:
         first = threading.Thread(target=loop, name=f"{name}-0", daemon=True)
         with take:
@@ -107,14 +121,9 @@ def run_in_threads(
             interrupted = _stop_taking(exc, failures, on_interrupt)
             if first.ident is None:  # it never reached loop(), and will take nothing if it does
                 raise
-        while True:
-            try:
-                # Not Thread.join: one interrupted by a signal marks its thread as stopped
-                # while it still runs (CPython 3.11), and the next join returns at once.
-                with all_ended:  # a thread starts any spare before it ends: pool is complete
-                    while ended[0] < len(pool):
-                        all_ended.wait()
-                break
+        while not all_ended[0]:  # set before ``finished`` is released: a signal that lands
+            try:  # after the acquire returned cannot make this wait again
+                finished.acquire(timeout=_SIGNAL_CHECK_S)
             except BaseException as exc:
                 if on_interrupt is None or interrupted is not None:
                     raise
@@ -151,3 +160,9 @@ def map_in_threads(
 
 
 _DONE = object()
+
+#: The longest the caller blocks in one wait for the threads. A signal that arrives just
+#: before a blocking wait (after the interpreter's last check, before the lock's wait begins)
+#: does not interrupt it, and its handler runs only when the wait returns: without a timeout,
+#: Ctrl-C was then not seen until every thread had finished (reproduced: 1 run in ~600).
+_SIGNAL_CHECK_S = 0.25
