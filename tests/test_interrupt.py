@@ -6,6 +6,7 @@ block and delete their ``.partial``, the run exits 130 with one line, and a reru
 
 from __future__ import annotations
 
+import dis
 import filecmp
 import random
 import signal
@@ -55,6 +56,53 @@ def test_an_interrupt_stops_the_items_in_progress_and_outlives_no_thread() -> No
     assert told.is_set()
     assert sorted(finished) == sorted(started)  # nothing was left half-way
     assert len(started) <= 4  # only the items in progress when it came; none after
+
+
+def test_an_interrupt_at_any_bytecode_of_the_wait_leaves_no_item_running() -> None:
+    """A signal's handler runs between two bytecodes of the waiting thread; which ones may
+    check for it differs between CPython versions. So raise at each bytecode of
+    run_in_threads from the first thread's start on (a trace hook): no item may finish after
+    the call has ended, and whenever items were still in progress, on_interrupt ran. (Three
+    such points let the threads run on in the version before, one of them with the waiting
+    thread's exception leaving before it had stopped them.)"""
+    code = run_in_threads.__code__
+    instructions = list(dis.get_instructions(code))
+    first_start = min(i.offset for i in instructions if i.argval == "start")
+    tried = 0
+    for target in [i.offset for i in instructions if i.offset >= first_start]:
+        fired: list[int] = []
+        told: list[bool] = []
+        done: list[int] = []
+
+        def work(item: int, done: list[int] = done) -> None:
+            time.sleep(0.02)
+            done.append(item)
+
+        def tracer(frame, event, _arg, target=target, fired=fired, done=done):  # noqa: ANN001, ANN202
+            if frame.f_code is not code:
+                return None
+            frame.f_trace_opcodes = True
+            if event == "opcode" and frame.f_lasti == target and not fired:
+                fired.append(len(done))
+                raise _Interrupted
+            return tracer
+
+        sys.settrace(tracer)
+        try:
+            run_in_threads(work, range(6), 3, on_interrupt=lambda told=told: told.append(True))
+        except _Interrupted:
+            pass
+        finally:
+            sys.settrace(None)
+        if not fired:
+            continue  # a branch this run does not take
+        tried += 1
+        ended_with = len(done)
+        time.sleep(0.1)
+        assert len(done) == ended_with, f"offset {target}: items finished after the call ended"
+        if ended_with < 6:
+            assert told, f"offset {target}: items were stopped without on_interrupt"
+    assert tried >= 10
 
 
 @pytest.mark.parametrize("started", [True, False], ids=["after-start", "before-start"])
@@ -291,3 +339,30 @@ def test_a_signal_ends_the_bandwidth_caps_sleep_not_after_it(tmp_path: Path) -> 
         pytest.fail("stage-in waited out the --bw-limit sleeps after SIGTERM")
     assert proc.returncode == EXIT_INTERRUPTED, err
     _check_left(source, dest)
+
+
+def test_a_halt_ends_a_pause_at_once_and_follows_a_given_stop() -> None:
+    """Halt.pause is the --bw-limit sleep and a retry's back-off: a stop ends it (background
+    stage-in hands its own stop event in, so its back-offs end on SIGTERM too)."""
+    from stager.stagein.pacing import CopierStopped, Halt
+
+    stop = threading.Event()
+    halt = Halt(stop)
+    halt.check()
+    halt.pause(0)  # not stopped: sleeps, returns
+    outcome: list[str] = []
+
+    def pause() -> None:
+        try:
+            halt.pause(600)
+            outcome.append("slept it out")
+        except CopierStopped:
+            outcome.append("stopped")
+
+    sleeper = threading.Thread(target=pause)
+    sleeper.start()
+    stop.set()
+    sleeper.join(30)
+    assert outcome == ["stopped"]
+    with pytest.raises(CopierStopped):
+        halt.check()

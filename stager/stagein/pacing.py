@@ -46,8 +46,9 @@ class Halt:
 
     __slots__ = ("_event",)
 
-    def __init__(self) -> None:
-        self._event = threading.Event()
+    def __init__(self, event: threading.Event | None = None) -> None:
+        """``event``: an existing stop to follow (background stage-in's), else a new one."""
+        self._event = event or threading.Event()
 
     def set(self) -> None:
         self._event.set()

@@ -113,21 +113,28 @@ def run_in_threads(
         with take:
             pool.append(first)
         interrupted: BaseException | None = None
-        try:
-            first.start()
-        except BaseException as exc:
-            if on_interrupt is None:
-                raise
-            interrupted = _stop_taking(exc, failures, on_interrupt)
-            if first.ident is None:  # it never reached loop(), and will take nothing if it does
-                raise
-        while not all_ended[0]:  # set before ``finished`` is released: a signal that lands
-            try:  # after the acquire returned cannot make this wait again
-                finished.acquire(timeout=_SIGNAL_CHECK_S)
+        starting = True
+        # The start and the whole wait, the loop's jumps included, are inside the try, so a
+        # signal handled at any of their bytecodes is caught here. all_ended is set before
+        # ``finished`` is released: a signal landing after the acquire returned cannot make
+        # it wait again.
+        while True:
+            try:
+                if starting:
+                    starting = False
+                    first.start()
+                while not all_ended[0]:
+                    finished.acquire(timeout=_SIGNAL_CHECK_S)
+                break
             except BaseException as exc:
                 if on_interrupt is None or interrupted is not None:
                     raise
                 interrupted = _stop_taking(exc, failures, on_interrupt)
+                if first.ident is None:
+                    # Not running yet, and maybe never created. If it was, it ends at once
+                    # (failures is set, so it takes nothing) and releases ``finished``.
+                    finished.acquire(timeout=1.0)
+                    raise
         for thread in pool:
             thread.join()  # each has left loop(): only its last bytecodes remain
         if interrupted is not None:
