@@ -62,9 +62,9 @@ def test_an_interrupt_at_any_bytecode_of_the_wait_leaves_no_item_running() -> No
     """A signal's handler runs between two bytecodes of the waiting thread; which ones may
     check for it differs between CPython versions. So raise at each bytecode of
     run_in_threads from the first thread's start on (a trace hook): no item may finish after
-    the call has ended, and whenever items were still in progress, on_interrupt ran. (Three
-    such points let the threads run on in the version before, one of them with the waiting
-    thread's exception leaving before it had stopped them.)"""
+    the call has ended, and whenever items were still in progress, on_interrupt ran. (In the
+    version before, at six such points the exception left before the threads were told, and
+    they ran on.)"""
     code = run_in_threads.__code__
     instructions = list(dis.get_instructions(code))
     first_start = min(i.offset for i in instructions if i.argval == "start")
