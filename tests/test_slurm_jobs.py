@@ -117,6 +117,11 @@ def jobs(slurm_cluster) -> dict[str, Job]:
 
 def _wait_done(cluster, job: Job, timeout_s: float = 240) -> dict[str, str]:
     record = cluster.wait_job(job.job_id, timeout_s=timeout_s, output=job.output)
+    if record["JobState"] != "COMPLETED" or record["ExitCode"] != "0:0":
+        # Whole, on stdout: pytest shows it for a failed test, where the assertion's repr is
+        # cut in the middle, and the job's files go with the test cluster.
+        print(f"--- job {job.job_id} ({record['JobState']}, {record['ExitCode']}) ---")
+        print(job.text())
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", (record, job.text())
     return record
 
