@@ -44,7 +44,7 @@ from stager.stagein.finish import finish
 from stager.stagein.guards import preflight
 from stager.stagein.node import attach_report, run_once_per_node
 from stager.stagein.options import StageInOptions
-from stager.stagein.pacing import CopierStopped, Halt, OrderedThrottle
+from stager.stagein.pacing import CopierStopped, OrderedThrottle
 from stager.stagein.plan import CopyItem, LocalPlan, clean_partials
 from stager.stagein.report import StageInReport
 from stager.stagein.run import jitter_s, new_report, prepare, staged_dataset
@@ -68,7 +68,7 @@ class _OrderedCopier(Copier):
         rate = self.options.bw_limit_mbps * 1e6 if self.options.bw_limit_mbps else None
         self.pacing = OrderedThrottle(rate, stop)
         self.throttle = self.pacing
-        self.halt = Halt(stop)  # a retry's back-off ends on the stop too
+        self.halt = self.pacing.halt  # a retry's back-off ends on the stop too
         self.priority = priority
 
     def _copy_one(self, item: CopyItem) -> None:

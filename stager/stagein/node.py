@@ -20,6 +20,7 @@ from stager.stagein.options import StageInOptions
 from stager.stagein.report import StageInReport
 from stager.storage.dest import ensure_private_dir
 from stager.storage.lock import NodeLock
+from stager.storage.paths import discard
 
 __all__ = ["run_once_per_node", "attach_report"]
 
@@ -102,9 +103,6 @@ def _write_result(staged: StagedDataset, report: StageInReport, exc: BaseExcepti
         tmp.write_text(json.dumps(payload))
         tmp.replace(path)
     except BaseException as failure:  # a Ctrl-C or SIGTERM mid-write too: no .partial left
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
+        discard(tmp)
         if not isinstance(failure, OSError):
             raise

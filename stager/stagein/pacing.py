@@ -80,7 +80,7 @@ class OrderedThrottle(Throttle):
         clock: Callable[[], float] = time.monotonic,
     ):
         super().__init__(rate_bytes_per_s, clock=clock)
-        self.stop = stop
+        self.halt = Halt(stop)
         self.grace_s = grace_s
         self.burst_s = burst_s
         self._cond = threading.Condition()
@@ -102,8 +102,7 @@ class OrderedThrottle(Throttle):
             self._cond.notify_all()
 
     def check(self) -> None:
-        if self.stop.is_set():
-            raise CopierStopped
+        self.halt.check()
 
     def consume(self, nbytes: int) -> None:
         self.check()
@@ -125,8 +124,8 @@ class OrderedThrottle(Throttle):
             until = self._busy_until
         # The reservation is made: sleep through it, waking early only to stop.
         delay = until - self._clock()
-        if delay > 0 and self.stop.wait(delay):
-            raise CopierStopped
+        if delay > 0:
+            self.halt.pause(delay)
         self.check()
 
     def _wait_turn(self, priority: int) -> float:

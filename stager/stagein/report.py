@@ -96,10 +96,9 @@ class StageInReport:
             tmp.write_text(json.dumps(self.to_json(), indent=1) + "\n")
             os.replace(tmp, path)
         except BaseException as exc:
-            if not isinstance(exc, OSError):  # a Ctrl-C or SIGTERM mid-write: no .partial left
-                discard(tmp)
+            discard(tmp)  # a Ctrl-C or SIGTERM mid-write too: no .partial left
+            if not isinstance(exc, OSError):
                 raise
-            discard(tmp)
             reason = exc.strerror or str(exc)
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise ScratchFull(

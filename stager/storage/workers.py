@@ -38,9 +38,10 @@ def run_in_threads(
     ``on_interrupt()``: when given, an exception raised on the calling thread while it waits
     (a KeyboardInterrupt: Ctrl-C, or SIGTERM where a handler turns it into one) stops the
     threads from taking items and calls it (to abandon the items in progress); the threads are
-    then joined, and the exception re-raised, so that none outlives the call half-way through
-    an item. A second one while they are joined is raised at once. Without it, the exception
-    leaves at once and the (daemon) threads die with the process wherever they are.
+    then waited for, and the exception re-raised, so that none outlives the call half-way
+    through an item. A second one while they are waited for is raised at once. Without it,
+    the exception leaves at once and the (daemon) threads die with the process wherever they
+    are.
 
     Threads start as they are needed, not all at once: one keeps looking for the next item
     while the others work, and a thread that takes an item while none is looking starts
@@ -95,7 +96,8 @@ def run_in_threads(
                     finished.release()
 
     def _start_spare() -> None:
-        """Start another thread (under ``take``: the joiner never meets one not started)."""
+        """Start another thread (under ``take``: it is in ``pool`` before any thread can
+        count itself ended, so no thread sees ``ended == len(pool)`` too early)."""
         spare = threading.Thread(target=loop, name=f"{name}-{len(pool)}", daemon=True)
         spare.start()
         pool.append(spare)
