@@ -32,9 +32,11 @@ on the shards of ~100 KB samples and of ~1 KB samples, alternating.
 worktree`` of an older commit), run in the same alternation: the ratio between the two is the
 change's own effect.
 
-``--sweep`` adds stage-in on one core (``taskset -c 0``) and with ``--jobs 1``: how it scales
-with the cores a job gives it (there is no 16-core machine here; 1 vs 2 cores is what can be
-swept). :func:`bench` keeps the older single-condition entry point for ``benchmarks.run_all``.
+``--sweep`` adds stage-in on one core (``taskset -c 0``) and with ``--jobs 1``; ``--cores
+1,2,4,8,16`` adds stage-in with its defaults pinned to each count of CPUs (what
+``--cpus-per-task`` gives a job) and ``xargs -P N cp`` on all of them: how it scales with the
+cores a job gives it, on a machine that has them. :func:`bench` keeps the older
+single-condition entry point for ``benchmarks.run_all``.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
@@ -199,8 +202,30 @@ def baseline_stage_in(checkout: Path) -> list[str]:
     return ["env", path, str(BIN / "stage-in"), "SRC", "--dest", "DST", "--quiet"]
 
 
-def matrix_tools(jobs: int, sweep: bool, baseline: Path | None = None) -> dict[str, list[str]]:
-    """Tool name -> argv template (SRC, DST substituted); ``dd`` is added per row."""
+def parallel_cp(processes: int) -> list[str]:
+    """``cp`` run by ``xargs -P``: what a user with many cores and no other tool would write
+    (``find | xargs -P N cp --parents``), the fair baseline where ``cp -r``'s one process
+    cannot use them."""
+    loop = (
+        'mkdir -p "$1" && cd "$0" && find . -type f -print0 '
+        f'| xargs -0 -P {processes} -n 16 cp --parents -t "$1"'
+    )
+    return ["sh", "-c", loop, "SRC", "DST"]
+
+
+def pinned(cores: int, argv: list[str]) -> list[str]:
+    """``argv`` on the first ``cores`` CPUs (``taskset``): a job given ``--cpus-per-task``."""
+    return ["taskset", "-c", f"0-{cores - 1}", *argv]
+
+
+def matrix_tools(
+    jobs: int, sweep: bool, baseline: Path | None = None, cores: tuple[int, ...] = ()
+) -> dict[str, list[str]]:
+    """Tool name -> argv template (SRC, DST substituted); ``dd`` is added per row.
+
+    ``cores``: also stage-in with its defaults pinned to each count of CPUs, and ``cp`` in
+    parallel on all of them (the scaling sweep of issue 22 on a machine with many cores).
+    """
     stage_in = [str(BIN / "stage-in"), "SRC", "--dest", "DST", "--quiet"]
     tools = {
         "cp -r": ["cp", "-r", "SRC", "DST"],
@@ -208,17 +233,15 @@ def matrix_tools(jobs: int, sweep: bool, baseline: Path | None = None) -> dict[s
         f"stage-in --jobs {jobs}": [*stage_in, "--jobs", str(jobs)],
         "stage-in (defaults)": stage_in,
     }
+    available = len(os.sched_getaffinity(0))
+    for n in sorted({c for c in cores if 0 < c <= available}):
+        tools[f"stage-in (defaults), {n} cores"] = pinned(n, stage_in)
+    if cores:
+        tools[f"xargs -P {available} cp"] = parallel_cp(available)
     if baseline is not None:
         tools["stage-in (defaults), baseline"] = baseline_stage_in(baseline)
     if sweep:
-        tools[f"stage-in --jobs {jobs}, 1 core"] = [
-            "taskset",
-            "-c",
-            "0",
-            *stage_in,
-            "--jobs",
-            str(jobs),
-        ]
+        tools[f"stage-in --jobs {jobs}, 1 core"] = pinned(1, [*stage_in, "--jobs", str(jobs)])
         tools["stage-in --jobs 1"] = [*stage_in, "--jobs", "1", "--min-jobs", "1"]
     return {name: cmd for name, cmd in tools.items() if shutil.which(cmd[0]) or "/" in cmd[0]}
 
@@ -261,12 +284,16 @@ def bench_matrix(
     sweep: bool,
     keys: list[str],
     baseline: Path | None = None,
+    cores: tuple[int, ...] = (),
 ) -> list[dict]:
     rows: list[dict] = []
     cold_ok = os.geteuid() == 0
-    for label, shards, samples, sample_bytes in (ROWS[key] for key in keys):
-        shards = max(2, round(shards * scale))
-        stored = _dataset(data_dir, label, shards, samples, sample_bytes)
+    specs = [(label, max(2, round(n * scale)), k, b) for label, n, k, b in map(ROWS.get, keys)]
+    # Each row's shards are written by one process: on a machine of many cores the rows are
+    # written at once, not one after the other (minutes of Python tar writing).
+    with ProcessPoolExecutor(max(1, min(len(specs), len(os.sched_getaffinity(0))))) as pool:
+        written = list(pool.map(_dataset, [data_dir] * len(specs), *zip(*specs, strict=True)))
+    for (label, *_), stored in zip(specs, written, strict=True):
         files = sorted(stored.iterdir())
         nbytes = sum(f.stat().st_size for f in files)
         for condition in conditions:
@@ -274,7 +301,8 @@ def bench_matrix(
                 print("skipping cold: dropping the page cache needs root", file=sys.stderr)
                 continue
             rows += _bench_condition(
-                label, condition, stored, files, nbytes, repeats, jobs, sweep, baseline
+                *(label, condition, stored, files, nbytes, repeats, jobs, sweep),
+                *(baseline, cores),
             )
     return rows
 
@@ -289,6 +317,7 @@ def _bench_condition(
     jobs: int,
     sweep: bool,
     baseline: Path | None = None,
+    cores: tuple[int, ...] = (),
 ) -> list[dict]:
     warm = condition in TMPFS_SOURCE  # no caches dropped
     src_root, dst_root = _condition_roots(condition)
@@ -298,7 +327,7 @@ def _bench_condition(
             shutil.copytree(stored, src)
         else:
             src = stored
-        tools = matrix_tools(jobs, sweep, baseline)
+        tools = matrix_tools(jobs, sweep, baseline, cores)
         dd = dd_command(sorted(src.iterdir()), dst_root / "dd-files.txt")
         tools = {"read ceiling (dd)": dd, **tools}
         times: dict[str, list[float]] = {name: [] for name in tools}
@@ -486,6 +515,12 @@ def main(argv: list[str] | None = None) -> int:
         help="also run stage-in (defaults) from this checkout (a git worktree of an older commit)",
     )
     parser.add_argument(
+        "--cores",
+        default="",
+        metavar="N,N,...",
+        help="also stage-in (defaults) pinned to each count of CPUs, and xargs -P cp on all",
+    )
+    parser.add_argument(
         "--rows", default=",".join(ROWS), help=f"which datasets, of {', '.join(ROWS)}"
     )
     args = parser.parse_args(argv)
@@ -497,6 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.baseline is not None:
         subprocess.run([sys.executable, "-m", "compileall", "-q", str(args.baseline)], check=False)
     conditions = [c for c in args.conditions.split(",") if c]
+    cores = tuple(int(c) for c in args.cores.split(",") if c)
 
     def run(workdir: Path) -> list[dict]:
         if args.sample_sizes:
@@ -505,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         return bench_matrix(
             *(conditions, args.repeats, args.jobs, args.scale, args.data or workdir),
-            *(args.sweep, keys, args.baseline),
+            *(args.sweep, keys, args.baseline, cores),
         )
 
     rows = in_workdir(None, "bench-stage-in-", run, parent=str(DISK))
