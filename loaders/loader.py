@@ -30,7 +30,7 @@ from .options import DROP_LAST_HINT, LEGACY_KEYWORDS, LoaderOptions
 from .orders import EpochOrders
 from .readers import Reader, open_reader
 from .resolve import DatasetShards, resolve_dataset
-from .samples import DecodeSpec, SamplePipeline, make_decoder, unpack_ragged
+from .samples import DecodeSpec, SamplePipeline, make_decoder, tuple_fields, unpack_ragged
 from .staging import StagingReader, staging_incomplete
 from .state import LoaderState
 from .world import agree_per_rank, detect_layout
@@ -99,7 +99,7 @@ class ShardedLoader(DataLoader):
         shuffle: bool | str = True,
         seed: int = 0,
         decode: DecodeSpec = None,
-        to_tuple: Sequence[str] | None = None,
+        to_tuple: str | Sequence[str] | None = None,
         map: Callable[[Any], Any] | None = None,  # noqa: A002 - the contract's name
         even: str = "pad",
         collate_fn: Callable[[list[Any]], Any] | None = None,
@@ -121,7 +121,7 @@ class ShardedLoader(DataLoader):
             workers_per_rank=num_workers,
             ranks_per_node=options.ranks_per_node,
         )
-        self._to_tuple = tuple(to_tuple) if to_tuple is not None else None
+        self._to_tuple = tuple_fields(to_tuple)
         self._own_collate = collate_fn is None
         self._epoch, self._skip, self._consumed = 0, 0, 0
         self._collected = False
@@ -245,7 +245,14 @@ class ShardedLoader(DataLoader):
             num_samples=int(self.shard_samples.sum()),
             elastic_from=elastic,
             staging_order=self.orders.recorded(self._epoch),
+            order=self._order_settings(),
         )
+
+    def _order_settings(self) -> dict[str, Any]:
+        settings = self.reader.order_settings()
+        if self.plan_options.shuffle == "blocked":
+            settings = {**settings, "block_samples": self.plan_options.block_samples}
+        return settings
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-able position: epoch and batches consumed, plus what must match to resume."""

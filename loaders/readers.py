@@ -75,6 +75,11 @@ class Reader(Protocol):
         """The epoch served by :meth:`resume_elsewhere`, if any."""
         ...
 
+    def order_settings(self) -> dict[str, Any]:
+        """What, beyond the plan's options, fixes the order of an epoch on this path (a resumed
+        state must match it)."""
+        ...
+
 
 def _passthrough(batch: Any) -> Any:
     return batch
@@ -153,6 +158,9 @@ class StagedReader:
         override = self._plan().override
         return override[0] if override is not None else None
 
+    def order_settings(self) -> dict[str, Any]:
+        return {}  # the plan alone: any worker count reads the same batches
+
 
 class StreamingReader:
     """Shards streamed front to back, one contiguous range per worker (see ``StreamingPlan``)."""
@@ -222,6 +230,12 @@ class StreamingReader:
 
     def elastic_epoch(self) -> int | None:
         return None
+
+    def order_settings(self) -> dict[str, Any]:
+        """Each worker streams its own range through its own shuffle buffer: both shape the
+        order (a random-access path's order depends on neither)."""
+        buffer = self._options.buffer_samples if self._bound()[0].options.shuffle != "none" else 0
+        return {"path": "streaming", "workers": self._workers, "buffer_samples": buffer}
 
 
 def open_reader(

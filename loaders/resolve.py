@@ -24,6 +24,7 @@ import numpy as np
 
 from stager.errors import IntegrityError, SourceError, StagerError, UsageError
 from stager.layout import StagedDataset, canonical_root, dataset_name
+from stager.shards.indexkey import changed_ns
 from stager.shards.manifest import Manifest, find_manifest, read_columns
 from stager.shards.tarindex import any_compressed
 from stager.stagein.status import PlanFacts
@@ -46,7 +47,8 @@ class ShardRef:
     local: bool  # a plain local file (random access possible)
     from_source: bool  # read from the source, not from a staged copy
     samples: int | None  # from a manifest; None means "count by reading headers"
-    # size and mtime when resolving stat'ed the staged copy: the index stamp reuses them
+    # size and last change (changed_ns) when resolving stat'ed the staged copy: the index key
+    # reuses them
     size: int | None = None
     mtime_ns: int | None = None
 
@@ -195,7 +197,7 @@ def _staged_mtimes(locations: Sequence[str], sizes: list[int]) -> tuple[list[int
         except FileNotFoundError:
             one = None
         if one is not None and one.st_size == size:
-            mtimes.append(one.st_mtime_ns)
+            mtimes.append(changed_ns(one))  # what the index key is made of
         else:
             mtimes.append(-1)
             missing.append(i)

@@ -138,6 +138,18 @@ def decode_sample(
         ) from cause
 
 
+def tuple_fields(to_tuple: str | Sequence[str] | None) -> tuple[str, ...] | None:
+    """``to_tuple`` as the loader keeps it: a string is split at spaces, as webdataset's
+    ``to_tuple("jpg;png cls")`` reads it (not into characters), and extensions are lower-cased,
+    as the members are grouped (``"JPG"`` names ``000.JPG``); ``__key__``-style names stay."""
+    if to_tuple is None:
+        return None
+    names = to_tuple.split() if isinstance(to_tuple, str) else list(to_tuple)
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise UsageError(f"to_tuple must name members, e.g. ('jpg;png', 'cls'); got {to_tuple!r}")
+    return tuple(n if n.startswith("__") else n.lower() for n in names)
+
+
 def select_fields(sample: dict[str, Any], to_tuple: Sequence[str]) -> tuple[Any, ...]:
     """``sample[name]`` for each name; ``"jpg;png"`` takes the first extension present."""
     out = []

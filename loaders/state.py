@@ -58,6 +58,9 @@ class LoaderState:
     elastic_from: dict[str, int] | None = None
     # Set when the epoch reads in the staging order (stager.plan.staging.StagingSpec.to_dict)
     staging_order: dict[str, int] | None = None
+    # What else fixes the order in this mode (the streaming path's workers and shuffle buffer,
+    # the blocked shuffle's block): must match too. None in a state saved before it was kept.
+    order: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         payload = asdict(self)
@@ -96,5 +99,10 @@ class LoaderState:
             for name in names
             if getattr(self, name) != getattr(current, name)
         ]
+        if self.order is not None and self.order != current.order:
+            differences.append(
+                f"the order's settings were {self.order!r}, are now {current.order!r} (the "
+                "same samples would come in another order: some twice, some never)"
+            )
         if differences:
             raise ResumeMismatch(differences)

@@ -61,6 +61,10 @@ def detect_layout(
             detected_rpn = _env_int(env, "LOCAL_WORLD_SIZE")
     rank = detected_rank if rank is None else rank
     world_size = detected_world if world_size is None else world_size
+    if world_size < 1 or (ranks_per_node is not None and ranks_per_node < 1):
+        raise UsageError(
+            f"world_size ({world_size}) and ranks_per_node ({ranks_per_node}) must be >= 1"
+        )
     rpn = ranks_per_node or detected_rpn or world_size
     if world_size % rpn:
         # Uneven tasks per node: the node split is meaningless, but subset="all" needs only ranks.

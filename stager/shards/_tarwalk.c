@@ -276,6 +276,22 @@ static int ext_code(Walker *w, const char *s, size_t n) {
     return (int)w->n_exts++;
 }
 
+/* ext_code of the extension lower-cased (ASCII; the walk vouches only for ASCII names), as
+ * stager.shards.members.split_key and webdataset's grouping lower-case it. */
+static int lowered_ext_code(Walker *w, const char *s, size_t n) {
+    size_t upper = 0;
+    while (upper < n && !(s[upper] >= 'A' && s[upper] <= 'Z')) upper++;
+    if (upper == n) return ext_code(w, s, n); /* nearly always: nothing to lower */
+    char small[64];
+    char *low = n <= sizeof small ? small : malloc(n);
+    if (!low) return -1;
+    for (size_t i = 0; i < n; i++)
+        low[i] = (char)((s[i] >= 'A' && s[i] <= 'Z') ? s[i] - 'A' + 'a' : s[i]);
+    int code = ext_code(w, low, n);
+    if (low != small) free(low);
+    return code;
+}
+
 static int grow_samples(Walker *w) {
     if (w->n_samples < w->cap_samples) return 1;
     size_t cap = w->cap_samples ? w->cap_samples * 2 : 64;
@@ -305,7 +321,7 @@ static int add_member(Walker *w, const unsigned char *name, size_t len, int64_t 
     size_t key_len = (size_t)(dot - name);
     const char *ext = (const char *)dot + 1;
     size_t ext_len = len - key_len - 1;
-    int code = ext_code(w, ext, ext_len);
+    int code = lowered_ext_code(w, ext, ext_len);
     if (code < 0) return code == -2 ? 0 : -1;
     int new_sample = 1;
     if (w->n_samples) {

@@ -1,8 +1,8 @@
 """The key of a dataset's loader index: what must be unchanged for the saved index to hold.
 
-Every shard's path, size and mtime, the sample count the manifest promises, the reader's
-``on_error`` and the index file's version. Any difference means the index is rebuilt, never
-trusted (see :mod:`stager.shards.loader_index`).
+Every shard's path, size and last change (:func:`changed_ns`), the sample count the manifest
+promises, the reader's ``on_error`` and the index file's version. Any difference means the
+index is rebuilt, never trusted (see :mod:`stager.shards.loader_index`).
 """
 
 from __future__ import annotations
@@ -14,9 +14,20 @@ import numpy as np
 
 from stager.storage.statmany import stat_many
 
-__all__ = ["KEY_FORMAT", "dataset_key"]
+__all__ = ["KEY_FORMAT", "changed_ns", "dataset_key"]
 
 KEY_FORMAT = 3  # 3: hashed column by column
+
+
+def changed_ns(st: os.stat_result) -> int:
+    """When a file last changed, for index keys: the later of its mtime and ctime.
+
+    The mtime alone misses a shard rewritten in place at the same size with its mtime put
+    back (``cp -p``, ``rsync -a --inplace``): the index would then point into bytes it was not
+    built from, and samples would get other samples' keys. Every write and ``utime`` moves the
+    ctime, which no call sets back (a new hard link moves it too: the index is then rebuilt).
+    """
+    return max(st.st_mtime_ns, st.st_ctime_ns)
 
 
 def dataset_key(
@@ -28,12 +39,12 @@ def dataset_key(
     *,
     version: int,
 ) -> bytes:
-    """A digest of every shard's path, size, mtime and expected count, in whole columns.
+    """A digest of every shard's path, size, last change and expected count, in whole columns.
 
     Hashed column by column (the paths joined by NUL, which no path holds; sizes and mtimes as
     int64 arrays, counts as text) rather than one formatted string per shard: ~0.12 s of a
     100k-shard start before.
-    ``stats`` rows of ``(size, mtime_ns)``; a None row, or -1 in an array, is stat'ed here.
+    ``stats`` rows of ``(size, changed_ns)``; a None row, or -1 in an array, is stat'ed here.
     """
     import hashlib
 
@@ -57,7 +68,7 @@ def dataset_key(
 
 
 def _stat_missing(shards: Sequence[str | os.PathLike[str]], table: np.ndarray) -> None:
-    """Fill the rows of ``table`` still ``-1`` with their shard's ``(size, mtime_ns)``.
+    """Fill the rows of ``table`` still ``-1`` with their shard's ``(size, changed_ns)``.
 
     In runs of :func:`~stager.storage.statmany.stat_many` (one release of the interpreter lock
     per run where the helper is built): stage-in's finish keys every just-copied shard here,
@@ -78,7 +89,7 @@ def _stat_missing(shards: Sequence[str | os.PathLike[str]], table: np.ndarray) -
         for k, row in enumerate(rows):
             if isinstance(row, int):
                 raise OSError(row, os.strerror(row), run[k])
-            table[missing[done + k]] = (row[1], row[3])
+            table[missing[done + k]] = (row[1], max(row[3], row[4]))  # changed_ns
         done += len(rows)
 
 

@@ -32,7 +32,7 @@ from stager.shards.flatindex import (
     flatten_walks,
     open_dataset_index,
 )
-from stager.shards.indexkey import dataset_key
+from stager.shards.indexkey import changed_ns, dataset_key
 from stager.shards.tarindex import TarIndex, duplicate_member, index_tar
 from stager.shards.tarnative import WalkResult
 from stager.shards.tarscan import scan_tar  # noqa: F401 - loaded with numpy, not on first use
@@ -49,7 +49,9 @@ __all__ = [
 
 log = logging.getLogger("stager_loaders")
 
-_CACHE_VERSION = 2  # 2: the dataset index narrows offsets and sizes to 32 bits where they fit
+# 2: the dataset index narrows offsets and sizes to 32 bits where they fit; 3: extensions are
+# lower-cased (stager.shards.members.split_key), and keys use each shard's ctime too
+_CACHE_VERSION = 3
 
 #: The dataset's one index file, in the loader-index directory beside the staged copy.
 DATASET_INDEX_NAME = "dataset.index"
@@ -74,9 +76,10 @@ CACHE_AFTER_S = 0.005
 def cached_index(
     shard: Path, *, cache_dir: Path | None = None, relpath: str | None = None
 ) -> TarIndex:
-    """:func:`stager.shards.tarindex.index_tar`, memoised on disk by the shard's size and mtime."""
+    """:func:`stager.shards.tarindex.index_tar`, memoised on disk by the shard's size and last
+    change (:func:`stager.shards.indexkey.changed_ns`)."""
     stat = shard.stat()
-    stamp = np.asarray([_CACHE_VERSION, stat.st_size, stat.st_mtime_ns], dtype=np.int64)
+    stamp = np.asarray([_CACHE_VERSION, stat.st_size, changed_ns(stat)], dtype=np.int64)
     path = _cache_path(shard, cache_dir, relpath or shard.name)
     if path is not None and path.is_file():
         try:
@@ -134,7 +137,7 @@ def build_flat_index(
     A shard whose tar headers are corrupt or truncated raises :class:`IntegrityError` naming
     the shard and the member, or with ``on_error="skip"`` contributes zero samples and is
     listed. A sample count that differs from the manifest's is corruption too (a stale copy).
-    ``stats`` are the shards' ``(size, mtime_ns)`` when the caller has just stat'ed them (the
+    ``stats`` are the shards' ``(size, changed_ns)`` when the caller has just stat'ed them (the
     loader's resolver does), saving a second stat per shard: ~0.3 s at 100k shards.
     """
     relpaths = list(relpaths) if relpaths is not None else [Path(p).name for p in shards]

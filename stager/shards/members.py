@@ -29,11 +29,15 @@ _KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")
 
 
 def split_key(member_name: str) -> tuple[str, str] | None:
-    """``"a/b/000012.jpg"`` -> ``("a/b/000012", "jpg")``; None for names without an extension."""
+    """``"a/b/000012.JPG"`` -> ``("a/b/000012", "jpg")``; None for names without an extension.
+
+    The extension is lower-cased, as webdataset groups members (``group_by_keys(lcase=True)``):
+    ``to_tuple=("jpg", "cls")`` reads ``000.JPG`` and ``000.CLS``, and ``k.jpg`` beside
+    ``k.JPG`` is one member twice."""
     match = _KEY_EXT.match(member_name)
     if not match:
         return None
-    return match.group(1), match.group(2)
+    return match.group(1), match.group(2).lower()
 
 
 #: Names of gzip-compressed shards, which are streamed rather than indexed.

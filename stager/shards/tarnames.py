@@ -243,7 +243,7 @@ def split_plain(hdr: np.ndarray, name_len: np.ndarray) -> Split:
         pre = np.ascontiguousarray(np.where(np.arange(pwidth) < prefix_len[:, None], prefix, 0))
         joined = np.strings.add(np.strings.add(pre.view(f"S{pwidth}").ravel(), b"/"), keys)
         keys = np.where(prefix_len > 0, joined, keys.astype(joined.dtype))
-    exts = np.strings.slice(names, cut + 1, None)
+    exts = np.strings.lower(np.strings.slice(names, cut + 1, None))  # as split_key does
     return Split(keys, exts, matched, plain)
 
 

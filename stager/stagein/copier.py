@@ -319,7 +319,7 @@ class Copier:
                 samples = counter.samples
         late_count = samples is None and self.options.count_samples
         if late_count and published:
-            samples = count_samples_of(item.final, self.log)  # compressed, or odd for the parser
+            samples = count_samples_of(item.final)  # compressed, or odd for the parser
         with self.lock:
             if not published:  # held as .partial until the verdict: counted after it, if need be
                 self.held.append(relpath)
@@ -356,7 +356,7 @@ class Copier:
         for index in sorted(sizing.probe.not_regular):
             print(
                 f"[{report.node}] warning: skipped {one_line(late[index].shard.url)!r}: not a "
-                "regular file (a FIFO or device?)",
+                "regular file (a FIFO, a device or a symlink to nothing?)",
                 file=self.log,
                 flush=True,
             )
@@ -386,7 +386,7 @@ class Copier:
             if entry is None or (index < self.held_journaled and relpath not in later):
                 continue
             if relpath in later:
-                samples = count_samples_of(final_of[relpath], self.log)
+                samples = count_samples_of(final_of[relpath])
                 entry = self.outcome.entries[relpath] = dataclasses.replace(entry, samples=samples)
             if self.journal is not None:
                 self.journal.record(entry)

@@ -87,7 +87,10 @@ def finish(run: Staging) -> None:
         },
     )
     try:
-        if not _unchanged(run.staged.manifest_path, manifest):  # a read-only scratch may hold it
+        # Rewritten when a shard was published in this run although the entries are the same
+        # (a copy made again): its mtime is what later runs compare staged files' ctimes with
+        # (stager.stagein.recorded). A read-only scratch may hold an unchanged one.
+        if report.files_copied or not _unchanged(run.staged.manifest_path, manifest):
             run.staged.meta_dir.mkdir(exist_ok=True)
             manifest.write(run.staged.manifest_path)
         assert run.journal is not None
@@ -130,6 +133,10 @@ def _count_and_index(run: Staging) -> Indexes:
     """Samples for entries that have none, and the member index of every uncompressed tar staged
     in this run, from the parse in flight or, where there was none, from the staged file."""
     indexes: Indexes = {}
+
+    def warn(message: str) -> None:
+        print(f"[{run.report.node}] warning: {message}", file=run.log, flush=True)
+
     for relpath, counter in run.parsed.items():
         index = counter.result()
         if index is not None and relpath in run.entries:
@@ -141,12 +148,12 @@ def _count_and_index(run: Staging) -> Indexes:
             continue
         final = run.staged.dir / relpath
         if tarindex.is_compressed(final) or not final.name.endswith(".tar"):
-            samples = count_samples_of(final, run.log)
+            samples = count_samples_of(final, warn)
         else:
             try:
                 index = indexes.get(relpath) or tarindex.index_tar(final)
             except IntegrityError as exc:
-                print(f"warning: {exc}", file=run.log, flush=True)
+                warn(str(exc))
                 continue
             indexes[relpath] = index
             samples = index.num_samples

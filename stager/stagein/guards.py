@@ -20,16 +20,29 @@ __all__ = ["check_outside_source", "check_same_source", "preflight", "space_erro
 
 
 def check_outside_source(staged: StagedDataset, source: SourceSet) -> None:
-    """Refuse a destination inside a local source: every rerun would stage the copy again."""
+    """Refuse a staged copy and a local source that overlap: a destination inside the source
+    (every rerun would stage the copy again), or a source inside the staged copy's directory
+    (staging would write over the source's files and delete its ``*.partial`` ones)."""
     if not source.is_local:
         return
     root = os.path.realpath(source.root_url)
     dest = os.path.realpath(staged.dir)
-    if dest == root or dest.startswith(root.rstrip("/") + "/"):
+    if _within(dest, root):
         raise UsageError(
             f"the destination {staged.dir} is inside the source {source.root_url}: each run "
             "would stage its own copy again; pass --dest outside the source"
         )
+    if _within(root, dest):
+        raise UsageError(
+            f"the source {source.root_url} is inside the staged copy's directory {staged.dir}: "
+            "staging would write over the source's own files; pass --dest (or --name) so "
+            "that DEST/NAME does not hold the source"
+        )
+
+
+def _within(path: str, directory: str) -> bool:
+    """Whether ``path`` is ``directory`` or below it (both resolved)."""
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
 
 
 def check_same_source(staged: StagedDataset, source: SourceSet) -> None:

@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import Callable
 
-from stager.errors import one_line, rebuild_error
+from stager.errors import exit_code_for, one_line, rebuild_error
 from stager.layout import PARTIAL_SUFFIX, StagedDataset
 from stager.stagein.options import StageInOptions
 from stager.stagein.report import StageInReport
@@ -55,12 +55,14 @@ def run_once_per_node(
                 return adopted
         try:
             report = work(lock.heartbeat)
-        except BaseException as exc:
+        except Exception as exc:
             failed: StageInReport | None = getattr(exc, "report", None)
             if failed is not None:
-                failed.exit_code = getattr(exc, "exit_code", 1)
+                failed.exit_code = exit_code_for(exc)
                 _write_result(staged, failed, exc)
             raise
+        # An interrupt (Ctrl-C, SIGTERM) leaves no result: a task that waited did not ask for
+        # it to stop, and takes the lock and finishes the staging itself, as after a kill -9.
         _write_result(staged, report, None)
         return report
 

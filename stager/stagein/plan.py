@@ -26,6 +26,7 @@ from stager.shards.manifest import MANIFEST_NAMES, Manifest, ManifestEntry, find
 from stager.shards.tarparse import TarSampleCounter
 from stager.stagein.journal import Journal
 from stager.stagein.options import StageInOptions
+from stager.stagein.recorded import RecordTimes
 from stager.stagein.stagedtree import StagedNames
 from stager.storage.hashing import hash_file
 from stager.storage.paths import SafeJoiner, all_canonical, safe_relpath
@@ -161,26 +162,33 @@ def read_previous(staged: StagedDataset) -> dict[str, ManifestEntry]:
 
 
 def clean_partials(dataset_dir: Path) -> int:
-    """Delete the ``.partial`` files a killed run left; returns how many."""
+    """Delete the ``.partial`` files a killed run left; returns how many.
+
+    One that cannot be deleted (a read-only scratch) stays: it never has a final name, so
+    nothing trusts it, and a staged copy that is complete is still verified and used; a copy
+    that needs writing fails with the destination's own error.
+    """
     removed = 0
     for leftover in dataset_dir.rglob(f"*{PARTIAL_SUFFIX}"):
         try:
             if leftover.is_file() or leftover.is_symlink():
                 leftover.unlink()
                 removed += 1
-        except FileNotFoundError:
+        except OSError:
             pass
     return removed
 
 
-def count_samples_of(final: Path, log: TextIO) -> int | None:
-    """Samples in a staged shard, or None (with a warning) when its tar cannot be read."""
+def count_samples_of(final: Path, warn: Callable[[str], None] | None = None) -> int | None:
+    """Samples in a staged shard, or None when its tar cannot be read, said to ``warn``. The
+    copier and the plan pass none: the finish counts what is still uncounted and warns once."""
     if not final.name.endswith((".tar", ".tgz", ".tar.gz")):
         return None
     try:
         return tarindex.count_samples(final)
     except IntegrityError as exc:
-        print(f"warning: {exc}", file=log, flush=True)
+        if warn is not None:
+            warn(str(exc))
         return None
 
 
@@ -216,14 +224,15 @@ def _kept_entry(
     want: ManifestEntry | None,
     before: ManifestEntry | None,
     options: StageInOptions,
-    log: TextIO,
+    times: RecordTimes | None = None,
 ) -> ManifestEntry | None:
     """The entry for a staged file that holds the source's current bytes, else None (copy it).
 
     With a manifest hash, the bytes are compared by hash. Without one, the staged copy must
     have been made from the source version the source reports now (inode, mtime and ctime;
     an ETag for object stores): a rewrite at the same size is copied again. Only a source
-    that reports no version at all is trusted by size alone.
+    that reports no version at all is trusted by size alone. A staged file changed since its
+    record was written (:mod:`stager.stagein.recorded`) is hashed again, or copied again.
     """
     size = want.size if want is not None else shard.size
     if st is None or not stat.S_ISREG(st.st_mode):  # absent, or a symlink: copy it (again)
@@ -233,12 +242,17 @@ def _kept_entry(
         return None
     want_hash = want.hash if want is not None else None
     previous_hash = before.hash if before is not None and before.size == have_size else None
+    changed = times is not None and times.changed_since_recorded(shard.relpath, st)
+    if changed:
+        previous_hash = None  # what the record says of its bytes no longer holds
     if want_hash is not None:
         have_hash = previous_hash
         if have_hash != want_hash:
             have_hash = hash_file(final, want_hash.split(":", 1)[0])
         if have_hash != want_hash:
             return None
+    elif changed:
+        return None
     elif shard.version is not None:
         if before is None or before.version != shard.version or before.size != have_size:
             return None
@@ -249,7 +263,7 @@ def _kept_entry(
     if samples is None and before is not None:
         samples = before.samples
     if samples is None and options.count_samples:
-        samples = count_samples_of(final, log)
+        samples = count_samples_of(final)
     version = shard.version or (before.version if before is not None else None)
     return ManifestEntry(shard.relpath, have_size, have_hash, samples, version)
 
@@ -264,6 +278,7 @@ def plan_local(
     heartbeat: Callable[[], None] = lambda: None,
     aligned: Sequence[ManifestEntry] | None = None,
     staged_names: StagedNames | None = None,
+    times: RecordTimes | None = None,
 ) -> LocalPlan:
     """Split ``shards`` into those to copy and those already staged with the source's bytes.
 
@@ -273,7 +288,8 @@ def plan_local(
     tree (it could lead outside), go through :class:`SafeJoiner`'s ``lstat`` and checks.
     ``aligned``: the manifest's entries when they name ``shards`` one for one, in order;
     ``staged_names``: the staged tree as walked before this run removed anything (extra names
-    only cost a check), else it is walked here.
+    only cost a check), else it is walked here. ``times``: when the records in ``previous``
+    were written, to tell staged files changed since (:mod:`stager.stagein.recorded`).
     """
     to_copy: list[CopyItem] = []
     kept: dict[str, ManifestEntry] = {}
@@ -292,17 +308,27 @@ def plan_local(
         rel = shard.relpath if canonical else safe_relpath(shard.relpath)
         if linked or rel in present:
             target, st = join.lstat(shard.relpath)
-            entry = _kept_entry(
-                shard, Path(target), st, want, previous.get(shard.relpath), options, log
-            )
+            before = previous.get(shard.relpath)
+            entry = _kept_entry(shard, Path(target), st, want, before, options, times)
             heartbeat()  # hashing staged copies against a manifest can take a while
             if entry is not None:
                 kept[shard.relpath] = entry
                 continue
+            if st is not None and stat.S_ISREG(st.st_mode):
+                # Not the source's current bytes: gone now, not when the copy replaces it, so
+                # that a run refused later (no space, a failed copy) leaves no stale final file.
+                _discard_stale(target)
         else:
             target = root + "/" + rel
         to_copy.append(_copy_item(shard, target, want))
     return LocalPlan(to_copy, kept)
+
+
+def _discard_stale(target: str) -> None:
+    try:
+        os.unlink(target)
+    except OSError:  # a read-only scratch: the copy into it fails with its own error
+        pass
 
 
 def _copy_item(shard: SourceShard, target: str, want: ManifestEntry | None) -> CopyItem:

@@ -43,6 +43,7 @@ from stager.stagein.plan import (
     remove_unlisted,
     sized_while_copying,
 )
+from stager.stagein.recorded import RecordTimes
 from stager.stagein.report import StageInReport
 from stager.stagein.stagedtree import StagedNames
 from stager.stagein.status import discard_plan
@@ -186,7 +187,12 @@ def prepare(
         shards = fill_sizes(source, shards, options.jobs, known=known, skipped=skipped)
         aligned = None  # fill_sizes may have dropped some
     for url in skipped:
-        warn(log, node, f"skipped {one_line(url)!r}: not a regular file (a FIFO or device?)")
+        warn(
+            log,
+            node,
+            f"skipped {one_line(url)!r}: not a regular file "
+            "(a FIFO, a device or a symlink to nothing?)",
+        )
     if manifest is not None:
         unlisted = undescribed & {s.relpath for s in shards} if undescribed else set()
         if unlisted:
@@ -210,7 +216,8 @@ def prepare(
     previous = read_previous(staged)
     remove_unlisted(staged, previous, shards)
     plan = plan_local(
-        shards, staged, expected, previous, options, log, heartbeat, aligned, staged_names
+        *(shards, staged, expected, previous, options, log, heartbeat, aligned, staged_names),
+        times=RecordTimes.of(staged),
     )
     plan.sized_later = sized_later
     report.files_total = len(shards) + len(source.missing)

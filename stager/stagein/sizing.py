@@ -209,8 +209,12 @@ class SizeProbe:
 
     def _record(self, index: int, found: StatRow | int) -> None:
         if isinstance(found, int):  # an errno
-            if found == errno.ENOENT:
+            if found == errno.ENOENT and not os.path.islink(self._paths[index]):
+                result = DROPPED  # gone since the listing: as if never listed
+            elif found == errno.ENOENT:  # a symlink to nothing: said, as a FIFO is
                 result = DROPPED
+                with self._cond:
+                    self.not_regular.append(index)
             else:
                 result = UNKNOWN
                 self._errors[index] = f"cannot stat it: {os.strerror(found)}"

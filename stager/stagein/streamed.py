@@ -91,6 +91,8 @@ def streamable_root(spec: str, options: StageInOptions) -> str | None:
         return None
     if "{" in spec or any(c in spec for c in "*?["):
         return None  # a pattern or a glob: its shards are named, not walked
+    if spec.endswith("://"):
+        return None  # names no path: refused by the listing (resolve_source)
     fs, path = split_fs(spec)
     if fs is not None or not os.path.isdir(path):
         return None

@@ -142,6 +142,11 @@ def _open_partial(partial: str) -> _Fd:
         except FileNotFoundError:
             os.makedirs(os.path.dirname(partial), exist_ok=True)
             return _Fd(partial, _WRITE_FLAGS)
+    except IsADirectoryError as exc:
+        raise DestinationError(
+            f"cannot write {partial}: a directory has that name (the source has one beside the "
+            "shard, or it was made in scratch); rename or remove it"
+        ) from exc
     except OSError as exc:
         if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):  # never fixed by a retry
             raise DestinationError(
@@ -265,7 +270,9 @@ def _opened_stat(src: object, url: str) -> os.stat_result | None:
         return None
     st = os.fstat(src.fd)
     if not is_regular(st):
-        raise SourceError(f"source shard is not a regular file (a FIFO or device?): {url}")
+        raise SourceError(
+            f"source shard is not a regular file (a FIFO, a device or a symlink to nothing?): {url}"
+        )
     return st
 
 
@@ -279,5 +286,5 @@ def _check_unchanged(src: _Fd, opened: os.stat_result, copied: int, url: str) ->
     if local_identity(now) != local_identity(opened) or now.st_size != copied:
         raise SizeMismatch(
             f"{url}: the source changed while it was copied ({copied} bytes read, now "
-            f"{now.st_size}); retrying"
+            f"{now.st_size}); is something still writing it?"
         )

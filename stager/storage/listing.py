@@ -167,7 +167,8 @@ def stat_one(fs: fsspec.AbstractFileSystem | None, path: str) -> Info | None:
             return info_of(fs.info(path))
         st = os.stat(path)
     except FileNotFoundError:
-        return None
+        # a symlink to nothing is not a shard that vanished: the caller says it skipped it
+        return Info(OTHER, 0, None) if fs is None and os.path.islink(path) else None
     if stat.S_ISDIR(st.st_mode):
         return Info(DIRECTORY, 0, None)
     kind = FILE if stat.S_ISREG(st.st_mode) else OTHER
@@ -217,6 +218,9 @@ def read_list(list_url: str) -> list[str]:
     except Exception as exc:  # noqa: BLE001 - translated at this boundary
         raise translate(exc, list_url) from exc
     urls = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+    for number, line in enumerate(lines, 1):
+        if "\0" in line:  # no path holds one; the system calls would refuse it mid-run
+            raise UsageError(f"list file {list_url}, line {number}: a NUL byte in a shard name")
     if not urls:
         raise UsageError(f"list file {list_url} names no shards")
     return urls

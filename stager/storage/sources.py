@@ -326,6 +326,8 @@ def _resolve(
             raise UsageError("an empty list of shard URLs names no dataset")
         digest = hashlib.sha256("\n".join(canonical_spec(u) for u in urls).encode()).hexdigest()
         return _list_urls(urls, name or dataset_name(urls), jobs, f"urls:{digest[:32]}", "the list")
+    if not spec.strip() or "\0" in spec or spec.endswith("://"):  # "", "file://", "s3://"
+        raise UsageError(f"SOURCE {spec!r} names no path; give a directory, file or URL")
     name = name or dataset_name(spec)
     if is_pattern(spec):
         expanded = expand_pattern(spec)
@@ -351,6 +353,9 @@ def _resolve(
         return _walk(spec, fs, path.rstrip("/") or "/", name, jobs, stat_listed)
     root = posixpath.dirname(path)
     if info.kind == OTHER:
-        raise SourceError(f"source {spec} is not a regular file (a FIFO or device?); refused")
+        raise SourceError(
+            f"source {spec} is not a regular file (a FIFO, a device or a symlink to nothing?); "
+            "refused"
+        )
     shard = _shard(fs, path, root, info)
     return SourceSet(display(fs, root), name, (shard,), (), fs, canonical_spec(spec))

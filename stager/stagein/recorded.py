@@ -1,0 +1,53 @@
+"""When the record of a staged file was written, to tell a file changed after it.
+
+A staged file is kept by a rerun when its record (the staged manifest, or the journal of a run
+killed before one) says it holds the source's current version. The record names the source's
+version, not the staged file's own: a staged file replaced since (a new inode under the same
+name) or written in place (its mtime put back, as ``cp -p`` or ``rsync -a --inplace`` do) would
+be trusted by its name and size. Every such change moves the file's ctime, which no call can set
+back, and the kernel stamps ctime and the record's mtime from the same clock: a staged file
+whose ctime is later than its record's mtime was changed after it was recorded. Its bytes are
+then hashed against the manifest where there is a hash, and copied again where there is not.
+
+A later hard link to the file moves its ctime too (a ``--cache`` copy that another job places
+in its own scratch): such a shard is placed again from the cache, which costs a link.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from stager.layout import StagedDataset
+from stager.stagein.journal import Journal
+
+__all__ = ["RecordTimes"]
+
+
+def _mtime_ns(path: os.PathLike[str] | str) -> int | None:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return None
+
+
+@dataclass(frozen=True)
+class RecordTimes:
+    """The mtimes of the staged manifest and of the journal, and which shards the journal
+    recorded (it is read after the manifest, so its entries win)."""
+
+    manifest_ns: int | None
+    journal_ns: int | None
+    journaled: frozenset[str]
+
+    @classmethod
+    def of(cls, staged: StagedDataset) -> RecordTimes:
+        journal_ns = _mtime_ns(staged.journal_path)
+        journaled = frozenset(Journal(staged.journal_path).read()) if journal_ns else frozenset()
+        return cls(_mtime_ns(staged.manifest_path), journal_ns, journaled)
+
+    def changed_since_recorded(self, relpath: str, st: os.stat_result) -> bool:
+        """Whether the staged file ``st`` of ``relpath`` changed after its record was written
+        (False where there is no record to compare with: nothing is trusted by it then)."""
+        recorded = self.journal_ns if relpath in self.journaled else self.manifest_ns
+        return recorded is not None and st.st_ctime_ns > recorded

@@ -1,0 +1,195 @@
+"""Defects a hostile review of the loader found (2026-11-28), each as it was reported: a resume
+that changed what shapes the order (the streaming path's workers and shuffle buffer, the
+blocked shuffle's block) was accepted and repeated some samples and skipped others; extensions
+were not lower-cased as webdataset groups them; ``world_size=0`` and ``to_tuple="__key__"``."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from stager.errors import IntegrityError, ResumeMismatch, UsageError
+from stager_loaders import LoaderOptions, ShardedLoader
+
+
+def _write_tar(path: Path, members: list[tuple[str, bytes]], gz: bool = False) -> None:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    path.write_bytes(gzip.compress(buffer.getvalue()) if gz else buffer.getvalue())
+
+
+def _dataset(root: Path, gz: bool = False, shards: int = 6, per_shard: int = 22) -> Path:
+    root.mkdir(parents=True)
+    for s in range(shards):
+        members = [(f"s{s}-{i:03d}.cls", str(i % 10).encode()) for i in range(per_shard)]
+        _write_tar(root / f"part-{s:03d}.{'tar.gz' if gz else 'tar'}", members, gz)
+    return root
+
+
+def _keys(loader: ShardedLoader) -> list[str]:
+    return [key for (batch,) in loader for key in batch]
+
+
+def _options(**kw) -> LoaderOptions:
+    return LoaderOptions(rank=0, world_size=1, **kw)
+
+
+def _state_after(loader: ShardedLoader, batches: int) -> dict:
+    it = iter(loader)
+    for _ in range(batches):
+        next(it)
+    return loader.state_dict()
+
+
+@pytest.mark.parametrize(
+    ("saved", "resumed"),
+    [
+        ({"num_workers": 2}, {"num_workers": 0}),
+        ({"buffer_samples": 1000}, {"buffer_samples": 10}),
+    ],
+)
+def test_a_streaming_resume_with_another_order_is_refused(
+    tmp_path: Path, saved: dict, resumed: dict
+) -> None:
+    """On .tar.gz shards each worker streams its own range through its own shuffle buffer: a
+    state saved with other workers or another buffer names another order."""
+    data = _dataset(tmp_path / "gz", gz=True)
+
+    def loader(num_workers: int = 0, buffer_samples: int = 1000) -> ShardedLoader:
+        options = _options(buffer_samples=buffer_samples)
+        return ShardedLoader(
+            str(data), batch_size=5, num_workers=num_workers, to_tuple=("__key__",), options=options
+        )
+
+    before = loader(**saved)
+    before.set_epoch(1)
+    state = _state_after(before, 6)
+    with pytest.raises(ResumeMismatch, match="order's settings"):
+        loader(**resumed).load_state_dict(state)
+    again = loader(**saved)  # the same settings still resume, exactly
+    again.load_state_dict(state)
+    whole = loader(**saved)
+    whole.set_epoch(1)
+    assert _keys(again) == _keys(whole)[6 * 5 :]
+
+
+def test_a_blocked_shuffle_resume_with_another_block_is_refused(tmp_path: Path) -> None:
+    data = _dataset(tmp_path / "plain")
+
+    def loader(block: int) -> ShardedLoader:
+        options = _options(shuffle_mode="blocked", block_samples=block)
+        return ShardedLoader(str(data), batch_size=5, to_tuple=("__key__",), options=options)
+
+    before = loader(4096)
+    before.set_epoch(1)
+    state = _state_after(before, 6)
+    with pytest.raises(ResumeMismatch, match="block_samples"):
+        loader(8).load_state_dict(state)
+    again = loader(4096)
+    again.load_state_dict(state)
+    whole = loader(4096)
+    whole.set_epoch(1)
+    assert _keys(again) == _keys(whole)[6 * 5 :]
+
+
+def test_a_state_without_the_order_settings_still_resumes(tmp_path: Path) -> None:
+    """A state saved before the order's settings were kept names none: it is not refused."""
+    data = _dataset(tmp_path / "plain")
+    loader = ShardedLoader(str(data), batch_size=5, to_tuple=("__key__",), options=_options())
+    state = _state_after(loader, 3)
+    state.pop("order")
+    fresh = ShardedLoader(str(data), batch_size=5, to_tuple=("__key__",), options=_options())
+    fresh.load_state_dict(state)
+    assert len(_keys(fresh)) == len(_keys(loader)) - 3 * 5
+
+
+@pytest.mark.parametrize("layout", ["plain", "gz", "staged"])
+def test_upper_case_extensions_group_as_webdataset_groups_them(tmp_path: Path, layout: str) -> None:
+    root = tmp_path / "src"
+    root.mkdir()
+    members = []
+    for i in range(4):
+        members += [(f"{i:03d}.BIN", b"x" * (i + 1)), (f"{i:03d}.Cls", str(i).encode())]
+    _write_tar(root / f"up-000.{'tar.gz' if layout == 'gz' else 'tar'}", members, layout == "gz")
+    # what webdataset makes of it: group_by_keys(lcase=True) lower-cases each extension
+    expected = [(b"x" * (i + 1), i) for i in range(4)]
+    options = _options()
+    if layout == "staged":
+        from stager.cli.main import main
+
+        assert main(["stage-in", str(root), "--dest", str(tmp_path / "s"), "--quiet"]) == 0
+        options = _options(dest=str(tmp_path / "s"))
+    for to_tuple in (("bin", "cls"), ("BIN", "CLS"), "bin cls"):
+        loader = ShardedLoader(
+            str(root),
+            batch_size=4,
+            shuffle=False,
+            decode="rgb8",
+            to_tuple=to_tuple,
+            options=options,
+        )
+        ((payloads, labels),) = list(loader)
+        assert list(zip(payloads, labels.tolist(), strict=True)) == expected
+
+
+def test_one_extension_in_two_cases_is_one_member_twice(tmp_path: Path) -> None:
+    root = tmp_path / "src"
+    root.mkdir()
+    _write_tar(root / "twice.tar", [("k0.jpg", b"a"), ("k0.JPG", b"b"), ("k1.jpg", b"c")])
+    with pytest.raises(IntegrityError, match="twice"):
+        list(ShardedLoader(str(root), batch_size=2, to_tuple=("__key__",), options=_options()))
+
+
+def test_a_world_of_no_ranks_is_a_usage_error(tmp_path: Path) -> None:
+    data = _dataset(tmp_path / "plain", shards=1)
+    with pytest.raises(UsageError, match="world_size"):
+        ShardedLoader(str(data), batch_size=4, options=LoaderOptions(rank=0, world_size=0))
+
+
+def test_to_tuple_as_one_string_names_members_not_characters(tmp_path: Path) -> None:
+    data = _dataset(tmp_path / "plain", shards=1, per_shard=4)
+    loader = ShardedLoader(
+        str(data),
+        batch_size=4,
+        shuffle=False,
+        decode="rgb8",
+        to_tuple="__key__ cls",
+        options=_options(),
+    )
+    ((keys, labels),) = list(loader)
+    assert list(keys) == [f"s0-{i:03d}" for i in range(4)] and labels.tolist() == [0, 1, 2, 3]
+    with pytest.raises(UsageError, match="to_tuple"):
+        ShardedLoader(str(data), batch_size=4, to_tuple="", options=_options())
+
+
+def test_a_staged_shard_rewritten_in_place_is_indexed_again(tmp_path: Path, capsys) -> None:
+    """Same size, mtime put back: the saved index no longer describes the bytes. Before, each
+    sample came with another sample's key (the review's ('a000', 'b000'), ...)."""
+    from stager.cli.main import main
+
+    src = tmp_path / "data"
+    src.mkdir()
+    _write_tar(src / "s-000.tar", [(f"a{i:03d}.cls", f"a{i:03d}".encode()) for i in range(5)])
+    dest = tmp_path / "scratch"
+    assert main(["stage-in", str(src), "--dest", str(dest), "--quiet"]) == 0
+    options = _options(dest=str(dest))
+    first = ShardedLoader(str(src), batch_size=5, shuffle=False, options=options)
+    assert list(next(iter(first))["__key__"]) == [f"a{i:03d}" for i in range(5)]  # indexed
+    staged = dest / "data" / "s-000.tar"
+    st = staged.stat()
+    _write_tar(staged, [(f"b{i:03d}.cls", f"b{i:03d}".encode()) for i in range(5)])
+    os.utime(staged, ns=(st.st_atime_ns, st.st_mtime_ns))
+    batch = next(iter(ShardedLoader(str(src), batch_size=5, shuffle=False, options=options)))
+    pairs = [
+        (k, bytes(t.numpy()).decode()) for k, t in zip(batch["__key__"], batch["cls"], strict=True)
+    ]
+    assert all(key == payload for key, payload in pairs), pairs

@@ -1,0 +1,244 @@
+"""Defects a hostile review of stage-in found (2026-11-28), each as it was reported: a source
+inside the staged copy's directory, a read-only scratch holding a leftover ``.partial``, a NUL
+byte in a list, a SOURCE naming no path, a refused rerun leaving a stale final file, a waiting
+task after the copier was interrupted, warnings printed twice, a symlink to nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from stager.errors import EXIT_DEST, EXIT_FULL, EXIT_INTERRUPTED, EXIT_USAGE
+from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
+
+from .conftest import BIN, clean_env, mount_tmpfs, run_cli
+from .inproc import clean_process_env, run_main
+
+FAST = ["--jitter-max", "0", "--quiet", "--retry-delay", "0.01"]
+LOUD = ["--jitter-max", "0", "--retry-delay", "0.01"]  # warnings and the summary shown
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch: pytest.MonkeyPatch) -> None:
+    clean_process_env(monkeypatch)
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
+
+
+def _rewrite_in_place(path: Path) -> bytes:
+    """Flip a payload byte, keeping the size and the mtime (as ``cp -p`` or ``rsync -a``)."""
+    before = path.stat()
+    data = bytearray(path.read_bytes())
+    data[700] ^= 0xFF
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    return bytes(data)
+
+
+@pytest.mark.parametrize("extra", [[], ["--subset", "node"], ["--background"]])
+def test_a_source_inside_the_staged_copys_directory_is_refused_and_left_alone(
+    tmp_path: Path, capsys, extra: list[str]
+) -> None:
+    dest = tmp_path / "scratch"
+    src = dest / "ds" / "sub"
+    write_synthetic_dataset(src, SyntheticSpec(num_shards=2, samples_per_shard=3, seed=1))
+    write_synthetic_dataset(src / "sub", SyntheticSpec(num_shards=2, samples_per_shard=3, seed=2))
+    (src / "notes.partial").write_text("the user's own file\n")
+    before = _snapshot(src)
+    result = run_main(
+        capsys, "stage-in", str(src), "--dest", str(dest), "--name", "ds", *FAST, *extra
+    )
+    assert result.returncode == EXIT_USAGE, result.stderr
+    assert "inside the staged copy's directory" in result.stderr
+    assert _snapshot(src) == before  # not one byte of the source written or deleted
+
+
+def test_a_read_only_scratch_with_a_leftover_partial_still_serves_its_staged_copy(
+    tmp_path: Path, capsys
+) -> None:
+    src = tmp_path / "ds"
+    write_synthetic_dataset(src, SyntheticSpec(num_shards=3, samples_per_shard=3))
+    with mount_tmpfs(tmp_path / "ro", "8m") as scratch:
+        assert run_main(capsys, "stage-in", str(src), "--dest", str(scratch), *FAST).returncode == 0
+        (scratch / "ds" / "train-000001.tar.partial").write_bytes(b"what a kill -9 left")
+        subprocess.run(["mount", "-o", "remount,ro", str(scratch)], check=True)
+        result = run_main(capsys, "stage-in", str(src), "--dest", str(scratch), *FAST)
+        assert result.returncode == 0, result.stderr
+        assert "Traceback" not in result.stderr
+
+
+def test_a_nul_byte_in_a_list_file_is_a_usage_error_naming_the_line(tmp_path: Path, capsys) -> None:
+    src = tmp_path / "ds"
+    write_synthetic_dataset(src, SyntheticSpec(num_shards=1, samples_per_shard=2))
+    listing = tmp_path / "list.txt"
+    listing.write_bytes(f"{src / 'train-000000.tar'}\n\0bin\n".encode())
+    result = run_main(
+        capsys, "stage-in", "--from-list", str(listing), "--dest", str(tmp_path / "s"), *FAST
+    )
+    assert result.returncode == EXIT_USAGE
+    assert "line 2" in result.stderr and "NUL" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("spec", ["", "   ", "file://", "s3://"])
+def test_a_source_naming_no_path_is_a_usage_error_not_the_current_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys, spec: str
+) -> None:
+    write_synthetic_dataset(tmp_path / "cwd", SyntheticSpec(num_shards=1, samples_per_shard=2))
+    monkeypatch.chdir(tmp_path / "cwd")
+    result = run_main(capsys, "stage-in", spec, "--dest", str(tmp_path / "s"), *FAST)
+    assert result.returncode == EXIT_USAGE
+    assert "names no path" in result.stderr
+    assert not (tmp_path / "s").exists() or not any((tmp_path / "s").rglob("*.tar"))
+
+
+def test_a_rerun_refused_for_space_leaves_no_stale_final_file(tmp_path: Path, capsys) -> None:
+    """A changed shard's old copy goes before the refusal: its final name never holds bytes the
+    source no longer has (the review's run kept them and exited 6)."""
+    src = tmp_path / "ds"
+    write_synthetic_dataset(src, SyntheticSpec(num_shards=3, samples_per_shard=4))
+    with mount_tmpfs(tmp_path / "small", "1m") as scratch:
+        assert run_main(capsys, "stage-in", str(src), "--dest", str(scratch), *FAST).returncode == 0
+        free = os.statvfs(scratch)
+        (scratch / "filler").write_bytes(b"\0" * (free.f_bavail * free.f_frsize - 4096))
+        victim = src / "train-000001.tar"
+        current = _rewrite_in_place(victim)
+        result = run_main(capsys, "stage-in", str(src), "--dest", str(scratch), *FAST)
+        staged = scratch / "ds" / victim.name
+        if result.returncode == 0:  # the stale copy's room was enough for the new one
+            assert staged.read_bytes() == current
+        else:
+            assert result.returncode == EXIT_FULL, result.stderr
+            assert not staged.exists() or staged.read_bytes() == current
+        for other in ("train-000000.tar", "train-000002.tar"):
+            assert (scratch / "ds" / other).read_bytes() == (src / other).read_bytes()
+        (scratch / "filler").unlink()
+        assert run_main(capsys, "stage-in", str(src), "--dest", str(scratch), *FAST).returncode == 0
+        assert staged.read_bytes() == current
+
+
+def test_a_task_waiting_on_an_interrupted_copier_finishes_the_staging_itself(
+    tmp_path: Path,
+) -> None:
+    """The copier's SIGTERM is not the waiter's: the waiter takes the lock and stages the rest
+    (the review saw it exit 1, the code of a bug)."""
+    src = tmp_path / "ds"
+    write_synthetic_dataset(
+        src, SyntheticSpec(num_shards=12, samples_per_shard=10, image_bytes=20_000)
+    )
+    dest = tmp_path / "scratch"
+    argv = [str(BIN / "stage-in"), str(src), "--dest", str(dest), "--bw-limit", "3", *FAST]
+    env = clean_env()
+    copier = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not list(dest.glob("ds/*.tar")) and time.monotonic() < deadline:
+        time.sleep(0.02)  # the copier holds the lock and has published a first shard
+    waiter = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)  # the waiter is queued on the node lock
+    copier.send_signal(signal.SIGTERM)
+    _, said = copier.communicate(timeout=30)
+    assert copier.returncode == EXIT_INTERRUPTED, said
+    _, err = waiter.communicate(timeout=120)
+    assert waiter.returncode == 0, err
+    for shard in sorted(src.glob("*.tar")):
+        assert (dest / "ds" / shard.name).read_bytes() == shard.read_bytes()
+    assert not list(dest.rglob("*.partial"))
+
+
+def test_a_corrupt_shard_is_warned_about_once_per_run(tmp_path: Path) -> None:
+    src = tmp_path / "ds"
+    write_synthetic_dataset(src, SyntheticSpec(num_shards=3, samples_per_shard=4))
+    with open(src / "train-000001.tar", "r+b") as handle:
+        handle.truncate(9000)
+    for _ in range(2):  # the first run and a rerun that keeps everything
+        result = run_cli("stage-in", str(src), "--dest", str(tmp_path / "s"), *LOUD)
+        assert result.returncode == 0, result.stderr
+        corrupt = [line for line in result.stderr.splitlines() if "corrupt tar header" in line]
+        assert len([line for line in corrupt if "no loader index" not in line]) == 1, result.stderr
+        assert all(line.startswith("[") for line in corrupt)  # the node says it
+
+
+def test_a_shard_that_is_a_symlink_to_nothing_is_warned_about(tmp_path: Path) -> None:
+    src = tmp_path / "ds"
+    write_synthetic_dataset(src, SyntheticSpec(num_shards=2, samples_per_shard=2))
+    dest = tmp_path / "s"
+    assert run_cli("stage-in", str(src), "--dest", str(dest), *FAST).returncode == 0
+    (src / "train-000000.tar").unlink()
+    (src / "train-000000.tar").symlink_to(tmp_path / "nowhere.tar")
+    for target in (dest, tmp_path / "fresh"):  # a rerun, and a first run
+        result = run_cli("stage-in", str(src), "--dest", str(target), *LOUD)
+        assert result.returncode == 0, result.stderr
+        warned = [line for line in result.stderr.splitlines() if "train-000000.tar" in line]
+        assert len(warned) == 1 and "symlink to nothing" in warned[0], result.stderr
+        assert not (target / "ds" / "train-000000.tar").exists()
+
+
+def test_a_shard_whose_temporary_name_is_a_source_directory_is_named_not_an_errno(
+    tmp_path: Path, capsys
+) -> None:
+    src = tmp_path / "ds"
+    write_synthetic_dataset(src / "a.tar.partial", SyntheticSpec(num_shards=1, samples_per_shard=2))
+    write_synthetic_dataset(tmp_path / "one", SyntheticSpec(num_shards=1, samples_per_shard=3))
+    (tmp_path / "one" / "train-000000.tar").rename(src / "a.tar")
+    dest = tmp_path / "s"
+    run_main(capsys, "stage-in", str(src), "--dest", str(dest), *FAST)  # either may win the name
+    run_main(capsys, "stage-in", str(src), "--dest", str(dest), *FAST)
+    current = _rewrite_in_place(src / "a.tar")
+    result = run_main(capsys, "stage-in", str(src), "--dest", str(dest), *FAST)
+    assert result.returncode == EXIT_DEST, result.stderr
+    assert "a directory has that name" in result.stderr and "Errno" not in result.stderr
+    staged = dest / "ds" / "a.tar"
+    assert not staged.exists() or staged.read_bytes() == current
+
+
+@pytest.mark.parametrize("manifest", [False, True])
+@pytest.mark.parametrize("change", ["replaced", "written in place"])
+def test_a_staged_file_changed_after_its_record_is_not_trusted_by_its_name(
+    tmp_path: Path, capsys, change: str, manifest: bool
+) -> None:
+    """The review replaced a staged shard (a new inode, the same size and mtime) and flipped a
+    byte of another in place with its mtime put back: both were kept by the rerun."""
+    src = tmp_path / "ds"
+    write_synthetic_dataset(src, SyntheticSpec(num_shards=4, samples_per_shard=10))
+    if manifest:
+        assert run_main(capsys, "stager", "index", str(src)).returncode == 0
+    dest = tmp_path / "s"
+    assert run_main(capsys, "stage-in", str(src), "--dest", str(dest), *FAST).returncode == 0
+    time.sleep(0.01)  # past the clock tick of the record's write
+    victim = dest / "ds" / "train-000000.tar"
+    if change == "replaced":
+        other = dest / "x"
+        other.write_bytes((dest / "ds" / "train-000001.tar").read_bytes())
+        st = victim.stat()
+        os.utime(other, ns=(st.st_atime_ns, st.st_mtime_ns))
+        other.replace(victim)
+    else:
+        _rewrite_in_place(victim)
+    assert victim.read_bytes() != (src / victim.name).read_bytes()
+    result = run_main(capsys, "stage-in", str(src), "--dest", str(dest), *FAST)
+    assert result.returncode == 0, result.stderr
+    for shard in src.glob("*.tar"):
+        assert (dest / "ds" / shard.name).read_bytes() == shard.read_bytes()
+    again = run_main(
+        capsys,
+        "stage-in",
+        str(src),
+        "--dest",
+        str(dest),
+        "--report",
+        str(tmp_path / "r.json"),
+        *FAST,
+    )
+    assert again.returncode == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["files_copied"] == 0  # once made right, the copy is trusted again
