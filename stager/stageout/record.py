@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from stager.errors import CheckpointError
 from stager.shards.manifest import ManifestEntry
 from stager.storage.hashing import new_hasher
-from stager.storage.paths import safe_relpath
+from stager.storage.paths import not_utf8, safe_relpath
 
 __all__ = [
     "CommitRecord",
@@ -43,6 +43,11 @@ def check_checkpoint_name(name: str) -> str:
     if not name or "/" in name or "\\" in name or name in (".", "..") or name.startswith("."):
         raise CheckpointError(
             f"checkpoint name {name!r} must be one non-hidden path component; rename the checkpoint"
+        )
+    if "\n" in name or not name.isprintable() or not_utf8(name) is not None:
+        raise CheckpointError(
+            f"checkpoint name {ascii(name)} has a line break, control character or byte that "
+            "is not UTF-8; rename the checkpoint (logs and records name it on one line)"
         )
     return safe_relpath(name)
 

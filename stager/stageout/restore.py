@@ -98,10 +98,18 @@ def restore_checkpoint(
     log = log or sys.stderr
     store = open_store(dest_url)
 
+    bad: list[CheckpointError] = []
+
     def on_bad(exc: CheckpointError) -> None:
+        bad.append(exc)
         print(f"stage-in: warning: {' '.join(str(exc).split())}", file=log, flush=True)
 
     records = newest_first(store.records(on_bad=on_bad))
+    if not records and bad:  # something was committed: starting from scratch would lose it
+        raise CheckpointError(
+            f"{len(bad)} commit record(s) at {dest_url} but none is readable (see the warnings "
+            "above); not starting from scratch over them"
+        )
     if not records:
         raise NoCheckpoint(
             f"no committed checkpoint at {dest_url} yet; start from scratch (exit code 9 means "

@@ -35,7 +35,7 @@ from typing import TextIO
 from stager.errors import CheckpointError, DeadlineTooShort, IntegrityError, UsageError
 from stager.slurm import SlurmEnv
 from stager.stageout.deadline import Deadline
-from stager.stageout.record import CommitRecord, plan_keep, plan_prune
+from stager.stageout.record import KIND_DIR, CommitRecord, plan_keep, plan_prune
 from stager.stageout.snapshot import Snapshot, newest_mtime_ns, snapshot, state_dir
 from stager.stageout.store import CommitStore
 from stager.stageout.stores import open_store
@@ -55,6 +55,8 @@ __all__ = [
     "SKIPPED_UNSETTLED",
     "SKIPPED_KEEP",
     "CHANGED",
+    "FAILED",
+    "SKIPPED_EMPTY",
     "estimate_s",
     "check_outcomes",
 ]
@@ -65,6 +67,8 @@ SKIPPED_DEADLINE = "skipped-deadline"  # not enough time left: nothing copied
 SKIPPED_UNSETTLED = "skipped-unsettled"  # modified too recently (--watch): next pass
 SKIPPED_KEEP = "skipped-keep"  # older than what --keep retains: copying it would be pruned at once
 CHANGED = "changed"  # the source changed during the copy: abandoned, nothing visible
+FAILED = "failed"  # could not be read or hashed (gone, changing, unreadable): the others go on
+SKIPPED_EMPTY = "skipped-empty"  # a directory with no file yet: just created, not a checkpoint
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,7 @@ class StageOutOptions:
     lock_timeout_s: float = 3600.0
     stale_s: float = 6 * 3600.0  # attempts from other nodes older than this are dead
     log: TextIO | None = None
+    ckpt_dir: Path | None = None  # --all's directory: a DEST inside it is refused
 
 
 @dataclass
@@ -157,6 +162,7 @@ def stage_out(
     log = options.log or sys.stderr
     slurm = slurm or SlurmEnv.from_environ()
     store = open_store(dest_url, stale_s=options.stale_s)
+    check_outside_checkpoints(store, [Path(os.path.abspath(p)) for p in ckpts], options.ckpt_dir)
     store.check_writable()
     for name in store.clean_stale():
         print(
@@ -182,7 +188,12 @@ def stage_out(
     for ckpt in paths:
         if stop is not None and stop.is_set():
             break
-        outcome = _stage_one(ckpt, store, options, slurm, rate, throttle)
+        try:
+            outcome = _stage_one(ckpt, store, options, slurm, rate, throttle, log)
+        except CheckpointError as exc:  # this one only: the others are still staged
+            if len(paths) == 1:
+                raise  # one line says it all
+            outcome = Outcome(ckpt.name, FAILED, url=store.display(ckpt.name), message=str(exc))
         if outcome.status != SKIPPED_UNSETTLED:
             print(outcome.line(), file=log, flush=True)
         outcomes.append(outcome)
@@ -190,6 +201,23 @@ def stage_out(
         for name in prune(store, options.keep):
             print(f"stage-out: pruned {name} (--keep {options.keep})", file=log, flush=True)
     return outcomes
+
+
+def check_outside_checkpoints(
+    store: CommitStore, ckpts: Sequence[Path], ckpt_dir: Path | None = None
+) -> None:
+    """Refuse a local DEST that is a checkpoint or inside one, or inside ``--all``'s directory:
+    each run would stage its own copies again (or commit a checkpoint onto itself)."""
+    dest = store.local_root()
+    if dest is None:
+        return
+    dest = os.path.realpath(dest)
+    for where in map(os.path.realpath, [*ckpts, *([ckpt_dir] if ckpt_dir else [])]):
+        if dest == where or dest.startswith(where.rstrip("/") + "/"):
+            raise UsageError(
+                f"the destination {store.url} is inside {where}, where the checkpoints are: "
+                "each run would stage its own copies again; pass a DEST outside it"
+            )
 
 
 def prune(store: CommitStore, keep: int) -> list[str]:
@@ -209,10 +237,30 @@ def _stage_one(
     slurm: SlurmEnv,
     rate: _Rate,
     throttle: Throttle | None,
+    log: TextIO,
 ) -> Outcome:
     url = store.display(ckpt.name)
+    if options.settle_s > 0 and time.time() - newest_mtime_ns(ckpt) / 1e9 < options.settle_s:
+        # from stats alone: a checkpoint still being written is not hashed (it would change)
+        return Outcome(
+            ckpt.name, SKIPPED_UNSETTLED, url=url, message=f"{ckpt.name} is still being written"
+        )
     with NodeLock(_lock_path(ckpt), timeout_s=options.lock_timeout_s):
         snap = snapshot(ckpt)
+        for rel in snap.skipped:
+            print(
+                f"stage-out: warning: skipped {rel!r} of {snap.name}: not a regular file (a "
+                "FIFO, a socket or a symlink to nothing?)",
+                file=log,
+                flush=True,
+            )
+        if snap.kind == KIND_DIR and not snap.files:
+            return Outcome(
+                snap.name,
+                SKIPPED_EMPTY,
+                url=url,
+                message=f"skipped {snap.name}: an empty directory (its files not written yet?)",
+            )
         if options.settle_s > 0 and snap.age_s() < options.settle_s:
             return Outcome(
                 snap.name, SKIPPED_UNSETTLED, url=url, message=f"{snap.name} is still being written"
@@ -319,7 +367,7 @@ def _still_matches(snap: Snapshot) -> bool:
 
 def check_outcomes(outcomes: Sequence[Outcome]) -> None:
     """Raise when some requested checkpoint was not committed (deadline, source changing)."""
-    missed = [o for o in outcomes if o.status in (SKIPPED_DEADLINE, CHANGED)]
+    missed = [o for o in outcomes if o.status in (SKIPPED_DEADLINE, CHANGED, FAILED)]
     if not missed:
         return
     names = ", ".join(o.name for o in missed)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ from stager.shards.manifest import ManifestEntry
 from stager.stageout.record import KIND_DIR, KIND_FILE, check_checkpoint_name, content_id
 from stager.storage.hashing import hash_file
 from stager.storage.identity import local_version
-from stager.storage.paths import PARTIAL_SUFFIX
+from stager.storage.paths import PARTIAL_SUFFIX, not_utf8
 
 __all__ = [
     "SourceFile",
@@ -60,6 +61,7 @@ class Snapshot:
     kind: str
     path: Path
     files: tuple[SourceFile, ...]
+    skipped: tuple[str, ...] = ()  # not regular files (FIFOs, sockets, symlinks to nothing)
 
     @property
     def entries(self) -> tuple[ManifestEntry, ...]:
@@ -121,20 +123,57 @@ def list_checkpoints(ckpt_dir: Path) -> list[Path]:
     return [ckpt_dir / n for n in names if not _skipped(n)]
 
 
-def _walk(path: Path, name: str, kind: str) -> list[tuple[Path, str, os.stat_result]]:
+def _walk(
+    path: Path, name: str, kind: str, skipped: list[str] | None = None
+) -> list[tuple[Path, str, os.stat_result]]:
+    """The checkpoint's regular files, with their ``stat``, by relative path.
+
+    Symlinks are followed, to directories too (a checkpoint that links its optimizer state
+    from elsewhere is staged whole, not without it); a directory reached twice (a loop) is
+    refused. What is not a regular file (a FIFO, a socket, a symlink to nothing) is never
+    opened: its relative path goes to ``skipped``, for the caller's warning.
+    """
     if kind == KIND_FILE:
-        return [(path, name, path.stat())]
+        return [(path, _utf8(name, path), path.stat())]
     out = []
-    for root, dirs, files in os.walk(path):
+    seen: set[tuple[int, int]] = set()
+    for root, dirs, files in os.walk(path, followlinks=True, onerror=_raise):
+        here = os.stat(root)
+        if (here.st_dev, here.st_ino) in seen:
+            raise CheckpointError(f"{root}: a directory reached twice (a symlink loop); refused")
+        seen.add((here.st_dev, here.st_ino))
         dirs[:] = sorted(d for d in dirs if not d.endswith(PARTIAL_SUFFIX))
         for fname in sorted(files):
             if fname.endswith(PARTIAL_SUFFIX):
                 continue
             full = Path(root) / fname
-            rel = full.relative_to(path.parent).as_posix()
-            out.append((full, rel, full.stat()))
+            rel = _utf8(full.relative_to(path.parent).as_posix(), full)
+            try:
+                st = full.stat()
+            except FileNotFoundError:
+                st = None  # a symlink to nothing
+            if st is None or not stat.S_ISREG(st.st_mode):
+                if skipped is not None:
+                    skipped.append(rel)
+                continue
+            out.append((full, rel, st))
     out.sort(key=lambda item: item[1])
     return out
+
+
+def _raise(exc: OSError) -> None:
+    raise exc
+
+
+def _utf8(rel: str, full: Path) -> str:
+    """``rel``, refused when it is not UTF-8 (commit records are JSON in UTF-8)."""
+    shown = not_utf8(rel)
+    if shown is not None:
+        raise CheckpointError(
+            f"checkpoint file name is not valid UTF-8: '{shown}'; rename it (commit records "
+            "name files in UTF-8)"
+        )
+    return rel
 
 
 def newest_mtime_ns(ckpt_path: Path) -> int:
@@ -145,7 +184,7 @@ def newest_mtime_ns(ckpt_path: Path) -> int:
         if walked:
             return max(st.st_mtime_ns for _, _, st in walked)
         return ckpt_path.stat().st_mtime_ns
-    except OSError:
+    except (OSError, CheckpointError):  # said when it is staged, on its own line
         return 0
 
 
@@ -178,11 +217,14 @@ def snapshot(ckpt_path: Path) -> Snapshot:
         raise CheckpointError(
             f"checkpoint {ckpt_path} does not exist (or is not a file or directory); check the path"
         )
+    skipped: list[str] = []
     try:
-        walked = _walk(ckpt_path, name, kind)
+        walked = _walk(ckpt_path, name, kind, skipped)
     except OSError as exc:
+        where = exc.filename or ckpt_path
         raise CheckpointError(
-            f"cannot read checkpoint {ckpt_path}: {exc.strerror or exc}; check permissions"
+            f"cannot read checkpoint {ckpt_path} ({where}: {exc.strerror or exc}); is it "
+            "being removed, or not readable?"
         ) from exc
     cache_dir = state_dir(ckpt_path)
     cache_path = cache_dir / f"{name}.hashes.json"
@@ -202,7 +244,7 @@ def snapshot(ckpt_path: Path) -> Snapshot:
                     "written: stage it out once the training script has finished saving it"
                 )
         files.append(SourceFile(full, rel, st.st_size, st.st_mtime_ns, digest, version))
-    snap = Snapshot(name, kind, ckpt_path, tuple(files))
+    snap = Snapshot(name, kind, ckpt_path, tuple(files), tuple(skipped))
     if rehashed or len(cache) != len(files):
         with contextlib.suppress(OSError):  # a read-only scratch only costs re-hashing
             cache_dir.mkdir(exist_ok=True)

@@ -166,6 +166,10 @@ class CommitStore:
     def display(self, relpath: str) -> str:
         return f"{self.url.rstrip('/')}/{relpath}"
 
+    def local_root(self) -> str | None:
+        """The destination as a local path, or None for an object store."""
+        return None
+
     # -- reading --------------------------------------------------------------------------
     def record(self, name: str) -> CommitRecord | None:
         """The committed record of ``name``, or None when it is not committed."""
@@ -199,6 +203,13 @@ class CommitStore:
             except CheckpointError as exc:
                 if on_bad is not None:
                     on_bad(exc)
+                continue
+            except DestinationError as exc:  # a directory where a record should be: junk
+                if not isinstance(exc.__cause__, IsADirectoryError):
+                    raise
+                if on_bad is not None:
+                    where = self.display(f"{META_DIR}/commits/{fname}")
+                    on_bad(CheckpointError(f"{where} is a directory, not a commit record"))
                 continue
             if record is not None:
                 out.append(record)
@@ -271,7 +282,24 @@ class CommitStore:
                     self._remove_data(name)
                 self._rm_tree(staging)
                 cleaned.append(str(name or token))
+            self._clean_record_temps()
             return cleaned
+
+    def _clean_record_temps(self) -> None:
+        """Delete the temp files of records whose writer died on this host (a kill between
+        the write and the rename): ``<name>.json.<host>__<pid>.partial``."""
+        try:
+            names = [posixpath.basename(p) for p in self.fs.ls(self.commits_dir, detail=False)]
+        except FileNotFoundError:
+            return
+        mine = f".json.{host_name()}__"  # host names may hold dots: matched whole
+        for fname in names:
+            if not fname.endswith(".partial") or mine not in fname:
+                continue
+            pid_text = fname[: -len(".partial")].rpartition("__")[2]
+            if pid_text.isdigit() and not _pid_alive(int(pid_text)):
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm_file(posixpath.join(self.commits_dir, fname))
 
     def abandon(self, attempt: Attempt) -> None:
         """Give up an attempt: nothing of it stays (committed checkpoints are untouched)."""

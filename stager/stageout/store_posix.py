@@ -29,12 +29,16 @@ from stager.stageout.store import (
     signals_deferred,
 )
 from stager.storage.copy import copy_file
+from stager.storage.paths import PARTIAL_SUFFIX
 
 __all__ = ["LocalCommitStore"]
 
 
 class LocalCommitStore(CommitStore):
     """A POSIX path: publish by one rename, fsync files and directories for durability."""
+
+    def local_root(self) -> str | None:
+        return self.root
 
     def check_writable(self) -> None:
         with dest_errors(self.url, "creating .stager/"):
@@ -48,12 +52,17 @@ class LocalCommitStore(CommitStore):
     def _write_small(self, path: str, payload: bytes) -> None:
         directory = posixpath.dirname(path)
         os.makedirs(directory, exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.partial"
-        with open(tmp, "wb") as handle:
-            handle.write(payload)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        tmp = f"{path}.{host_name()}__{os.getpid()}{PARTIAL_SUFFIX}"  # clean_stale reads it
+        try:
+            with open(tmp, "wb") as handle:
+                handle.write(payload)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         fsync_dir(directory)
 
     def put_file(self, attempt, src, relpath, size, hash_, *, throttle, on_bytes) -> None:
@@ -102,7 +111,12 @@ class LocalCommitStore(CommitStore):
                     os.rename(target, posixpath.join(attempt.staging, "old"))  # old or orphan data
                 os.rename(staged, target)
                 fsync_dir(self.root)
-                self._write_small(self.record_path(record.name), record.to_json().encode())
+                try:
+                    self._write_small(self.record_path(record.name), record.to_json().encode())
+                except BaseException:  # (a full DEST): the data goes back to the attempt,
+                    with contextlib.suppress(OSError):  # which the caller abandons
+                        os.rename(target, posixpath.join(attempt.staging, "unrecorded"))
+                    raise
                 self._finish(attempt)
         return True
 

@@ -25,7 +25,19 @@ __all__ = [
     "SafeJoiner",
     "PARTIAL_SUFFIX",
     "discard",
+    "not_utf8",
 ]
+
+
+def not_utf8(name: str) -> str | None:
+    """``name`` with its bytes that are not UTF-8 escaped (``bad\\xff.tar``), for a message;
+    None when it is UTF-8. Names read from the OS hold such bytes as lone surrogates, which
+    manifests, records and reports (JSON in UTF-8) cannot hold."""
+    try:
+        name.encode()
+    except UnicodeEncodeError:
+        return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    return None
 
 
 def discard(path: str | os.PathLike[str]) -> None:

@@ -36,7 +36,7 @@ from stager.storage.listing import (
     translate,
     walk_local,
 )
-from stager.storage.paths import safe_relpath
+from stager.storage.paths import not_utf8, safe_relpath
 
 if TYPE_CHECKING:
     import fsspec
@@ -296,14 +296,12 @@ def resolve_source(
 
 def check_encodable(text: str, what: str) -> None:
     """Refuse a name with bytes that are not UTF-8 (read from the OS as lone surrogates)."""
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        shown = text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    shown = not_utf8(text)
+    if shown is not None:
         raise SourceError(
             f"{what} is not valid UTF-8: '{shown}'; rename it (manifests, indexes and reports "
             "record names as UTF-8)"
-        ) from None
+        )
 
 
 def _resolve(

@@ -138,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
         bw_limit_mbps=args.bw_limit,
         settle_s=args.settle if args.settle is not None else (2.0 if args.watch else 0.0),
         lock_timeout_s=args.lock_timeout,
+        ckpt_dir=Path(args.ckpt) if args.all else None,
     )
     ckpt = Path(args.ckpt)
 

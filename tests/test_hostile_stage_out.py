@@ -1,0 +1,172 @@
+"""Defects a hostile review of stage-out and restore found (2026-11-28), each as it was
+reported: an empty step directory committed as the newest checkpoint (and the only real one
+pruned); one unreadable checkpoint aborting the whole ``--all`` run; a symlinked directory
+dropped; a FIFO hanging the run; a name that is not UTF-8 giving a traceback and an orphan; a
+DEST inside the checkpoints' directory; damaged or junk records read as "nothing committed";
+leftovers of a full DEST and of a killed record write."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from stager.errors import EXIT_CHECKPOINT, EXIT_DEST, EXIT_USAGE
+
+from .conftest import mount_tmpfs, run_cli
+
+
+def _write(path: Path, size: int = 20_000, seed: int = 0) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(os.urandom(size) if seed < 0 else bytes((seed + i) % 251 for i in range(size)))
+    return path
+
+
+def _committed(dest: Path) -> list[str]:
+    commits = dest / ".stager" / "commits"
+    return (
+        sorted(p.name[: -len(".json")] for p in commits.glob("*.json")) if commits.is_dir() else []
+    )
+
+
+def _leftovers(dest: Path) -> list[str]:
+    """What is at DEST besides committed checkpoints and the empty .stager directories."""
+    committed = set(_committed(dest))
+    out = [p.name for p in dest.iterdir() if p.name != ".stager" and p.name not in committed]
+    stager = dest / ".stager"
+    out += [str(p.relative_to(dest)) for p in stager.rglob("*") if p.is_file()]
+    return sorted(x for x in out if not x.endswith(".json") or ".partial" in x)
+
+
+def test_an_empty_newer_step_directory_is_skipped_and_the_real_one_kept(tmp_path: Path) -> None:
+    ckpt, dest = tmp_path / "ck", tmp_path / "dest"
+    _write(ckpt / "step-1000" / "model.pt")
+    assert run_cli("stage-out", "--all", "--keep", "1", str(ckpt), str(dest)).returncode == 0
+    (ckpt / "step-2000").mkdir()  # the trainer has just made it; the USR1 lands now
+    os.utime(ckpt / "step-2000", ns=(2**62, 2**62))  # newest by far
+    result = run_cli("stage-out", "--all", "--keep", "1", str(ckpt), str(dest))
+    assert result.returncode == 0, result.stderr
+    assert "skipped step-2000: an empty directory" in result.stderr
+    assert _committed(dest) == ["step-1000"]
+    restored = run_cli("stage-in", "--checkpoint", str(dest), "--dest", str(tmp_path / "r"))
+    assert restored.returncode == 0, restored.stderr
+    assert restored.stdout.strip().endswith("step-1000")
+
+
+def test_one_unreadable_checkpoint_does_not_stop_the_others(tmp_path: Path) -> None:
+    ckpt, dest = tmp_path / "ck", tmp_path / "dest"
+    _write(ckpt / "step-1" / "model.pt", seed=1)
+    _write(ckpt / "step-3" / "model.pt", seed=3)
+    bad = ckpt / "step-2" / os.fsdecode(b"sub\xffdir")
+    _write(bad / "f", seed=2)
+    result = run_cli("stage-out", "--all", str(ckpt), str(dest))
+    assert result.returncode == EXIT_CHECKPOINT, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "not valid UTF-8" in result.stderr and "sub\\xffdir" in result.stderr
+    assert _committed(dest) == ["step-1", "step-3"]
+    assert _leftovers(dest) == []  # no orphan under the bad name
+
+
+def test_a_symlinked_directory_is_staged_and_a_fifo_or_dangling_link_skipped(
+    tmp_path: Path,
+) -> None:
+    ckpt, dest = tmp_path / "ck", tmp_path / "dest"
+    _write(ckpt / "step-1" / "model.pt", seed=1)
+    _write(tmp_path / "elsewhere" / "optim" / "state.pt", seed=2)
+    (ckpt / "step-1" / "optim").symlink_to(tmp_path / "elsewhere" / "optim")
+    os.mkfifo(ckpt / "step-1" / "fifo")
+    (ckpt / "step-1" / "gone").symlink_to(tmp_path / "nowhere")
+    result = run_cli("stage-out", str(ckpt / "step-1"), str(dest), timeout=60)
+    assert result.returncode == 0, result.stderr
+    warned = [line for line in result.stderr.splitlines() if "warning" in line]
+    assert len(warned) == 2 and "'step-1/fifo'" in warned[0] + warned[1]
+    restored = run_cli("stage-in", "--checkpoint", str(dest), "--dest", str(tmp_path / "r"))
+    assert restored.returncode == 0, restored.stderr
+    back = Path(restored.stdout.strip())
+    assert (back / "optim" / "state.pt").read_bytes() == (
+        tmp_path / "elsewhere" / "optim" / "state.pt"
+    ).read_bytes()
+    assert sorted(p.name for p in back.iterdir()) == ["model.pt", "optim"]
+
+
+def test_a_directory_loop_is_refused_in_one_line(tmp_path: Path) -> None:
+    ckpt, dest = tmp_path / "ck", tmp_path / "dest"
+    _write(ckpt / "step-1" / "model.pt")
+    (ckpt / "step-1" / "again").symlink_to(ckpt / "step-1")
+    result = run_cli("stage-out", str(ckpt / "step-1"), str(dest))
+    assert result.returncode == EXIT_CHECKPOINT, result.stderr
+    assert "symlink loop" in result.stderr and "Traceback" not in result.stderr
+    assert _committed(dest) == []
+
+
+@pytest.mark.parametrize("where", ["ck", "ck/persist", "ck/step-1/inner"])
+def test_a_dest_inside_the_checkpoints_directory_is_refused(tmp_path: Path, where: str) -> None:
+    ckpt = tmp_path / "ck"
+    _write(ckpt / "step-1" / "model.pt")
+    before = sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*"))
+    single = where.endswith("inner")
+    argv = [str(ckpt / "step-1")] if single else ["--all", str(ckpt)]
+    result = run_cli("stage-out", *argv, str(tmp_path / where))
+    assert result.returncode == EXIT_USAGE, result.stderr
+    assert "where the checkpoints are" in result.stderr
+    assert sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*")) == before
+
+
+def test_a_damaged_record_is_not_read_as_nothing_committed(tmp_path: Path) -> None:
+    """Exit 9 tells the template to start from scratch: over a damaged record that would lose
+    the run. Exit 7 says committed checkpoints exist but none is whole."""
+    ckpt, dest = tmp_path / "ck", tmp_path / "dest"
+    _write(ckpt / "step-1.pt")
+    assert run_cli("stage-out", str(ckpt / "step-1.pt"), str(dest)).returncode == 0
+    record = dest / ".stager" / "commits" / "step-1.pt.json"
+    record.write_bytes(record.read_bytes()[:20])
+    result = run_cli("stage-in", "--checkpoint", str(dest), "--dest", str(tmp_path / "r"))
+    assert result.returncode == EXIT_CHECKPOINT, result.stderr
+
+
+def test_junk_in_the_commits_directory_is_skipped_with_a_warning(tmp_path: Path) -> None:
+    ckpt, dest = tmp_path / "ck", tmp_path / "dest"
+    _write(ckpt / "step-1.pt")
+    assert run_cli("stage-out", str(ckpt / "step-1.pt"), str(dest)).returncode == 0
+    (dest / ".stager" / "commits" / "junk.json").mkdir()
+    result = run_cli("stage-in", "--checkpoint", str(dest), "--dest", str(tmp_path / "r"))
+    assert result.returncode == 0, result.stderr
+    assert "junk.json is a directory" in result.stderr
+    pruned = run_cli("stage-out", "--keep", "1", str(ckpt / "step-1.pt"), str(dest))
+    assert pruned.returncode == 0, pruned.stderr
+
+
+def test_a_record_temp_file_of_a_dead_writer_is_cleaned(tmp_path: Path) -> None:
+    ckpt, dest = tmp_path / "ck", tmp_path / "dest"
+    _write(ckpt / "step-1.pt")
+    commits = dest / ".stager" / "commits"
+    commits.mkdir(parents=True)
+    host = socket.gethostname().split(".")[0].replace("__", "_")
+    dead = commits / f"step-1.pt.json.{host}__{2**22 + 12345}.partial"  # past pid_max
+    dead.write_text("{")
+    assert run_cli("stage-out", str(ckpt / "step-1.pt"), str(dest)).returncode == 0
+    assert not dead.exists()
+    assert _leftovers(dest) == []
+
+
+def test_a_dest_full_at_the_commit_leaves_nothing_uncommitted(tmp_path: Path) -> None:
+    """Room for the data but not for its record: before, the data stayed at DEST/NAME with no
+    record and no attempt that a later run would clean."""
+    ckpt = tmp_path / "ck"
+    data = _write(ckpt / "step-9.pt", size=1 << 20, seed=-1)
+    with mount_tmpfs(tmp_path / "small", "2m") as fs:
+        dest = fs / "dest"
+        (dest / ".stager" / "commits").mkdir(parents=True)
+        (dest / ".stager" / "staging").mkdir()
+        free = os.statvfs(fs)
+        (fs / "filler").write_bytes(b"\0" * (free.f_bavail * free.f_frsize - (1 << 20) - 4096))
+        result = run_cli("stage-out", str(data), str(dest))
+        assert result.returncode == EXIT_DEST, result.stderr
+        assert "Traceback" not in result.stderr
+        assert _committed(dest) == [] and _leftovers(dest) == []
+        (fs / "filler").unlink()
+        assert run_cli("stage-out", str(data), str(dest)).returncode == 0
+        assert (dest / "step-9.pt").read_bytes() == data.read_bytes()
+        assert _leftovers(dest) == []
