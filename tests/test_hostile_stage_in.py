@@ -242,3 +242,55 @@ def test_a_staged_file_changed_after_its_record_is_not_trusted_by_its_name(
     assert again.returncode == 0
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["files_copied"] == 0  # once made right, the copy is trusted again
+
+
+def test_a_list_read_from_standard_input_or_a_pipe_stages_and_restages(tmp_path: Path) -> None:
+    """``--from-list -`` and ``--from-list <(find ...)``: both failed ("not seekable"). A list
+    with no stable place is identified by the shards it names, so a rerun from another pipe
+    is the same source."""
+    src = tmp_path / "ds"
+    write_synthetic_dataset(src, SyntheticSpec(num_shards=3, samples_per_shard=2))
+    listing = "".join(f"{p}\n" for p in sorted(src.glob("*.tar")))
+    dest = tmp_path / "s"
+    for _ in range(2):
+        result = run_cli(
+            "stage-in",
+            "--from-list",
+            "-",
+            "--dest",
+            str(dest),
+            "--name",
+            "ds",
+            *FAST,
+            input=listing,
+        )
+        assert result.returncode == 0, result.stderr
+    read, write = os.pipe()
+    os.write(write, listing.encode())
+    os.close(write)
+    piped = run_cli(
+        "stage-in",
+        "--from-list",
+        f"/dev/fd/{read}",
+        "--dest",
+        str(dest),
+        "--name",
+        "ds",
+        *FAST,
+        pass_fds=(read,),
+    )
+    os.close(read)
+    assert piped.returncode == 0, piped.stderr
+    for shard in src.glob("*.tar"):
+        assert (dest / "ds" / shard.name).read_bytes() == shard.read_bytes()
+
+
+def test_a_min_free_refusal_says_what_min_free_keeps(tmp_path: Path, capsys) -> None:
+    src = tmp_path / "ds"
+    write_synthetic_dataset(src, SyntheticSpec(num_shards=1, samples_per_shard=2))
+    with mount_tmpfs(tmp_path / "m", "4m") as scratch:
+        result = run_main(
+            capsys, "stage-in", str(src), "--dest", str(scratch), *FAST, "--min-free", "5M"
+        )
+        assert result.returncode == EXIT_FULL
+        assert "--min-free keeps 5.0 MB" in result.stderr

@@ -370,8 +370,10 @@ class Copier:
                     f"[{report.node}] sizing the source's shards failed: "
                     f"{one_line(sizing.probe.failure)}; nothing was copied"
                 ) from sizing.probe.failure
+            reserve = self.options.min_free_bytes
             raise space_error(
-                report.dataset_dir, sizing.needed_bytes, sizing.free_bytes, report.node
+                *(report.dataset_dir, sizing.needed_bytes + reserve, sizing.free_bytes),
+                *(report.node, reserve),
             )
         # (a dict per shard only when needed: a Path per shard cost 0.5 s at 10,000 shards)
         item_of = {i.target: i for i in self.plan.to_copy} if sizing.failed_renames else {}

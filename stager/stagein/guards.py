@@ -69,15 +69,20 @@ def preflight(dataset_dir: Path, needed: int, options: StageInOptions, node: str
     """Refuse if ``needed`` bytes (plus ``--min-free``) do not fit; return the free bytes."""
     free = shutil.disk_usage(dataset_dir).free
     if needed + options.min_free_bytes > free:
-        raise space_error(dataset_dir, needed + options.min_free_bytes, free, node)
+        raise space_error(
+            dataset_dir, needed + options.min_free_bytes, free, node, options.min_free_bytes
+        )
     return free
 
 
-def space_error(dataset_dir: Path | str, needed: int, free: int, node: str) -> ScratchFull:
+def space_error(
+    dataset_dir: Path | str, needed: int, free: int, node: str, reserve: int = 0
+) -> ScratchFull:
+    kept = f", of which --min-free keeps {human_bytes(reserve)}" if reserve else ""
     return ScratchFull(
-        f"[{node}] not enough space on {dataset_dir}: need {human_bytes(needed)} ({needed} bytes), "
-        f"free {human_bytes(free)} ({free} bytes); nothing was copied. Free space, stage a subset "
-        "(--subset node) or pass --dest to a larger filesystem",
+        f"[{node}] not enough space on {dataset_dir}: need {human_bytes(needed)} ({needed} bytes"
+        f"{kept}), free {human_bytes(free)} ({free} bytes); nothing was copied. Free space, stage "
+        "a subset (--subset node) or pass --dest to a larger filesystem",
         needed_bytes=needed,
         free_bytes=free,
         where=str(dataset_dir),

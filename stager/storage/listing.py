@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -209,12 +210,22 @@ def split_fs(url: str) -> tuple[fsspec.AbstractFileSystem | None, str]:
 
 
 def read_list(list_url: str) -> list[str]:
-    """The shard URLs of a list file: one per line, blank lines and ``#`` comments skipped."""
+    """The shard URLs of a list file: one per line, blank lines and ``#`` comments skipped.
+
+    ``-`` is standard input; a local path is read with ``open``, so a pipe works too
+    (``--from-list <(find ...)``), which fsspec refuses as not seekable.
+    """
     import fsspec
 
     try:
-        with fsspec.open(list_url, "rt") as handle:
-            lines = handle.read().splitlines()
+        if list_url == "-":
+            lines = sys.stdin.read().splitlines()
+        elif "://" not in list_url:
+            with open(list_url, encoding="utf-8", errors="surrogateescape") as handle:
+                lines = handle.read().splitlines()
+        else:
+            with fsspec.open(list_url, "rt") as handle:
+                lines = handle.read().splitlines()
     except Exception as exc:  # noqa: BLE001 - translated at this boundary
         raise translate(exc, list_url) from exc
     urls = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]

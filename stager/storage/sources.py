@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import posixpath
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
@@ -304,6 +305,17 @@ def check_encodable(text: str, what: str) -> None:
         )
 
 
+def _urls_spec(urls: list[str]) -> str:
+    """The spec of a dataset given as its shards' URLs: a digest of them."""
+    digest = hashlib.sha256("\n".join(canonical_spec(u) for u in urls).encode()).hexdigest()
+    return f"urls:{digest[:32]}"
+
+
+def _is_file(list_url: str) -> bool:
+    """Whether a list names a place that holds it (a URL, or a regular local file)."""
+    return "://" in list_url or (list_url != "-" and os.path.isfile(list_url))
+
+
 def _resolve(
     spec: str | Sequence[str] | None,
     *,
@@ -316,14 +328,17 @@ def _resolve(
         raise UsageError("give exactly one of SOURCE or --from-list")
     if from_list is not None:
         urls = read_list(from_list)
-        spec_id = canonical_spec(from_list, listed=True)
+        # A list file is identified by where it is; one read from a pipe or standard input
+        # (`--from-list <(find ...)`, `-`) has no stable place: by the shards it names.
+        spec_id = (
+            canonical_spec(from_list, listed=True) if _is_file(from_list) else _urls_spec(urls)
+        )
         return _list_urls(urls, name or dataset_name(urls), jobs, spec_id, f"list {from_list}")
     if not isinstance(spec, str):
         urls = list(spec or ())
         if not urls:
             raise UsageError("an empty list of shard URLs names no dataset")
-        digest = hashlib.sha256("\n".join(canonical_spec(u) for u in urls).encode()).hexdigest()
-        return _list_urls(urls, name or dataset_name(urls), jobs, f"urls:{digest[:32]}", "the list")
+        return _list_urls(urls, name or dataset_name(urls), jobs, _urls_spec(urls), "the list")
     if not spec.strip() or "\0" in spec or spec.endswith("://"):  # "", "file://", "s3://"
         raise UsageError(f"SOURCE {spec!r} names no path; give a directory, file or URL")
     name = name or dataset_name(spec)

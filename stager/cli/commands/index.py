@@ -34,7 +34,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="directory, glob, brace pattern or single shard; any fsspec URL (s3://bucket/prefix/)",
     )
     parser.add_argument(
-        "--from-list", metavar="FILE", help="read shard URLs from FILE (one per line, # comments)"
+        "--from-list",
+        metavar="FILE",
+        help="read shard URLs from FILE (one per line, # comments; - reads standard input)",
     )
     parser.add_argument(
         "--out",

@@ -85,7 +85,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="restore the newest committed checkpoint from DEST (stage-out's destination) to "
         "--dest/<name>; prints its local path on stdout",
     )
-    add("--from-list", metavar="FILE", help="read shard URLs from FILE (one per line, # comments)")
+    add(
+        "--from-list",
+        metavar="FILE",
+        help="read shard URLs from FILE (one per line, # comments; - reads standard input)",
+    )
     add(
         "--dest",
         metavar="DIR",
