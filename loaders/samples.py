@@ -140,22 +140,23 @@ def decode_sample(
 
 def tuple_fields(to_tuple: str | Sequence[str] | None) -> tuple[str, ...] | None:
     """``to_tuple`` as the loader keeps it: a string is split at spaces, as webdataset's
-    ``to_tuple("jpg;png cls")`` reads it (not into characters), and extensions are lower-cased,
-    as the members are grouped (``"JPG"`` names ``000.JPG``); ``__key__``-style names stay."""
+    ``to_tuple("jpg;png cls")`` reads it (not into characters)."""
     if to_tuple is None:
         return None
     names = to_tuple.split() if isinstance(to_tuple, str) else list(to_tuple)
     if not names or not all(isinstance(n, str) and n for n in names):
         raise UsageError(f"to_tuple must name members, e.g. ('jpg;png', 'cls'); got {to_tuple!r}")
-    return tuple(n if n.startswith("__") else n.lower() for n in names)
+    return tuple(names)
 
 
 def select_fields(sample: dict[str, Any], to_tuple: Sequence[str]) -> tuple[Any, ...]:
-    """``sample[name]`` for each name; ``"jpg;png"`` takes the first extension present."""
+    """``sample[name]`` for each name; ``"jpg;png"`` takes the first extension present. A name
+    found only lower-cased names a member (extensions are grouped lower-cased: ``"JPG"`` reads
+    ``000.JPG``); one found as given may be a key that ``map`` made (``"Label"``)."""
     out = []
     for spec in to_tuple:
         for name in spec.split(";"):
-            if name in sample:
+            if name in sample or (name := name.lower()) in sample:
                 out.append(sample[name])
                 break
         else:

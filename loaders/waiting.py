@@ -96,6 +96,10 @@ class ShardGate:
         self.sizes = np.asarray(sizes, dtype=np.int64)
         self.on_copier_death = on_copier_death
         self.prefix = str(staged.dir) + "/"
+        # Since when the copier's lock has been seen free, across waits: once the copier is
+        # gone, each later missing shard is settled at once, not after GONE_AFTER_S again
+        # (1,000 missing shards were 83 minutes of waiting).
+        self._free_since: float | None = None
 
     def path(self, shard: int) -> str:
         return self.prefix + self.relpaths[shard].decode()
@@ -108,7 +112,7 @@ class ShardGate:
         if self.is_published(shard):
             return 0.0
         started = time.monotonic()
-        delay, check_at, free_since = 0.01, started, None
+        delay, check_at = 0.01, started
         while not self.is_published(shard):
             now = time.monotonic()
             if now >= check_at:
@@ -118,10 +122,10 @@ class ShardGate:
                     self._settle(shard, outcome)
                     break
                 if lock_held(self.staged):
-                    free_since = None
-                elif free_since is None:
-                    free_since = now
-                elif now - free_since > GONE_AFTER_S:
+                    self._free_since = None
+                elif self._free_since is None:
+                    self._free_since = now
+                elif now - self._free_since > GONE_AFTER_S:
                     self._copier_gone(shard, "its lock is free and it left no result")
                     break
             time.sleep(delay)

@@ -193,3 +193,20 @@ def test_a_staged_shard_rewritten_in_place_is_indexed_again(tmp_path: Path, caps
         (k, bytes(t.numpy()).decode()) for k, t in zip(batch["__key__"], batch["cls"], strict=True)
     ]
     assert all(key == payload for key, payload in pairs), pairs
+
+
+def test_to_tuple_names_a_key_that_map_made_as_given(tmp_path: Path) -> None:
+    """Only a name missing as given is looked up lower-cased: a key ``map`` made with capitals
+    stays reachable (the first fix lower-cased every name and lost it)."""
+    data = _dataset(tmp_path / "plain", shards=1, per_shard=4)
+    loader = ShardedLoader(
+        str(data),
+        batch_size=4,
+        shuffle=False,
+        decode="rgb8",
+        map=lambda s: {"Label": s["cls"], "key": s["__key__"]},
+        to_tuple=("Label", "key"),
+        options=_options(),
+    )
+    ((labels, keys),) = list(loader)
+    assert labels.tolist() == [0, 1, 2, 3] and list(keys) == [f"s0-{i:03d}" for i in range(4)]

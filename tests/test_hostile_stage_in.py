@@ -137,14 +137,14 @@ def test_a_task_waiting_on_an_interrupted_copier_finishes_the_staging_itself(
         src, SyntheticSpec(num_shards=12, samples_per_shard=10, image_bytes=20_000)
     )
     dest = tmp_path / "scratch"
-    argv = [str(BIN / "stage-in"), str(src), "--dest", str(dest), "--bw-limit", "3", *FAST]
+    argv = [str(BIN / "stage-in"), str(src), "--dest", str(dest), "--bw-limit", "1", *FAST]
     env = clean_env()
     copier = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 30
     while not list(dest.glob("ds/*.tar")) and time.monotonic() < deadline:
         time.sleep(0.02)  # the copier holds the lock and has published a first shard
     waiter = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
-    time.sleep(0.5)  # the waiter is queued on the node lock
+    time.sleep(1.0)  # the waiter is queued on the node lock (2.4 MB at 1 MB/s: still copying)
     copier.send_signal(signal.SIGTERM)
     _, said = copier.communicate(timeout=30)
     assert copier.returncode == EXIT_INTERRUPTED, said
@@ -214,7 +214,9 @@ def test_a_staged_file_changed_after_its_record_is_not_trusted_by_its_name(
         assert run_main(capsys, "stager", "index", str(src)).returncode == 0
     dest = tmp_path / "s"
     assert run_main(capsys, "stage-in", str(src), "--dest", str(dest), *FAST).returncode == 0
-    time.sleep(0.01)  # past the clock tick of the record's write
+    manifest_path = dest / "ds" / ".stager" / "manifest.json"
+    old = time.time() - 3600  # the record an hour old: a change now is after it, on any clock
+    os.utime(manifest_path, (old, old))
     victim = dest / "ds" / "train-000000.tar"
     if change == "replaced":
         other = dest / "x"
@@ -294,3 +296,53 @@ def test_a_min_free_refusal_says_what_min_free_keeps(tmp_path: Path, capsys) -> 
         )
         assert result.returncode == EXIT_FULL
         assert "--min-free keeps 5.0 MB" in result.stderr
+
+
+def _stage_cached(capsys, src: Path, dest: Path, cache: Path) -> dict:
+    report = dest.parent / f"{dest.name}.report.json"
+    argv = ["stage-in", str(src), "--dest", str(dest), "--cache", str(cache), "--report"]
+    result = run_main(capsys, *argv, str(report), *FAST)
+    assert result.returncode == 0, result.stderr
+    return json.loads(report.read_text())
+
+
+@pytest.mark.parametrize("manifest", [False, True])
+def test_jobs_sharing_cached_copies_do_not_undo_each_other(
+    tmp_path: Path, capsys, manifest: bool
+) -> None:
+    """A --cache copy is a hard link, and each job's link moves the shared inode's ctime: the
+    review saw every rerun of one job place every shard again after another job had staged (and
+    with a manifest, hash them all), each undoing the other."""
+    src = tmp_path / "ds"
+    write_synthetic_dataset(src, SyntheticSpec(num_shards=4, samples_per_shard=4))
+    if manifest:
+        assert run_main(capsys, "stager", "index", str(src)).returncode == 0
+    cache = tmp_path / "cache"
+    a, b = tmp_path / "job-a", tmp_path / "job-b"
+    assert _stage_cached(capsys, src, a, cache)["files_copied"] == 4
+    assert _stage_cached(capsys, src, b, cache)["files_from_cache"] == 4
+    for job in (a, b, a):
+        assert _stage_cached(capsys, src, job, cache)["files_copied"] == 0
+
+
+def test_a_staged_file_whose_ctime_alone_moved_is_checked_once_not_on_every_run(
+    tmp_path: Path, capsys
+) -> None:
+    """chmod moves only the ctime: the kept file is hashed once against the manifest, and the
+    manifest is rewritten, so the next run compares with a record newer than the file."""
+    from stager.layout import StagedDataset
+    from stager.stagein.recorded import RecordTimes
+
+    src = tmp_path / "ds"
+    write_synthetic_dataset(src, SyntheticSpec(num_shards=2, samples_per_shard=4))
+    assert run_main(capsys, "stager", "index", str(src)).returncode == 0
+    dest = tmp_path / "s"
+    assert run_main(capsys, "stage-in", str(src), "--dest", str(dest), *FAST).returncode == 0
+    staged = StagedDataset(dest, "ds")
+    old = time.time() - 3600  # the record an hour old: any change now is after it
+    os.utime(staged.manifest_path, (old, old))
+    victim = dest / "ds" / "train-000000.tar"
+    victim.chmod(0o600)
+    assert RecordTimes.of(staged).changed_since_recorded(victim.name, victim.stat())
+    assert run_main(capsys, "stage-in", str(src), "--dest", str(dest), *FAST).returncode == 0
+    assert not RecordTimes.of(staged).changed_since_recorded(victim.name, victim.stat())

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from stager.errors import EXIT_CHECKPOINT, EXIT_DEST, EXIT_USAGE
+from stager.errors import EXIT_CHECKPOINT, EXIT_DEST, EXIT_NO_CHECKPOINT, EXIT_USAGE
 
 from .conftest import mount_tmpfs, run_cli
 
@@ -40,19 +40,36 @@ def _leftovers(dest: Path) -> list[str]:
     return sorted(x for x in out if not x.endswith(".json") or ".partial" in x)
 
 
-def test_an_empty_newer_step_directory_is_skipped_and_the_real_one_kept(tmp_path: Path) -> None:
+@pytest.mark.parametrize("committed_before", [True, False])
+def test_an_empty_newer_step_directory_is_not_a_checkpoint(
+    tmp_path: Path, committed_before: bool
+) -> None:
+    """The trainer has just made step-2000 when the USR1 lands. Before, it was committed as the
+    newest checkpoint and --keep 1 pruned the only real one (restore: an empty directory, exit
+    0); or, step-1000 not committed yet, --keep ranked the empty one first and nothing was
+    committed (restore: exit 9, training from scratch)."""
     ckpt, dest = tmp_path / "ck", tmp_path / "dest"
     _write(ckpt / "step-1000" / "model.pt")
-    assert run_cli("stage-out", "--all", "--keep", "1", str(ckpt), str(dest)).returncode == 0
-    (ckpt / "step-2000").mkdir()  # the trainer has just made it; the USR1 lands now
+    if committed_before:
+        assert run_cli("stage-out", "--all", "--keep", "1", str(ckpt), str(dest)).returncode == 0
+    (ckpt / "step-2000").mkdir()
     os.utime(ckpt / "step-2000", ns=(2**62, 2**62))  # newest by far
     result = run_cli("stage-out", "--all", "--keep", "1", str(ckpt), str(dest))
     assert result.returncode == 0, result.stderr
-    assert "skipped step-2000: an empty directory" in result.stderr
     assert _committed(dest) == ["step-1000"]
     restored = run_cli("stage-in", "--checkpoint", str(dest), "--dest", str(tmp_path / "r"))
     assert restored.returncode == 0, restored.stderr
     assert restored.stdout.strip().endswith("step-1000")
+    named = run_cli("stage-out", str(ckpt / "step-2000"), str(dest))  # named on its own
+    assert named.returncode == 0 and "skipped step-2000: an empty directory" in named.stderr
+    assert _committed(dest) == ["step-1000"]
+
+
+def test_a_directory_of_empty_step_directories_has_no_checkpoint(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ck"
+    (ckpt / "step-1").mkdir(parents=True)
+    result = run_cli("stage-out", "--all", str(ckpt), str(tmp_path / "dest"))
+    assert result.returncode == EXIT_NO_CHECKPOINT, result.stderr
 
 
 def test_one_unreadable_checkpoint_does_not_stop_the_others(tmp_path: Path) -> None:
@@ -110,7 +127,7 @@ def test_a_dest_inside_the_checkpoints_directory_is_refused(tmp_path: Path, wher
     argv = [str(ckpt / "step-1")] if single else ["--all", str(ckpt)]
     result = run_cli("stage-out", *argv, str(tmp_path / where))
     assert result.returncode == EXIT_USAGE, result.stderr
-    assert "where the checkpoints are" in result.stderr
+    assert "the checkpoints are" in result.stderr
     assert sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*")) == before
 
 

@@ -53,7 +53,7 @@ def _expected(path: str) -> statmany.StatRow | int:
         st = os.stat(path)
     except OSError as exc:
         return exc.errno or errno.EIO
-    return (st.st_mode, st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+    return (st.st_mode, st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_nlink)
 
 
 @settings(

@@ -101,7 +101,7 @@ class CacheLayout:
         ``--cache /tmp`` is refused rather than filled, or made private, by mistake. An existing
         cache that others could enter is made private again: it holds the user's data.
         """
-        root = ensure_private_dir(self.root)
+        root = ensure_private_dir(self.root, flag="--cache")
         tag = root / "CACHEDIR.TAG"
         if not tag.is_file():
             with os.scandir(root) as entries:

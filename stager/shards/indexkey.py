@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from stager.storage.statmany import stat_many
+from stager.storage.statmany import StatRow, stat_many
 
 __all__ = ["KEY_FORMAT", "changed_ns", "dataset_key"]
 
@@ -25,9 +25,12 @@ def changed_ns(st: os.stat_result) -> int:
     The mtime alone misses a shard rewritten in place at the same size with its mtime put
     back (``cp -p``, ``rsync -a --inplace``): the index would then point into bytes it was not
     built from, and samples would get other samples' keys. Every write and ``utime`` moves the
-    ctime, which no call sets back (a new hard link moves it too: the index is then rebuilt).
+    ctime, which no call sets back. A file with other hard links (a ``--cache`` copy, which
+    other jobs link too, moving its ctime) is keyed by its mtime alone, as the cache's own
+    record is: else an index kept in the cache would never match, and each job's links would
+    make the others' indexes stale.
     """
-    return max(st.st_mtime_ns, st.st_ctime_ns)
+    return st.st_mtime_ns if st.st_nlink > 1 else max(st.st_mtime_ns, st.st_ctime_ns)
 
 
 def dataset_key(
@@ -89,8 +92,14 @@ def _stat_missing(shards: Sequence[str | os.PathLike[str]], table: np.ndarray) -
         for k, row in enumerate(rows):
             if isinstance(row, int):
                 raise OSError(row, os.strerror(row), run[k])
-            table[missing[done + k]] = (row[1], max(row[3], row[4]))  # changed_ns
+            table[missing[done + k]] = (row[1], _changed(row))
         done += len(rows)
+
+
+def _changed(row: StatRow) -> int:
+    """:func:`changed_ns` of a :data:`~stager.storage.statmany.StatRow`."""
+    _mode, _size, _ino, mtime_ns, ctime_ns, links = row
+    return mtime_ns if links > 1 else max(mtime_ns, ctime_ns)
 
 
 #: Paths handed to one stat_many call, at most.

@@ -181,9 +181,11 @@ class StageCache:
         log: TextIO,
         *,
         job_id: str | None,
-    ) -> StageCache:
+    ) -> StageCache | None:
         """Open ``options.cache_dir`` (set: the caller imports this module only with
-        ``--cache``) and hold the dataset's lock."""
+        ``--cache``) and hold the dataset's lock; None, said in a warning, where the cache's
+        filesystem refuses it (read-only, full): the run stages without it, as it does when
+        registering fails."""
         assert options.cache_dir is not None
         store = ShardCache.open(
             options.cache_dir,
@@ -191,7 +193,14 @@ class StageCache:
             lock_timeout_s=options.lock_timeout_s,
         )
         cache = cls(store, source, staged, report, log, job_id=job_id)
-        cache._lock.acquire()
+        try:
+            cache._lock.acquire()
+        except OSError as exc:
+            cache._warn(
+                f"the cache at {store.layout.root} cannot be used "
+                f"({exc.strerror or one_line(exc)}): copying without it"
+            )
+            return None
         return cache
 
     def close(self) -> None:

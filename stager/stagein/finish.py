@@ -66,6 +66,8 @@ class Staging:
     #: and checked against the manifest's count.
     unverified: set[str] = field(default_factory=set)
     heartbeat: Callable[[], None] = field(default=lambda: None)  # progress, for lock waiters
+    #: Write the manifest even with the same entries (stager.stagein.recorded.RecordTimes.stale)
+    rewrite_manifest: bool = False
 
     def __post_init__(self) -> None:
         if self.journal is None:
@@ -90,7 +92,11 @@ def finish(run: Staging) -> None:
         # Rewritten when a shard was published in this run although the entries are the same
         # (a copy made again): its mtime is what later runs compare staged files' ctimes with
         # (stager.stagein.recorded). A read-only scratch may hold an unchanged one.
-        if report.files_copied or not _unchanged(run.staged.manifest_path, manifest):
+        if (
+            report.files_copied
+            or run.rewrite_manifest
+            or not _unchanged(run.staged.manifest_path, manifest)
+        ):
             run.staged.meta_dir.mkdir(exist_ok=True)
             manifest.write(run.staged.manifest_path)
         assert run.journal is not None

@@ -251,6 +251,8 @@ def _kept_entry(
             have_hash = hash_file(final, want_hash.split(":", 1)[0])
         if have_hash != want_hash:
             return None
+        if changed and times is not None:
+            times.renewed.append(shard.relpath)
     elif changed:
         return None
     elif shard.version is not None:

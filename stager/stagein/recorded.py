@@ -9,14 +9,20 @@ back, and the kernel stamps ctime and the record's mtime from the same clock: a 
 whose ctime is later than its record's mtime was changed after it was recorded. Its bytes are
 then hashed against the manifest where there is a hash, and copied again where there is not.
 
-A later hard link to the file moves its ctime too (a ``--cache`` copy that another job places
-in its own scratch): such a shard is placed again from the cache, which costs a link.
+A hard link moves the ctime too, and a ``--cache`` copy is a hard link that other jobs link
+again: a staged file with more than one link is judged by the cache's own record instead
+(inode, size and mtime), and its ctime is not compared. A kept file found changed, and every
+run that read a journal, rewrite the manifest, so that the next run compares with a record at
+least as new as each file (else it would hash or copy the same files again on every run).
+
+Not seen: a change within the clock tick of the record's write, and, for a killed run, a change
+to a file after its own journal line but before the journal's last one.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from stager.layout import StagedDataset
 from stager.stagein.journal import Journal
@@ -31,14 +37,21 @@ def _mtime_ns(path: os.PathLike[str] | str) -> int | None:
         return None
 
 
-@dataclass(frozen=True)
+@dataclass
 class RecordTimes:
     """The mtimes of the staged manifest and of the journal, and which shards the journal
-    recorded (it is read after the manifest, so its entries win)."""
+    recorded (it is read after the manifest, so its entries win); ``renewed``: the kept files
+    found changed since (their bytes checked again), for :meth:`stale`."""
 
     manifest_ns: int | None
     journal_ns: int | None
     journaled: frozenset[str]
+    renewed: list[str] = field(default_factory=list)
+
+    @property
+    def stale(self) -> bool:
+        """Whether the manifest must be written even if its entries are the same."""
+        return bool(self.renewed or self.journaled)
 
     @classmethod
     def of(cls, staged: StagedDataset) -> RecordTimes:
@@ -49,5 +62,7 @@ class RecordTimes:
     def changed_since_recorded(self, relpath: str, st: os.stat_result) -> bool:
         """Whether the staged file ``st`` of ``relpath`` changed after its record was written
         (False where there is no record to compare with: nothing is trusted by it then)."""
+        if st.st_nlink > 1:  # a --cache copy: links made by other jobs move its ctime
+            return False
         recorded = self.journal_ns if relpath in self.journaled else self.manifest_ns
         return recorded is not None and st.st_ctime_ns > recorded

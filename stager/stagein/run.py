@@ -215,9 +215,10 @@ def prepare(
     clean_partials(staged.dir)
     previous = read_previous(staged)
     remove_unlisted(staged, previous, shards)
+    times = RecordTimes.of(staged)
     plan = plan_local(
         *(shards, staged, expected, previous, options, log, heartbeat, aligned, staged_names),
-        times=RecordTimes.of(staged),
+        times=times,
     )
     plan.sized_later = sized_later
     report.files_total = len(shards) + len(source.missing)
@@ -226,6 +227,7 @@ def prepare(
     for url in source.missing:
         report.add_failure(ShardFailure(url, "not found on the source"))
     run = Staging(source, options, staged, report, log, shards, heartbeat=heartbeat)
+    run.rewrite_manifest = times.stale
     run.entries.update(plan.kept)
     return run, plan, expected
 

@@ -219,7 +219,7 @@ class SizeProbe:
                 result = UNKNOWN
                 self._errors[index] = f"cannot stat it: {os.strerror(found)}"
         else:
-            mode, size, inode, mtime_ns, ctime_ns = found
+            mode, size, inode, mtime_ns, ctime_ns, _links = found
             if stat.S_ISDIR(mode):
                 result = DROPPED
             elif not stat.S_ISREG(mode):

@@ -30,6 +30,7 @@ __all__ = [
     "plan_prune",
     "plan_keep",
     "check_checkpoint_name",
+    "check_new_checkpoint_name",
 ]
 
 KIND_FILE = "file"
@@ -44,12 +45,18 @@ def check_checkpoint_name(name: str) -> str:
         raise CheckpointError(
             f"checkpoint name {name!r} must be one non-hidden path component; rename the checkpoint"
         )
-    if "\n" in name or not name.isprintable() or not_utf8(name) is not None:
-        raise CheckpointError(
-            f"checkpoint name {ascii(name)} has a line break, control character or byte that "
-            "is not UTF-8; rename the checkpoint (logs and records name it on one line)"
-        )
     return safe_relpath(name)
+
+
+def check_new_checkpoint_name(name: str) -> str:
+    """:func:`check_checkpoint_name`, and on one line in UTF-8: what a new commit may be named
+    (records committed under other names stay readable)."""
+    if "\n" in name or "\r" in name or not_utf8(name) is not None:
+        raise CheckpointError(
+            f"checkpoint name {ascii(name)} has a line break or a byte that is not UTF-8; "
+            "rename the checkpoint (logs and records name it on one line, in UTF-8)"
+        )
+    return check_checkpoint_name(name)
 
 
 def content_id(entries: Iterable[ManifestEntry]) -> str:

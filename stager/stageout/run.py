@@ -36,7 +36,13 @@ from stager.errors import CheckpointError, DeadlineTooShort, IntegrityError, Usa
 from stager.slurm import SlurmEnv
 from stager.stageout.deadline import Deadline
 from stager.stageout.record import KIND_DIR, CommitRecord, plan_keep, plan_prune
-from stager.stageout.snapshot import Snapshot, newest_mtime_ns, snapshot, state_dir
+from stager.stageout.snapshot import (
+    Snapshot,
+    has_files,
+    newest_mtime_ns,
+    snapshot,
+    state_dir,
+)
 from stager.stageout.store import CommitStore
 from stager.stageout.stores import open_store
 from stager.storage.hashing import hash_file
@@ -170,9 +176,13 @@ def stage_out(
             file=log,
             flush=True,
         )
-    mtimes = {Path(os.path.abspath(p)): newest_mtime_ns(Path(p)) for p in ckpts}
-    paths = sorted(mtimes, key=lambda p: (mtimes[p], p.name), reverse=True)
     outcomes: list[Outcome] = []
+    for empty in (p for p in map(Path, ckpts) if not has_files(p)):  # before --keep ranks them
+        outcomes.append(_empty(empty.name, store.display(empty.name)))
+        print(outcomes[-1].line(), file=log, flush=True)
+    candidates = [Path(os.path.abspath(p)) for p in ckpts if has_files(Path(p))]
+    mtimes = {p: newest_mtime_ns(p) for p in candidates}
+    paths = sorted(mtimes, key=lambda p: (mtimes[p], p.name), reverse=True)
     if options.keep is not None:
         wanted = set(
             plan_keep([(p.name, m) for p, m in mtimes.items()], store.records(), options.keep)
@@ -212,6 +222,11 @@ def check_outside_checkpoints(
     if dest is None:
         return
     dest = os.path.realpath(dest)
+    if any(dest == os.path.realpath(ckpt.parent) for ckpt in ckpts):  # DEST/NAME is itself
+        raise UsageError(
+            f"the destination {store.url} is the directory the checkpoints are in: each would "
+            "be committed onto itself; pass a DEST outside it"
+        )
     for where in map(os.path.realpath, [*ckpts, *([ckpt_dir] if ckpt_dir else [])]):
         if dest == where or dest.startswith(where.rstrip("/") + "/"):
             raise UsageError(
@@ -254,13 +269,8 @@ def _stage_one(
                 file=log,
                 flush=True,
             )
-        if snap.kind == KIND_DIR and not snap.files:
-            return Outcome(
-                snap.name,
-                SKIPPED_EMPTY,
-                url=url,
-                message=f"skipped {snap.name}: an empty directory (its files not written yet?)",
-            )
+        if snap.kind == KIND_DIR and not snap.files:  # emptied since it was listed
+            return _empty(snap.name, url)
         if options.settle_s > 0 and snap.age_s() < options.settle_s:
             return Outcome(
                 snap.name, SKIPPED_UNSETTLED, url=url, message=f"{snap.name} is still being written"
@@ -285,6 +295,11 @@ def _stage_one(
                     ),
                 )
         return _copy_and_commit(snap, store, options, slurm, rate, throttle, url)
+
+
+def _empty(name: str, url: str) -> Outcome:
+    message = f"skipped {name}: an empty directory (its files not written yet?)"
+    return Outcome(name, SKIPPED_EMPTY, url=url, message=message)
 
 
 def _copy_and_commit(

@@ -23,7 +23,7 @@ from pathlib import Path
 from stager.errors import CheckpointError
 from stager.layout import STAGEOUT_STATE_DIR
 from stager.shards.manifest import ManifestEntry
-from stager.stageout.record import KIND_DIR, KIND_FILE, check_checkpoint_name, content_id
+from stager.stageout.record import KIND_DIR, KIND_FILE, check_new_checkpoint_name, content_id
 from stager.storage.hashing import hash_file
 from stager.storage.identity import local_version
 from stager.storage.paths import PARTIAL_SUFFIX, not_utf8
@@ -35,6 +35,7 @@ __all__ = [
     "snapshot",
     "state_dir",
     "newest_mtime_ns",
+    "has_files",
     "SKIP_SUFFIXES",
 ]
 
@@ -129,20 +130,23 @@ def _walk(
     """The checkpoint's regular files, with their ``stat``, by relative path.
 
     Symlinks are followed, to directories too (a checkpoint that links its optimizer state
-    from elsewhere is staged whole, not without it); a directory reached twice (a loop) is
-    refused. What is not a regular file (a FIFO, a socket, a symlink to nothing) is never
-    opened: its relative path goes to ``skipped``, for the caller's warning.
+    from elsewhere is staged whole, not without it; one linked twice is staged under both
+    names, as ``cp -rL`` copies it); a link to a directory above it (a loop) is refused.
+    What is not a regular file (a FIFO, a socket, a symlink to nothing) is never opened: its
+    relative path goes to ``skipped``, for the caller's warning.
     """
     if kind == KIND_FILE:
         return [(path, _utf8(name, path), path.stat())]
     out = []
-    seen: set[tuple[int, int]] = set()
+    chain: dict[str, tuple[tuple[int, int], ...]] = {}  # each directory's ancestors, itself last
     for root, dirs, files in os.walk(path, followlinks=True, onerror=_raise):
         here = os.stat(root)
-        if (here.st_dev, here.st_ino) in seen:
-            raise CheckpointError(f"{root}: a directory reached twice (a symlink loop); refused")
-        seen.add((here.st_dev, here.st_ino))
+        above = chain.pop(root, ())
+        if (here.st_dev, here.st_ino) in above:  # its own ancestor: walking on never ends
+            raise CheckpointError(f"{root}: a symlink loop (a link to a directory above it)")
+        mine = (*above, (here.st_dev, here.st_ino))
         dirs[:] = sorted(d for d in dirs if not d.endswith(PARTIAL_SUFFIX))
+        chain.update((os.path.join(root, d), mine) for d in dirs)
         for fname in sorted(files):
             if fname.endswith(PARTIAL_SUFFIX):
                 continue
@@ -174,6 +178,17 @@ def _utf8(rel: str, full: Path) -> str:
             "name files in UTF-8)"
         )
     return rel
+
+
+def has_files(ckpt_path: Path) -> bool:
+    """Whether a checkpoint holds a file yet: a file does, an empty directory tree does not
+    (the trainer has just made it: not a checkpoint to commit, nor to rank as the newest)."""
+    if not ckpt_path.is_dir():
+        return True
+    for _root, _dirs, files in os.walk(ckpt_path, followlinks=True):
+        if any(not f.endswith(PARTIAL_SUFFIX) for f in files):
+            return True
+    return False
 
 
 def newest_mtime_ns(ckpt_path: Path) -> int:
@@ -208,7 +223,7 @@ def _save_cache(cache_path: Path, files: tuple[SourceFile, ...]) -> None:
 def snapshot(ckpt_path: Path) -> Snapshot:
     """Hash a checkpoint (re-using cached hashes of files whose size and mtime are unchanged)."""
     ckpt_path = Path(os.path.abspath(ckpt_path))
-    name = check_checkpoint_name(ckpt_path.name)
+    name = check_new_checkpoint_name(ckpt_path.name)
     if ckpt_path.is_dir():
         kind = KIND_DIR
     elif ckpt_path.is_file():

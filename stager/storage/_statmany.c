@@ -11,8 +11,8 @@
  *   surrogateescape). It stats them in order and stops after the first once budget_s seconds
  *   have been spent, so a slow filesystem never serialises many round trips on one thread:
  *   results covers a prefix of paths, at least one when paths is not empty. Each result is
- *   (st_mode, st_size, st_ino, st_mtime_ns, st_ctime_ns) as os.stat gives them, or the errno
- *   of a failed stat as an int. seconds: the time spent in the calls.
+ *   (st_mode, st_size, st_ino, st_mtime_ns, st_ctime_ns, st_nlink) as os.stat gives them, or
+ *   the errno of a failed stat as an int. seconds: the time spent in the calls.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -48,8 +48,9 @@ static PyObject *row_of(const struct stat *st) {
                             : NULL;
     PyObject *row = NULL;
     if (ctime)
-        row = Py_BuildValue("(lLKOO)", (long)st->st_mode, (long long)st->st_size,
-                            (unsigned long long)st->st_ino, mtime, ctime);
+        row = Py_BuildValue("(lLKOOK)", (long)st->st_mode, (long long)st->st_size,
+                            (unsigned long long)st->st_ino, mtime, ctime,
+                            (unsigned long long)st->st_nlink);
     Py_XDECREF(mtime);
     Py_XDECREF(ctime);
     return row;

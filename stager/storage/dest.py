@@ -55,12 +55,13 @@ def resolve_dest_root(
     return Path(tmp) / f"stager-{_user(env)}" / "local"
 
 
-def ensure_private_dir(path: str | os.PathLike[str]) -> Path:
+def ensure_private_dir(path: str | os.PathLike[str], flag: str = "--dest") -> Path:
     """Create ``path`` (and parents) if needed, the leaf with mode 0700, and vet it.
 
     Refuses (:class:`UnsafePath`) a leaf that is a symlink or not owned by us; wraps other
     failures in :class:`DestinationError` naming the path. An existing directory keeps its
-    mode: ``--dest /tmp`` must not turn ``/tmp`` into a private directory.
+    mode: ``--dest /tmp`` must not turn ``/tmp`` into a private directory. ``flag``: the option
+    that named ``path``, which the messages tell the user to change.
     """
     path = Path(path)
     created = False
@@ -74,19 +75,19 @@ def ensure_private_dir(path: str | os.PathLike[str]) -> Path:
         info = os.lstat(path)
     except PermissionError as exc:
         raise DestinationError(
-            f"cannot create {path}: permission denied; pass --dest to a writable directory"
+            f"cannot create {path}: permission denied; pass {flag} to a writable directory"
         ) from exc
     except OSError as exc:
         raise DestinationError(
-            f"cannot create {path}: {exc.strerror or exc}; pass --dest to a usable directory"
+            f"cannot create {path}: {exc.strerror or exc}; pass {flag} to a usable directory"
         ) from exc
     if stat.S_ISLNK(info.st_mode):
         raise UnsafePath(
-            f"{path} is a symlink; refusing to stage through it (remove it or pass another --dest)"
+            f"{path} is a symlink; refusing to stage through it (remove it or pass another {flag})"
         )
     if not stat.S_ISDIR(info.st_mode):
         raise DestinationError(
-            f"{path} exists and is not a directory; remove it or pass another --dest"
+            f"{path} exists and is not a directory; remove it or pass another {flag}"
         )
     if info.st_uid != os.geteuid():
         raise UnsafePath(

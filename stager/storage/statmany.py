@@ -23,8 +23,8 @@ from stager.native import load_optional
 
 __all__ = ["StatRow", "available", "stat_many", "stat_many_python"]
 
-#: ``(st_mode, st_size, st_ino, st_mtime_ns, st_ctime_ns)`` of one successful stat.
-StatRow = tuple[int, int, int, int, int]
+#: ``(st_mode, st_size, st_ino, st_mtime_ns, st_ctime_ns, st_nlink)`` of one successful stat.
+StatRow = tuple[int, int, int, int, int, int]
 
 
 _module: Any = load_optional("stager.storage._statmany", "STAGER_NATIVE_STAT")
@@ -56,7 +56,7 @@ def stat_many_python(
         except OSError as exc:
             results.append(exc.errno or errno.EIO)
         else:
-            row = (st.st_mode, st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+            row = (st.st_mode, st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_nlink)
             results.append(row)
         if time.monotonic() - started >= budget_s:
             break

@@ -7,6 +7,7 @@ import dataclasses
 import os
 import shutil
 import sys
+from pathlib import Path
 
 from stager.cache.paths import resolve_cache_dir, resolve_cache_limit
 from stager.cli.argtypes import (
@@ -200,6 +201,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(handler=run)
 
 
+def _vet_cache(cache_dir: Path) -> None:
+    """Refuse an unsafe ``--cache`` (someone else's, a symlink, a directory not a cache)
+    before anything is written to the destination; a cache the filesystem refuses (read-only,
+    full) is left to the run, which stages without it and says so."""
+    from stager.cache.paths import CacheLayout
+
+    try:
+        CacheLayout(cache_dir).open()
+    except StagerError:
+        raise
+    except OSError:
+        pass
+
+
 def options_from_args(args: argparse.Namespace, slurm: SlurmEnv) -> StageInOptions:
     return StageInOptions(
         dest_root=resolve_dest_root(args.dest, slurm=slurm),
@@ -261,6 +276,8 @@ def _run(args: argparse.Namespace) -> int:
             f"stage-in: warning: {uncached_mode} ignores $STAGER_CACHE", file=sys.stderr, flush=True
         )
         options = dataclasses.replace(options, cache_dir=None)
+    if options.cache_dir is not None:
+        _vet_cache(options.cache_dir)
     select = None
     if args.subset == "node":
         from stager.plan.nodes import select_node_shards

@@ -12,7 +12,7 @@ from stager.signalevent import SignalSafeEvent
 from stager.slurm import SlurmEnv
 from stager.stageout.deadline import DEADLINE_MARGIN_S, resolve_deadline
 from stager.stageout.run import StageOutOptions, check_outcomes, stage_out
-from stager.stageout.snapshot import list_checkpoints
+from stager.stageout.snapshot import has_files, list_checkpoints
 from stager.stageout.watch import WATCH_INTERVAL_S, stop_on_signals, watch
 
 
@@ -143,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
     ckpt = Path(args.ckpt)
 
     def list_ckpts() -> list[Path]:
-        return list_checkpoints(ckpt) if args.all else [ckpt]
+        # --all: an empty step directory is not a checkpoint yet (the trainer has just made it)
+        return [p for p in list_checkpoints(ckpt) if has_files(p)] if args.all else [ckpt]
 
     stop = SignalSafeEvent()  # set by a signal handler: see stager.signalevent
     if args.watch:
@@ -155,7 +156,8 @@ def run(args: argparse.Namespace) -> int:
         # Said, not passed over: a job script reads 9 as "the trainer saved nothing here".
         raise NoCheckpoint(
             f"no checkpoint in {ckpt} to stage out (names starting with '.' or ending in "
-            f".partial, .tmp or .lock are skipped); nothing committed to {args.dest}"
+            f".partial, .tmp or .lock, and empty directories, are skipped); nothing committed "
+            f"to {args.dest}"
         )
     # One shot (job end, signal trap): a signal abandons the copy in flight atomically.
     with stop_on_signals(stop, graceful=False):
