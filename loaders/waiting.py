@@ -96,9 +96,11 @@ class ShardGate:
         self.sizes = np.asarray(sizes, dtype=np.int64)
         self.on_copier_death = on_copier_death
         self.prefix = str(staged.dir) + "/"
-        # Since when the copier's lock has been seen free, across waits: once the copier is
-        # gone, each later missing shard is settled at once, not after GONE_AFTER_S again
-        # (1,000 missing shards were 83 minutes of waiting).
+        # Since when the copier's lock has been seen free. With on_copier_death="source" it is
+        # kept across waits: once the copier is gone, each later missing shard is fetched at
+        # once, not after GONE_AFTER_S again (1,000 missing shards were 83 minutes of waiting);
+        # a fetch too early is harmless (it copies under the node lock). With "fail" each wait
+        # starts its own grace: a copier taking over in between must not be taken for dead.
         self._free_since: float | None = None
 
     def path(self, shard: int) -> str:
@@ -113,6 +115,8 @@ class ShardGate:
             return 0.0
         started = time.monotonic()
         delay, check_at = 0.01, started
+        if self.on_copier_death != "source":
+            self._free_since = None
         while not self.is_published(shard):
             now = time.monotonic()
             if now >= check_at:

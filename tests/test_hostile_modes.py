@@ -139,3 +139,39 @@ def test_a_loader_reading_around_a_dead_copier_waits_once_not_per_shard(tmp_path
     assert waited < 2 * GONE_AFTER_S, (waited, staged, time.monotonic() - started)
     assert not list(dest.rglob("*.partial"))
     assert os.path.isdir(dest / "bg")
+
+
+def test_a_cache_not_made_yet_on_a_read_only_filesystem_is_one_warning(
+    tmp_path: Path, capsys
+) -> None:
+    src = tmp_path / "src"
+    write_synthetic_dataset(src, SyntheticSpec(num_shards=2, samples_per_shard=4))
+    with mount_tmpfs(tmp_path / "ro", "4m") as fs:
+        subprocess.run(["mount", "-o", "remount,ro", str(fs)], check=True)
+        report = _report(
+            capsys,
+            "stage-in",
+            str(src),
+            "--dest",
+            str(tmp_path / "a"),
+            "--cache",
+            str(fs / "cache"),
+        )
+        assert report["files_copied"] == 2
+        assert "copying without it" in report["stderr"]
+
+
+def test_a_run_that_fails_before_copying_creates_no_cache(tmp_path: Path, capsys) -> None:
+    cache = tmp_path / "cache"
+    result = run_main(
+        capsys,
+        "stage-in",
+        str(tmp_path / "nosuch"),
+        "--dest",
+        str(tmp_path / "d"),
+        "--cache",
+        str(cache),
+        *FAST,
+    )
+    assert result.returncode != 0
+    assert not cache.exists()

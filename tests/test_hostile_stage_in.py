@@ -202,7 +202,7 @@ def test_a_shard_whose_temporary_name_is_a_source_directory_is_named_not_an_errn
 
 
 @pytest.mark.parametrize("manifest", [False, True])
-@pytest.mark.parametrize("change", ["replaced", "written in place"])
+@pytest.mark.parametrize("change", ["replaced", "written in place", "linked, then written"])
 def test_a_staged_file_changed_after_its_record_is_not_trusted_by_its_name(
     tmp_path: Path, capsys, change: str, manifest: bool
 ) -> None:
@@ -225,6 +225,8 @@ def test_a_staged_file_changed_after_its_record_is_not_trusted_by_its_name(
         os.utime(other, ns=(st.st_atime_ns, st.st_mtime_ns))
         other.replace(victim)
     else:
+        if change.startswith("linked"):  # a second name: not a --cache copy for all that
+            os.link(victim, tmp_path / "backup.tar")
         _rewrite_in_place(victim)
     assert victim.read_bytes() != (src / victim.name).read_bytes()
     result = run_main(capsys, "stage-in", str(src), "--dest", str(dest), *FAST)
@@ -346,3 +348,22 @@ def test_a_staged_file_whose_ctime_alone_moved_is_checked_once_not_on_every_run(
     assert RecordTimes.of(staged).changed_since_recorded(victim.name, victim.stat())
     assert run_main(capsys, "stage-in", str(src), "--dest", str(dest), *FAST).returncode == 0
     assert not RecordTimes.of(staged).changed_since_recorded(victim.name, victim.stat())
+
+
+def test_a_read_only_scratch_keeps_serving_when_a_kept_files_ctime_moved(
+    tmp_path: Path, capsys
+) -> None:
+    """The manifest rewrite that settles a ctime-only change is best effort: on a read-only
+    scratch the file is hashed again and the run succeeds (the first fix made it exit 5)."""
+    src = tmp_path / "ds"
+    write_synthetic_dataset(src, SyntheticSpec(num_shards=2, samples_per_shard=4))
+    assert run_main(capsys, "stager", "index", str(src)).returncode == 0
+    with mount_tmpfs(tmp_path / "ro", "8m") as scratch:
+        assert run_main(capsys, "stage-in", str(src), "--dest", str(scratch), *FAST).returncode == 0
+        old = time.time() - 3600
+        os.utime(scratch / "ds" / ".stager" / "manifest.json", (old, old))
+        (scratch / "ds" / "train-000000.tar").chmod(0o600)
+        subprocess.run(["mount", "-o", "remount,ro", str(scratch)], check=True)
+        for _ in range(2):
+            result = run_main(capsys, "stage-in", str(src), "--dest", str(scratch), *FAST)
+            assert result.returncode == 0, result.stderr

@@ -187,3 +187,16 @@ def test_a_dest_full_at_the_commit_leaves_nothing_uncommitted(tmp_path: Path) ->
         assert run_cli("stage-out", str(data), str(dest)).returncode == 0
         assert (dest / "step-9.pt").read_bytes() == data.read_bytes()
         assert _leftovers(dest) == []
+
+
+def test_a_newer_directory_of_only_a_dangling_link_is_not_a_checkpoint(tmp_path: Path) -> None:
+    """``has_files`` counted what the snapshot skips (a symlink to nothing, a FIFO): --keep 1
+    then ranked that directory newest and committed nothing."""
+    ckpt, dest = tmp_path / "ck", tmp_path / "dest"
+    _write(ckpt / "step-1000" / "model.pt")
+    (ckpt / "step-2000").mkdir()
+    (ckpt / "step-2000" / "model.pt").symlink_to(tmp_path / "not-yet")
+    os.utime(ckpt / "step-2000", ns=(2**62, 2**62))
+    result = run_cli("stage-out", "--all", "--keep", "1", str(ckpt), str(dest))
+    assert result.returncode == 0, result.stderr
+    assert _committed(dest) == ["step-1000"]

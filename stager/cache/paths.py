@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stager.errors import UsageError
-from stager.storage.dest import ensure_private_dir
+from stager.storage.dest import ensure_private_dir, vet_private_dir
 from stager.units import parse_size
 
 __all__ = [
@@ -94,6 +94,15 @@ class CacheLayout:
     def index_dir(self, dkey: str) -> Path:
         return self.datasets_dir / f"{dkey}.index"
 
+    @staticmethod
+    def _refuse_foreign(root: Path) -> None:
+        with os.scandir(root) as entries:
+            if next(entries, None) is not None:
+                raise UsageError(
+                    f"--cache {root} is not empty and not a stager cache; give the cache a "
+                    "directory of its own, e.g. /local/$USER/stager-cache"
+                )
+
     def open(self) -> CacheLayout:
         """Create the root (0700) and its directories; refuse a root that is not safely ours.
 
@@ -104,18 +113,26 @@ class CacheLayout:
         root = ensure_private_dir(self.root, flag="--cache")
         tag = root / "CACHEDIR.TAG"
         if not tag.is_file():
-            with os.scandir(root) as entries:
-                if next(entries, None) is not None:
-                    raise UsageError(
-                        f"--cache {root} is not empty and not a stager cache; give the cache a "
-                        "directory of its own, e.g. /local/$USER/stager-cache"
-                    )
+            self._refuse_foreign(root)
             tag.write_text(_TAG)
         if os.stat(root).st_mode & 0o077:
             os.chmod(root, 0o700)
         for sub in (self.objects_dir, self.datasets_dir, self.locks_dir / "fill"):
             sub.mkdir(parents=True, exist_ok=True, mode=0o700)
         return self
+
+
+def vet_cache(root: Path) -> None:
+    """Refuse an existing ``--cache`` that is not safely ours (a symlink, another user's, a
+    directory that is neither empty nor a cache) without writing anything: what
+    :meth:`CacheLayout.open` refuses, checked before a run writes its destination."""
+    try:
+        info = os.lstat(root)
+    except OSError:
+        return  # not there yet (made by the run), or unreadable: the run says so
+    vet_private_dir(root, info, flag="--cache")
+    if not (root / "CACHEDIR.TAG").is_file():
+        CacheLayout._refuse_foreign(root)
 
 
 def resolve_cache_dir(flag: str | None, env: Mapping[str, str] | None = None) -> Path | None:

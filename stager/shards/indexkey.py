@@ -14,7 +14,7 @@ import numpy as np
 
 from stager.storage.statmany import StatRow, stat_many
 
-__all__ = ["KEY_FORMAT", "changed_ns", "dataset_key"]
+__all__ = ["KEY_FORMAT", "changed_ns", "dataset_key", "is_cache_link"]
 
 KEY_FORMAT = 3  # 3: hashed column by column
 
@@ -25,12 +25,21 @@ def changed_ns(st: os.stat_result) -> int:
     The mtime alone misses a shard rewritten in place at the same size with its mtime put
     back (``cp -p``, ``rsync -a --inplace``): the index would then point into bytes it was not
     built from, and samples would get other samples' keys. Every write and ``utime`` moves the
-    ctime, which no call sets back. A file with other hard links (a ``--cache`` copy, which
-    other jobs link too, moving its ctime) is keyed by its mtime alone, as the cache's own
-    record is: else an index kept in the cache would never match, and each job's links would
-    make the others' indexes stale.
+    ctime, which no call sets back. A ``--cache`` copy (:func:`is_cache_link`, which other jobs
+    link too, moving its ctime) is keyed by its mtime alone, as the cache's own record is: else
+    an index kept in the cache would never match, and each job's links would make the others'
+    indexes stale.
     """
-    return st.st_mtime_ns if st.st_nlink > 1 else max(st.st_mtime_ns, st.st_ctime_ns)
+    if is_cache_link(st.st_mode, st.st_nlink):
+        return st.st_mtime_ns
+    return max(st.st_mtime_ns, st.st_ctime_ns)
+
+
+def is_cache_link(mode: int, links: int) -> bool:
+    """Whether a staged file is a ``--cache`` object placed by a hard link: read-only (the
+    cache makes its objects 0444 before it links them) with other links. Its ctime moves with
+    every job that links it, so it is judged by its mtime, as the cache's record is."""
+    return links > 1 and not mode & 0o222
 
 
 def dataset_key(
@@ -98,8 +107,8 @@ def _stat_missing(shards: Sequence[str | os.PathLike[str]], table: np.ndarray) -
 
 def _changed(row: StatRow) -> int:
     """:func:`changed_ns` of a :data:`~stager.storage.statmany.StatRow`."""
-    _mode, _size, _ino, mtime_ns, ctime_ns, links = row
-    return mtime_ns if links > 1 else max(mtime_ns, ctime_ns)
+    mode, _size, _ino, mtime_ns, ctime_ns, links = row
+    return mtime_ns if is_cache_link(mode, links) else max(mtime_ns, ctime_ns)
 
 
 #: Paths handed to one stat_many call, at most.

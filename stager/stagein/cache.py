@@ -32,7 +32,7 @@ from stager.cache.keys import dataset_key, shard_key
 from stager.cache.locks import FileLock
 from stager.cache.records import ObjectRecord
 from stager.cache.store import ShardCache
-from stager.errors import HashMismatch, one_line
+from stager.errors import DestinationError, HashMismatch, one_line
 from stager.layout import StagedDataset
 from stager.stagein.options import StageInOptions
 from stager.stagein.plan import CopyItem, LocalPlan
@@ -187,18 +187,23 @@ class StageCache:
         filesystem refuses it (read-only, full): the run stages without it, as it does when
         registering fails."""
         assert options.cache_dir is not None
-        store = ShardCache.open(
-            options.cache_dir,
-            limit_bytes=options.cache_limit_bytes,
-            lock_timeout_s=options.lock_timeout_s,
-        )
-        cache = cls(store, source, staged, report, log, job_id=job_id)
         try:
+            store = ShardCache.open(
+                options.cache_dir,
+                limit_bytes=options.cache_limit_bytes,
+                lock_timeout_s=options.lock_timeout_s,
+            )
+            cache = cls(store, source, staged, report, log, job_id=job_id)
             cache._lock.acquire()
-        except OSError as exc:
-            cache._warn(
-                f"the cache at {store.layout.root} cannot be used "
-                f"({exc.strerror or one_line(exc)}): copying without it"
+        except (OSError, DestinationError) as exc:
+            cause = exc.__cause__ if isinstance(exc, DestinationError) else exc
+            if not isinstance(cause, OSError):
+                raise  # a refusal of the directory itself (not a directory, unsafe): said
+            print(
+                f"[{report.node}] warning: the cache at {options.cache_dir} cannot be used "
+                f"({cause.strerror or one_line(cause)}): copying without it",
+                file=log,
+                flush=True,
             )
             return None
         return cache

@@ -14,6 +14,7 @@ not differ, or the loader and a rerun see two kinds of staged dataset. So both e
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import os
@@ -92,13 +93,12 @@ def finish(run: Staging) -> None:
         # Rewritten when a shard was published in this run although the entries are the same
         # (a copy made again): its mtime is what later runs compare staged files' ctimes with
         # (stager.stagein.recorded). A read-only scratch may hold an unchanged one.
-        if (
-            report.files_copied
-            or run.rewrite_manifest
-            or not _unchanged(run.staged.manifest_path, manifest)
-        ):
+        if report.files_copied or not _unchanged(run.staged.manifest_path, manifest):
             run.staged.meta_dir.mkdir(exist_ok=True)
             manifest.write(run.staged.manifest_path)
+        elif run.rewrite_manifest:  # the same entries, only a newer record: best effort
+            with contextlib.suppress(OSError):
+                manifest.write(run.staged.manifest_path)
         assert run.journal is not None
         run.journal.remove()  # every entry it held is in the manifest now
     except OSError as exc:

@@ -10,9 +10,13 @@ whose ctime is later than its record's mtime was changed after it was recorded. 
 then hashed against the manifest where there is a hash, and copied again where there is not.
 
 A hard link moves the ctime too, and a ``--cache`` copy is a hard link that other jobs link
-again: a staged file with more than one link is judged by the cache's own record instead
-(inode, size and mtime), and its ctime is not compared. A kept file found changed, and every
-run that read a journal, rewrite the manifest, so that the next run compares with a record at
+again: a staged file that is one (read-only, 0444, with other links:
+:func:`stager.shards.indexkey.is_cache_link`) is not judged by its ctime; the cache's own
+record (inode, size and mtime) vouches for its bytes. Any other file with a second link (a
+user's ``ln``, a ``cp -al`` snapshot) is judged as every file is.
+
+A kept file found changed, and every run that read a journal, rewrite the manifest (best
+effort: a read-only scratch keeps its own), so that the next run compares with a record at
 least as new as each file (else it would hash or copy the same files again on every run).
 
 Not seen: a change within the clock tick of the record's write, and, for a killed run, a change
@@ -25,6 +29,7 @@ import os
 from dataclasses import dataclass, field
 
 from stager.layout import StagedDataset
+from stager.shards.indexkey import is_cache_link
 from stager.stagein.journal import Journal
 
 __all__ = ["RecordTimes"]
@@ -62,7 +67,7 @@ class RecordTimes:
     def changed_since_recorded(self, relpath: str, st: os.stat_result) -> bool:
         """Whether the staged file ``st`` of ``relpath`` changed after its record was written
         (False where there is no record to compare with: nothing is trusted by it then)."""
-        if st.st_nlink > 1:  # a --cache copy: links made by other jobs move its ctime
+        if is_cache_link(st.st_mode, st.st_nlink):  # other jobs' links move its ctime
             return False
         recorded = self.journal_ns if relpath in self.journaled else self.manifest_ns
         return recorded is not None and st.st_ctime_ns > recorded

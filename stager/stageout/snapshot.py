@@ -185,10 +185,10 @@ def has_files(ckpt_path: Path) -> bool:
     (the trainer has just made it: not a checkpoint to commit, nor to rank as the newest)."""
     if not ckpt_path.is_dir():
         return True
-    for _root, _dirs, files in os.walk(ckpt_path, followlinks=True):
-        if any(not f.endswith(PARTIAL_SUFFIX) for f in files):
-            return True
-    return False
+    try:  # the files a snapshot would stage: regular ones, FIFOs and dangling links not
+        return bool(_walk(ckpt_path, ckpt_path.name, KIND_DIR))
+    except (OSError, CheckpointError):
+        return True  # staged, where the error is said on the checkpoint's own line
 
 
 def newest_mtime_ns(ckpt_path: Path) -> int:

@@ -115,4 +115,10 @@ static struct PyModuleDef statmany_module = {
     PyModuleDef_HEAD_INIT, "_statmany", "Many stat() calls for one release of the lock.", -1,
     statmany_methods};
 
-PyMODINIT_FUNC PyInit__statmany(void) { return PyModule_Create(&statmany_module); }
+/* ROW_FIELDS: the length of a result row, so that Python can tell a build of an older row
+ * (an editable install not rebuilt) and not use it. */
+PyMODINIT_FUNC PyInit__statmany(void) {
+    PyObject *module = PyModule_Create(&statmany_module);
+    if (module && PyModule_AddIntConstant(module, "ROW_FIELDS", 6) < 0) Py_CLEAR(module);
+    return module;
+}

@@ -55,6 +55,24 @@ def resolve_dest_root(
     return Path(tmp) / f"stager-{_user(env)}" / "local"
 
 
+def vet_private_dir(path: Path, info: os.stat_result, flag: str = "--dest") -> None:
+    """Refuse ``path`` (its ``lstat`` is ``info``) unless it is a directory of ours, not a
+    symlink: what :func:`ensure_private_dir` checks, for a path that already exists."""
+    if stat.S_ISLNK(info.st_mode):
+        raise UnsafePath(
+            f"{path} is a symlink; refusing to stage through it (remove it or pass another {flag})"
+        )
+    if not stat.S_ISDIR(info.st_mode):
+        raise DestinationError(
+            f"{path} exists and is not a directory; remove it or pass another {flag}"
+        )
+    if info.st_uid != os.geteuid():
+        raise UnsafePath(
+            f"{path} is owned by uid {info.st_uid}, not by you; refusing (another user may have "
+            "pre-created it)"
+        )
+
+
 def ensure_private_dir(path: str | os.PathLike[str], flag: str = "--dest") -> Path:
     """Create ``path`` (and parents) if needed, the leaf with mode 0700, and vet it.
 
@@ -81,19 +99,7 @@ def ensure_private_dir(path: str | os.PathLike[str], flag: str = "--dest") -> Pa
         raise DestinationError(
             f"cannot create {path}: {exc.strerror or exc}; pass {flag} to a usable directory"
         ) from exc
-    if stat.S_ISLNK(info.st_mode):
-        raise UnsafePath(
-            f"{path} is a symlink; refusing to stage through it (remove it or pass another {flag})"
-        )
-    if not stat.S_ISDIR(info.st_mode):
-        raise DestinationError(
-            f"{path} exists and is not a directory; remove it or pass another {flag}"
-        )
-    if info.st_uid != os.geteuid():
-        raise UnsafePath(
-            f"{path} is owned by uid {info.st_uid}, not by you; refusing (another user may have "
-            "pre-created it)"
-        )
+    vet_private_dir(path, info, flag)
     if created and stat.S_IMODE(info.st_mode) & 0o077:
         os.chmod(path, 0o700)  # a umask can't widen it, but a default ACL may have
     return path

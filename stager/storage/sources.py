@@ -220,7 +220,10 @@ def _glob(spec: str, fs: fsspec.AbstractFileSystem | None, path: str, name: str)
         # Locally each match is stat'ed again: fsspec reports a version of its own (mtime and
         # created), which the copy's (inode, mtime and ctime) never equals; a --cache fill took
         # that for a source changing under the copy and cached nothing.
-        found = [(p, stat_one(None, p)) for p, _ in matches]
+        try:
+            found = [(p, stat_one(None, p)) for p, _ in matches]
+        except Exception as exc:  # noqa: BLE001 - translated at this boundary
+            raise translate(exc, spec) from exc
         infos = [(p, info) for p, info in found if info is not None]
     else:
         infos = [(p, info_of(info)) for p, info in matches]

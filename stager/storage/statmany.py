@@ -28,6 +28,8 @@ StatRow = tuple[int, int, int, int, int, int]
 
 
 _module: Any = load_optional("stager.storage._statmany", "STAGER_NATIVE_STAT")
+if _module is not None and getattr(_module, "ROW_FIELDS", 5) != 6:
+    _module = None  # built from an older source (rows without st_nlink): not used
 
 
 def available() -> bool:

@@ -7,9 +7,8 @@ import dataclasses
 import os
 import shutil
 import sys
-from pathlib import Path
 
-from stager.cache.paths import resolve_cache_dir, resolve_cache_limit
+from stager.cache.paths import resolve_cache_dir, resolve_cache_limit, vet_cache
 from stager.cli.argtypes import (
     count,
     default_of,
@@ -201,20 +200,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(handler=run)
 
 
-def _vet_cache(cache_dir: Path) -> None:
-    """Refuse an unsafe ``--cache`` (someone else's, a symlink, a directory not a cache)
-    before anything is written to the destination; a cache the filesystem refuses (read-only,
-    full) is left to the run, which stages without it and says so."""
-    from stager.cache.paths import CacheLayout
-
-    try:
-        CacheLayout(cache_dir).open()
-    except StagerError:
-        raise
-    except OSError:
-        pass
-
-
 def options_from_args(args: argparse.Namespace, slurm: SlurmEnv) -> StageInOptions:
     return StageInOptions(
         dest_root=resolve_dest_root(args.dest, slurm=slurm),
@@ -277,7 +262,7 @@ def _run(args: argparse.Namespace) -> int:
         )
         options = dataclasses.replace(options, cache_dir=None)
     if options.cache_dir is not None:
-        _vet_cache(options.cache_dir)
+        vet_cache(options.cache_dir)  # before anything is written to the destination
     select = None
     if args.subset == "node":
         from stager.plan.nodes import select_node_shards
