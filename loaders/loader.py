@@ -220,6 +220,8 @@ class ShardedLoader(DataLoader):
                 self.metrics.record(time.perf_counter() - asked, batch_length(out))
                 yield out
                 asked = time.perf_counter()
+            if staging is not None:
+                staging.look(final=True)
         except StagingStopped:
             if staging is None:
                 raise

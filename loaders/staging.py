@@ -224,11 +224,16 @@ class StagingReader(StagedReader):
     def stopped_line(self) -> str:
         return stopped_message(self.gate, "the reader could not wait for a shard any longer")
 
-    def look(self) -> None:
+    def look(self, *, final: bool = False) -> None:
         """From the training process, at most once a second: say in one line when the copier
-        ended badly or is gone (the workers act on it; this is what the log shows)."""
+        ended badly or is gone (the workers act on it; this is what the log shows).
+
+        ``final``: the epoch has ended, now look whatever the time. Workers that read around a
+        dead copier from the source can end an epoch before two looks a second apart saw its
+        lock free; a lock free then, with no result, is a copier gone.
+        """
         now = time.monotonic()
-        if self.complete or self._said or now < self._next_look:
+        if self.complete or self._said or (now < self._next_look and not final):
             return
         self._next_look = now + MONITOR_EVERY_S
         outcome = read_outcome(self.staged, self.facts)
@@ -238,10 +243,12 @@ class StagingReader(StagedReader):
             return
         if lock_held(self.staged):
             self._free_since = None
+        elif final and not staging_incomplete(self.staged.dir, self.facts):
+            return  # every shard is there: nothing was read around it
+        elif final or (self._free_since is not None and now - self._free_since > GONE_AFTER_S):
+            self._say("its lock is free and it left no result")
         elif self._free_since is None:
             self._free_since = now
-        elif now - self._free_since > GONE_AFTER_S:
-            self._say("its lock is free and it left no result")
 
     def _say(self, why: str) -> None:
         self._said = True
