@@ -37,6 +37,7 @@ def _leftovers(dest: Path) -> list[str]:
     out = [p.name for p in dest.iterdir() if p.name != ".stager" and p.name not in committed]
     stager = dest / ".stager"
     out += [str(p.relative_to(dest)) for p in stager.rglob("*") if p.is_file()]
+    out = [x for x in out if x != ".stager/commit.lock"]  # the commit lock stays, empty
     return sorted(x for x in out if not x.endswith(".json") or ".partial" in x)
 
 
@@ -200,3 +201,87 @@ def test_a_newer_directory_of_only_a_dangling_link_is_not_a_checkpoint(tmp_path:
     result = run_cli("stage-out", "--all", "--keep", "1", str(ckpt), str(dest))
     assert result.returncode == 0, result.stderr
     assert _committed(dest) == ["step-1000"]
+
+
+def _stage_out_after(barrier, source: str, dest: str, errors) -> None:  # noqa: ANN001 - mp types
+    import io
+
+    from stager.stageout.run import StageOutOptions, stage_out
+
+    barrier.wait()
+    try:
+        stage_out([source], dest, StageOutOptions(log=io.StringIO()))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        errors.put(f"{type(exc).__name__}: {exc}")
+
+
+def test_two_stage_outs_of_one_name_with_different_bytes_leave_a_true_record(
+    tmp_path: Path,
+) -> None:
+    """From two scratch directories their node-local locks differ: the commits interleaved,
+    and a record could describe the other copy's bytes (the tester: 20 of 300 trials, and
+    false 'not usable' errors). The commit of a name holds a lock at DEST."""
+    import json
+    import multiprocessing as mp
+
+    from stager.storage.hashing import hash_file
+
+    context = mp.get_context("fork")
+    dest = tmp_path / "dest"
+    for trial in range(40):
+        sources = []
+        for tag in "ab":  # new files each trial: a rewrite within a clock tick looks unchanged
+            sources.append(
+                str(_write(tmp_path / f"{tag}{trial}" / "last.pt", size=65_536, seed=-1))
+            )
+        barrier, errors = context.Barrier(2), context.Queue()
+        workers = [
+            context.Process(target=_stage_out_after, args=(barrier, s, str(dest), errors))
+            for s in sources
+        ]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(timeout=60)
+        assert errors.empty(), errors.get()
+        record = json.loads((dest / ".stager" / "commits" / "last.pt.json").read_text())
+        described = record["files"][0]["hash"]
+        assert hash_file(dest / "last.pt") == described, f"trial {trial}"
+        assert described in {hash_file(s) for s in sources}
+
+
+def _copy_after(barrier, src: str, dst: str, errors) -> None:  # noqa: ANN001 - mp types
+    from stager.storage.copy import copy_file
+
+    barrier.wait()
+    try:
+        for _ in range(3):
+            copy_file(None, src, dst)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        errors.put(f"{type(exc).__name__}: {exc}")
+
+
+def test_processes_forked_after_a_copy_do_not_share_its_buffer(tmp_path: Path) -> None:
+    """The copy buffer was a shared anonymous mapping (mmap's default): processes forked after
+    a copy (DataLoader workers, multiprocessing children) wrote into one another's bytes. The
+    race test above found it as a hash mismatch of a source nobody changed."""
+    import multiprocessing as mp
+
+    from stager.storage.copy import copy_file
+
+    first = _write(tmp_path / "warm.bin", size=1 << 20, seed=-1)
+    copy_file(None, str(first), tmp_path / "warm.copy")  # this process's buffer exists now
+    context = mp.get_context("fork")
+    sources = [_write(tmp_path / f"s{i}.bin", size=12 << 20, seed=-1) for i in range(2)]
+    barrier, errors = context.Barrier(2), context.Queue()
+    workers = [
+        context.Process(target=_copy_after, args=(barrier, str(s), str(s) + ".copy", errors))
+        for s in sources
+    ]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=120)
+    assert errors.empty(), errors.get()
+    for source in sources:
+        assert Path(str(source) + ".copy").read_bytes() == source.read_bytes()

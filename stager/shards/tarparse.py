@@ -48,6 +48,7 @@ from stager.shards.tarindex import TarIndex, index_with_tarfile
 from stager.shards.tarnative import WalkResult, native_walk, to_index
 from stager.shards.tarnative import available as native_walk_available
 from stager.shards.tarwalk import MAX_HEADERS, walk_members
+from stager.storage.bytepath import PRIVATE_MAPPING
 
 if TYPE_CHECKING:
     from stager.shards.tarscan import TarScanner
@@ -110,7 +111,7 @@ def _read_back(read_at: Callable[[int, int], bytes], nbytes: int, scanner: TarSc
         return
     buffer = getattr(_buffers, "buffer", None)
     if buffer is None:
-        buffer = _buffers.buffer = mmap.mmap(-1, _REREAD_BYTES)
+        buffer = _buffers.buffer = mmap.mmap(-1, _REREAD_BYTES, flags=PRIVATE_MAPPING)
     with memoryview(buffer) as view:
         offset = 0
         while offset < nbytes:

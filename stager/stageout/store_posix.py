@@ -9,10 +9,13 @@ staging lives under ``DEST/.stager``), ``DEST`` is fsynced, and only then is the
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import os
 import posixpath
 import secrets
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 from fsspec.implementations.local import LocalFileSystem
@@ -100,24 +103,50 @@ class LocalCommitStore(CommitStore):
                 os.makedirs(staged)  # an empty checkpoint directory
             for directory, _, _ in sorted(os.walk(data_root), key=lambda w: -w[0].count("/")):
                 fsync_dir(directory)  # bottom-up: file names are durable before the rename
-            existing = self.record(record.name)
-            if existing is not None and existing.content_id == record.content_id:
-                self._finish(attempt)
-                return False  # another copier committed the same bytes first
-            with signals_deferred():
-                if existing is not None:
-                    self._remove_record(record.name)
-                if os.path.lexists(target):
-                    os.rename(target, posixpath.join(attempt.staging, "old"))  # old or orphan data
-                os.rename(staged, target)
-                fsync_dir(self.root)
-                try:
-                    self._write_small(self.record_path(record.name), record.to_json().encode())
-                except BaseException:  # (a full DEST): the data goes back to the attempt,
-                    with contextlib.suppress(OSError):  # which the caller abandons
-                        os.rename(target, posixpath.join(attempt.staging, "unrecorded"))
+            with self._committing():
+                committed = self._publish(attempt, record, staged, target)
+        return committed
+
+    @contextlib.contextmanager
+    def _committing(self) -> Iterator[None]:
+        """One commit at a time at this DEST (``flock`` on ``.stager/commit.lock``: across
+        processes, and across hosts where the filesystem's locks reach, as NFSv4's do). Two
+        stage-outs of one name with different bytes, from two scratch directories (their
+        node-local locks differ), could otherwise interleave the renames and leave a record
+        describing the other one's bytes. The section is the renames and the record's write,
+        not the copy: one lock for every name costs nothing, and leaves no file per name."""
+        path = self.path(META_DIR, "commit.lock")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as exc:  # a filesystem without locks: as before, unlocked
+                if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
                     raise
-                self._finish(attempt)
+            yield
+        finally:
+            os.close(fd)
+
+    def _publish(self, attempt: Attempt, record: CommitRecord, staged: str, target: str) -> bool:
+        """The commit proper, under :meth:`_committing`."""
+        existing = self.record(record.name)
+        if existing is not None and existing.content_id == record.content_id:
+            self._finish(attempt)
+            return False  # another copier committed the same bytes first
+        with signals_deferred():
+            if existing is not None:
+                self._remove_record(record.name)
+            if os.path.lexists(target):
+                os.rename(target, posixpath.join(attempt.staging, "old"))  # old or orphan data
+            os.rename(staged, target)
+            fsync_dir(self.root)
+            try:
+                self._write_small(self.record_path(record.name), record.to_json().encode())
+            except BaseException:  # (a full DEST): the data goes back to the attempt,
+                with contextlib.suppress(OSError):  # which the caller abandons
+                    os.rename(target, posixpath.join(attempt.staging, "unrecorded"))
+                raise
+            self._finish(attempt)
         return True
 
     def _remove_record(self, name: str) -> None:

@@ -39,11 +39,18 @@ def _buffer(block_bytes: int) -> memoryview:
     An anonymous mapping rather than a ``bytearray``: ``bytearray(n)`` zero-fills all ``n``
     bytes at once, and dozens of threads each touching 4 MiB cost more than copying 300 small shards
     (page faults and ``mmap_lock`` contention); a mapping is faulted in only as far as reads go.
+    Private (:data:`PRIVATE_MAPPING`): Python's default mapping is shared, so a process forked
+    after a copy (a DataLoader worker, a ``multiprocessing`` child) shared this buffer with its
+    parent and siblings, and two of them copying at once wrote into each other's bytes.
     """
     buf = getattr(_buffers, "buf", None)
     if buf is None or len(buf) != block_bytes:
-        buf = _buffers.buf = mmap.mmap(-1, block_bytes)
+        buf = _buffers.buf = mmap.mmap(-1, block_bytes, flags=PRIVATE_MAPPING)
     return memoryview(buf)
+
+
+#: A mapping that fork copies on write, never shares (``mmap``'s default is ``MAP_SHARED``).
+PRIVATE_MAPPING = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
 
 
 class ReadBack:
