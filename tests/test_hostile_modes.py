@@ -175,3 +175,30 @@ def test_a_run_that_fails_before_copying_creates_no_cache(tmp_path: Path, capsys
     )
     assert result.returncode != 0
     assert not cache.exists()
+
+
+def test_wait_staged_after_the_copier_stopped_says_so(tmp_path: Path) -> None:
+    """The first shards are there, so --wait-staged exits 0; it said the copy was 'under way'
+    when the copier had already stopped, and training then failed a few seconds later."""
+    import signal
+
+    from .conftest import run_cli
+
+    src = tmp_path / "bg"
+    write_synthetic_dataset(
+        src, SyntheticSpec(num_shards=8, samples_per_shard=10, image_bytes=100_000)
+    )
+    write_manifest(build_manifest(resolve_source(str(src))), str(src / "stager-manifest.json"))
+    dest = tmp_path / "scratch"
+    argv = [str(BIN / "stage-in"), "--background", str(src), "--dest", str(dest)]
+    copier = subprocess.Popen(
+        [*argv, "--bw-limit", "1", *FAST], env=clean_env(), stderr=subprocess.DEVNULL
+    )
+    deadline = time.monotonic() + 60
+    while len(list((dest / "bg").glob("*.tar"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    copier.send_signal(signal.SIGTERM)
+    assert copier.wait(timeout=60) == 11  # stopped before staging everything
+    waited = run_cli("stage-in", "--wait-staged", "1", str(src), "--dest", str(dest))
+    assert waited.returncode == 0, waited.stderr
+    assert "stopped" in waited.stderr and "under way" not in waited.stderr

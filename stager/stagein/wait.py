@@ -18,11 +18,18 @@ import json
 import time
 from typing import TextIO
 
-from stager.errors import LockTimeout, StagerError, StagingStopped, rebuild_error
+from stager.errors import LockTimeout, StagerError, StagingStopped, one_line, rebuild_error
 from stager.layout import StagedDataset
 from stager.plan.staging import copy_order
 from stager.slurm import SlurmEnv
-from stager.stagein.status import is_current, lock_held, published, read_outcome, read_plan
+from stager.stagein.status import (
+    PlanFacts,
+    is_current,
+    lock_held,
+    published,
+    read_outcome,
+    read_plan,
+)
 
 __all__ = ["wait_staged", "GONE_AFTER_S", "STARTUP_GRACE_S"]
 
@@ -43,6 +50,18 @@ def _failed_since(staged: StagedDataset, since: float) -> StagerError | None:
         return rebuild_error(payload["error_class"], str(payload.get("error", "")))
     except (OSError, ValueError, TypeError, AttributeError, KeyError):
         return None
+
+
+def _copier_state(staged: StagedDataset, facts: PlanFacts) -> str:
+    """How the copier stands once the shards waited for are there: what the one line says.
+    Exit 0 either way (those shards are staged); a copier already stopped is said, since the
+    loader will read past it (docs/loader.md, "A dead copier")."""
+    outcome = read_outcome(staged, facts)
+    if outcome is not None and outcome.ok:
+        return "is complete"
+    if outcome is not None:
+        return f"stopped ({one_line(outcome.error or 'error')}) after these"
+    return "is under way" if lock_held(staged) else "has stopped (its lock is free)"
 
 
 def wait_staged(
@@ -69,9 +88,10 @@ def wait_staged(
             prefix = str(staged.dir) + "/"
             ready = sum(published(prefix + columns.relpaths[i], columns.sizes[i]) for i in wanted)
             if ready == len(wanted):
+                state = _copier_state(staged, facts)
                 print(
-                    f"[{slurm.node_name}] stage-in: the background copy of {staged.dir} is "
-                    f"under way ({len(order)} shard(s) planned, the first {len(wanted)} "
+                    f"[{slurm.node_name}] stage-in: the background copy of {staged.dir} "
+                    f"{state} ({len(order)} shard(s) planned, the first {len(wanted)} "
                     "staged); training may start",
                     file=log,
                     flush=True,
