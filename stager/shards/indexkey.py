@@ -30,9 +30,9 @@ def changed_ns(st: os.stat_result) -> int:
     an index kept in the cache would never match, and each job's links would make the others'
     indexes stale.
     """
-    if is_cache_link(st.st_mode, st.st_nlink):
-        return st.st_mtime_ns
-    return max(st.st_mtime_ns, st.st_ctime_ns)
+    return _changed(
+        (st.st_mode, st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_nlink)
+    )
 
 
 def is_cache_link(mode: int, links: int) -> bool:

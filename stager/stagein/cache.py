@@ -103,6 +103,13 @@ class Claim:
             self._fill[2].release()
 
 
+def _unusable(root: Path, exc: OSError) -> str:
+    """The warning of a cache its filesystem refuses (read-only, full): the run goes on without."""
+    return (
+        f"the cache at {root} cannot be used ({exc.strerror or one_line(exc)}): copying without it"
+    )
+
+
 def _unrecorded(key: str, result: CopyResult) -> ObjectRecord:
     return ObjectRecord(key, "", result.size, result.hash, None, None, 0, 0, 0.0)
 
@@ -200,8 +207,7 @@ class StageCache:
             if not isinstance(cause, OSError):
                 raise  # a refusal of the directory itself (not a directory, unsafe): said
             print(
-                f"[{report.node}] warning: the cache at {options.cache_dir} cannot be used "
-                f"({cause.strerror or one_line(cause)}): copying without it",
+                f"[{report.node}] warning: {_unusable(options.cache_dir, cause)}",
                 file=log,
                 flush=True,
             )
@@ -252,10 +258,7 @@ class StageCache:
                 job_id=self.job_id,
             )
         except OSError as exc:  # a full or read-only cache disk: stage as without a cache
-            self._warn(
-                f"the cache at {self.store.layout.root} cannot be used "
-                f"({exc.strerror or one_line(exc)}): copying without it"
-            )
+            self._warn(_unusable(self.store.layout.root, exc))
             self.keys, self.present = {}, {}
             return plan.bytes_to_copy
         for evicted in registration.evicted:

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from operator import attrgetter
 from pathlib import Path
-from typing import TextIO
 
 from stager.errors import IntegrityError, StagerError
 from stager.layout import PARTIAL_SUFFIX, StagedDataset
@@ -29,7 +28,7 @@ from stager.stagein.options import StageInOptions
 from stager.stagein.recorded import RecordTimes
 from stager.stagein.stagedtree import StagedNames
 from stager.storage.hashing import hash_file
-from stager.storage.paths import SafeJoiner, all_canonical, safe_relpath
+from stager.storage.paths import SafeJoiner, all_canonical, discard, safe_relpath
 from stager.storage.sources import SourceSet, SourceShard
 
 __all__ = [
@@ -276,7 +275,6 @@ def plan_local(
     expected: Mapping[str, ManifestEntry],
     previous: dict[str, ManifestEntry],
     options: StageInOptions,
-    log: TextIO,
     heartbeat: Callable[[], None] = lambda: None,
     aligned: Sequence[ManifestEntry] | None = None,
     staged_names: StagedNames | None = None,
@@ -319,18 +317,11 @@ def plan_local(
             if st is not None and stat.S_ISREG(st.st_mode):
                 # Not the source's current bytes: gone now, not when the copy replaces it, so
                 # that a run refused later (no space, a failed copy) leaves no stale final file.
-                _discard_stale(target)
+                discard(target)  # (a read-only scratch: the copy into it fails with its error)
         else:
             target = root + "/" + rel
         to_copy.append(_copy_item(shard, target, want))
     return LocalPlan(to_copy, kept)
-
-
-def _discard_stale(target: str) -> None:
-    try:
-        os.unlink(target)
-    except OSError:  # a read-only scratch: the copy into it fails with its own error
-        pass
 
 
 def _copy_item(shard: SourceShard, target: str, want: ManifestEntry | None) -> CopyItem:

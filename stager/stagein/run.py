@@ -217,7 +217,7 @@ def prepare(
     remove_unlisted(staged, previous, shards)
     times = RecordTimes.of(staged)
     plan = plan_local(
-        *(shards, staged, expected, previous, options, log, heartbeat, aligned, staged_names),
+        *(shards, staged, expected, previous, options, heartbeat, aligned, staged_names),
         times=times,
     )
     plan.sized_later = sized_later

@@ -209,12 +209,11 @@ class SizeProbe:
 
     def _record(self, index: int, found: StatRow | int) -> None:
         if isinstance(found, int):  # an errno
-            if found == errno.ENOENT and not os.path.islink(self._paths[index]):
-                result = DROPPED  # gone since the listing: as if never listed
-            elif found == errno.ENOENT:  # a symlink to nothing: said, as a FIFO is
+            if found == errno.ENOENT:  # gone since the listing: as if never listed
                 result = DROPPED
-                with self._cond:
-                    self.not_regular.append(index)
+                if os.path.islink(self._paths[index]):  # a symlink to nothing: said, as a FIFO is
+                    with self._cond:
+                        self.not_regular.append(index)
             else:
                 result = UNKNOWN
                 self._errors[index] = f"cannot stat it: {os.strerror(found)}"

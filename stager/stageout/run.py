@@ -177,10 +177,13 @@ def stage_out(
             flush=True,
         )
     outcomes: list[Outcome] = []
-    for empty in (p for p in map(Path, ckpts) if not has_files(p)):  # before --keep ranks them
-        outcomes.append(_empty(empty.name, store.display(empty.name)))
-        print(outcomes[-1].line(), file=log, flush=True)
-    candidates = [Path(os.path.abspath(p)) for p in ckpts if has_files(Path(p))]
+    candidates = []
+    for ckpt in (Path(os.path.abspath(p)) for p in ckpts):
+        if has_files(ckpt):
+            candidates.append(ckpt)
+        else:  # before --keep ranks it
+            outcomes.append(_empty(ckpt.name, store.display(ckpt.name)))
+            print(outcomes[-1].line(), file=log, flush=True)
     mtimes = {p: newest_mtime_ns(p) for p in candidates}
     paths = sorted(mtimes, key=lambda p: (mtimes[p], p.name), reverse=True)
     if options.keep is not None:
@@ -199,7 +202,7 @@ def stage_out(
         if stop is not None and stop.is_set():
             break
         try:
-            outcome = _stage_one(ckpt, store, options, slurm, rate, throttle, log)
+            outcome = _stage_one(ckpt, mtimes[ckpt], store, options, slurm, rate, throttle, log)
         except CheckpointError as exc:  # this one only: the others are still staged
             if len(paths) == 1:
                 raise  # one line says it all
@@ -247,6 +250,7 @@ def prune(store: CommitStore, keep: int) -> list[str]:
 
 def _stage_one(
     ckpt: Path,
+    mtime_ns: int,
     store: CommitStore,
     options: StageOutOptions,
     slurm: SlurmEnv,
@@ -255,7 +259,7 @@ def _stage_one(
     log: TextIO,
 ) -> Outcome:
     url = store.display(ckpt.name)
-    if options.settle_s > 0 and time.time() - newest_mtime_ns(ckpt) / 1e9 < options.settle_s:
+    if options.settle_s > 0 and time.time() - mtime_ns / 1e9 < options.settle_s:
         # from stats alone: a checkpoint still being written is not hashed (it would change)
         return Outcome(
             ckpt.name, SKIPPED_UNSETTLED, url=url, message=f"{ckpt.name} is still being written"

@@ -136,7 +136,7 @@ def _walk(
     relative path goes to ``skipped``, for the caller's warning.
     """
     if kind == KIND_FILE:
-        return [(path, _utf8(name, path), path.stat())]
+        return [(path, _utf8(name), path.stat())]
     out = []
     chain: dict[str, tuple[tuple[int, int], ...]] = {}  # each directory's ancestors, itself last
     for root, dirs, files in os.walk(path, followlinks=True, onerror=_raise):
@@ -151,7 +151,7 @@ def _walk(
             if fname.endswith(PARTIAL_SUFFIX):
                 continue
             full = Path(root) / fname
-            rel = _utf8(full.relative_to(path.parent).as_posix(), full)
+            rel = _utf8(full.relative_to(path.parent).as_posix())
             try:
                 st = full.stat()
             except FileNotFoundError:
@@ -169,7 +169,7 @@ def _raise(exc: OSError) -> None:
     raise exc
 
 
-def _utf8(rel: str, full: Path) -> str:
+def _utf8(rel: str) -> str:
     """``rel``, refused when it is not UTF-8 (commit records are JSON in UTF-8)."""
     shown = not_utf8(rel)
     if shown is not None:
