@@ -11,7 +11,9 @@ Layout: ``MAGIC`` (8 bytes); each array's bytes at a 64-byte aligned offset; a J
 bytes, little endian) last, so the arrays can be streamed out before their table is known.
 Written to ``<name>.<pid>.partial`` and renamed over the final name, so a file with the final
 name is always whole; concurrent writers of the same content are harmless (the last rename
-wins, and a reader keeps whichever file it mapped). numpy, no torch.
+wins, and a reader keeps whichever file it mapped). Writing needs no numpy (a
+:class:`RawArray` is a column's bytes with its numpy type string: stage-in writes the loader
+index without importing numpy); mapping makes numpy arrays. No torch.
 """
 
 from __future__ import annotations
@@ -20,15 +22,32 @@ import json
 import mmap
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from stager.layout import PARTIAL_SUFFIX
 from stager.storage.paths import discard
 
-__all__ = ["MAGIC", "write_arrays", "map_arrays"]
+if TYPE_CHECKING:
+    import numpy as np
+
+__all__ = ["MAGIC", "RawArray", "write_arrays", "map_arrays"]
+
+
+@dataclass(frozen=True)
+class RawArray:
+    """A one-dimensional column as bytes, with its numpy type string (``"<u4"``, ``"|S12"``):
+    what :func:`write_arrays` stores without numpy."""
+
+    dtype: str
+    data: bytes
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        width = int(self.dtype[2:])
+        return (len(self.data) // width,)
+
 
 MAGIC = b"STGARR01"
 _ALIGN = 64
@@ -38,7 +57,9 @@ def _aligned(offset: int) -> int:
     return -(-offset // _ALIGN) * _ALIGN
 
 
-def write_arrays(path: Path, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
+def write_arrays(
+    path: Path, arrays: Mapping[str, np.ndarray | RawArray], meta: Mapping[str, Any]
+) -> None:
     """Publish ``arrays`` and ``meta`` (JSON-able) at ``path``, atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}{PARTIAL_SUFFIX}")
@@ -49,9 +70,16 @@ def write_arrays(path: Path, arrays: Mapping[str, np.ndarray], meta: Mapping[str
             for name, array in arrays.items():
                 offset = _aligned(handle.tell())
                 handle.write(b"\0" * (offset - handle.tell()))
-                handle.write(np.ascontiguousarray(array).data)
+                if isinstance(array, RawArray):
+                    handle.write(array.data)
+                    dtype = array.dtype
+                else:
+                    import numpy as np
+
+                    handle.write(np.ascontiguousarray(array).data)
+                    dtype = array.dtype.str
                 table[name] = {
-                    "dtype": array.dtype.str,
+                    "dtype": dtype,
                     "shape": list(array.shape),
                     "offset": offset,
                 }
@@ -69,6 +97,8 @@ def map_arrays(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     Raises ``ValueError`` for a file that is not one of ours or is cut short, ``OSError`` when
     it cannot be read.
     """
+    import numpy as np
+
     with open(path, "rb") as handle:
         size = os.fstat(handle.fileno()).st_size
         if size < len(MAGIC) + 8 or handle.read(len(MAGIC)) != MAGIC:

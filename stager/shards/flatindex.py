@@ -17,6 +17,7 @@ import numpy as np
 
 from stager.errors import IntegrityError
 from stager.shards.arrayfile import map_arrays
+from stager.shards.indexfile import ARRAYS, join_walks
 from stager.shards.members import TarIndex
 
 __all__ = ["FlatIndex", "flatten", "flatten_walks", "open_dataset_index"]
@@ -58,15 +59,7 @@ class FlatIndex:
         return np.searchsorted(self.sample_offsets, samples, side="right") - 1
 
 
-_ARRAYS = (
-    "shard_samples",
-    "sample_offsets",
-    "keys",
-    "member_start",
-    "member_ext",
-    "member_offset",
-    "member_size",
-)
+_ARRAYS = ARRAYS
 
 
 def open_dataset_index(path: Path) -> tuple[FlatIndex, list[str], bytes]:
@@ -145,48 +138,19 @@ def flatten(per_shard: list[TarIndex | None]) -> FlatIndex:
 
 
 def flatten_walks(walks: Sequence[dict[str, Any]]) -> FlatIndex:
-    """What :func:`flatten` makes of these compiled walks' results, joined column by column.
-
-    Why: a :class:`TarIndex` per shard and the numpy calls on each cost ~25 us per shard, most
-    of the finish of 10,000 shards of 20 KB; joining the walks' bytes costs ~1 us per shard,
-    with numpy calls per distinct set of extensions and key width (one, for a dataset written by
-    one writer), not per shard.
-    """
-    shards = len(walks)
-    counts = np.fromiter((len(w["keys"]) for w in walks), np.int64, shards)
-    members = np.fromiter((len(w["sizes"]) // 8 for w in walks), np.int64, shards)
-    member_base = np.concatenate([np.zeros(1, np.int64), np.cumsum(members)])
-    starts = np.frombuffer(b"".join(memoryview(w["member_start"])[:-8] for w in walks), np.int64)
-    starts = starts + np.repeat(member_base[:-1], counts)
-    widths = {w["key_width"] for w in walks}
-    if len(widths) <= 1:
-        width = widths.pop() if widths else 1
-        keys = np.frombuffer(b"".join(w["key_bytes"] for w in walks), f"S{width}")
-    else:  # numpy widens each to the longest
-        keys = np.concatenate([np.frombuffer(w["key_bytes"], f"S{w['key_width']}") for w in walks])
-    # Extension codes are per shard; the flat index numbers them in order of first appearance,
-    # as flatten does. One lookup table per distinct tuple of names, laid end to end.
-    ext_codes: dict[str, int] = {}
-    table_at: dict[tuple[str, ...], int] = {}
-    tables: list[list[int]] = []
-    for w in walks:
-        names = w["ext_names"]
-        if names not in table_at:
-            table_at[names] = sum(map(len, tables))
-            tables.append([ext_codes.setdefault(e, len(ext_codes)) for e in names])
-    codes = np.frombuffer(b"".join(w["ext_codes"] for w in walks), np.int16).astype(np.int64)
-    lookup = np.asarray([code for table in tables for code in table] or [0], np.int32)
-    if len(tables) > 1:
-        base = np.fromiter((table_at[w["ext_names"]] for w in walks), np.int64, shards)
-        codes = codes + np.repeat(base, members)
-    return _assemble(
-        counts,
-        keys,
-        np.concatenate([starts, member_base[-1:]]),
-        lookup[codes] if len(codes) else np.zeros(0, np.int32),
-        np.frombuffer(b"".join(w["offsets"] for w in walks), np.int64),
-        np.frombuffer(b"".join(w["sizes"] for w in walks), np.int64),
-        tuple(ext_codes),
+    """What :func:`flatten` makes of these compiled walks' results, joined column by column
+    by the compiled join (:func:`stager.shards.indexfile.join_walks`), as numpy views."""
+    columns, ext_names = join_walks(walks)
+    arrays = {name: np.frombuffer(c.data, np.dtype(c.dtype)) for name, c in columns.items()}
+    return FlatIndex(
+        shard_samples=arrays["shard_samples"],
+        sample_offsets=arrays["sample_offsets"],
+        keys=arrays["keys"],
+        member_start=arrays["member_start"],
+        member_ext=arrays["member_ext"],
+        member_offset=arrays["member_offset"],
+        member_size=arrays["member_size"],
+        ext_names=ext_names,
     )
 
 

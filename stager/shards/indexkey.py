@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from stager.storage.statmany import StatRow, stat_many
+
+if TYPE_CHECKING:
+    import numpy as np  # imported where a key is made: stage-in imports this module at start
 
 __all__ = ["KEY_FORMAT", "changed_ns", "dataset_key", "is_cache_link"]
 
@@ -59,28 +61,49 @@ def dataset_key(
     ``stats`` rows of ``(size, changed_ns)``; a None row, or -1 in an array, is stat'ed here.
     """
     import hashlib
+    import sys
 
-    if isinstance(stats, np.ndarray):
-        table = stats.astype(np.int64, copy=True).reshape(-1, 2)
+    numpy = sys.modules.get("numpy")  # an array only comes from a caller that imported numpy
+    packed: bytes | None = None
+    if numpy is not None and isinstance(stats, numpy.ndarray):
+        array = stats.astype(numpy.int64, copy=False).reshape(-1)
+        if not (array[1::2] < 0).any():  # a loader's start: every row given, ~1 ms at 1e6
+            packed = array.tobytes()
+        table = array.tolist() if packed is None else []
+        rows = len(array) // 2
     else:
         known = list(stats) if stats is not None else [None] * len(shards)
-        table = np.asarray([(-1, -1) if st is None else st for st in known], np.int64)
-        table = table.reshape(-1, 2)
-    _stat_missing(shards, table)
+        table = [v for st in known for v in ((-1, -1) if st is None else st)]
+        rows = len(known)
+    if not rows == len(expected) == len(relpaths) == len(shards):
+        raise ValueError("shards, relpaths, expected counts and stats differ in length")
+    if packed is None:
+        _stat_missing(shards, table)
+        packed = _int64_bytes(table)
     # counts as decimal text: a manifest may promise any integer, even one past int64
     counts = ",".join(map(str, expected))
-    if not len(table) == len(expected) == len(relpaths) == len(shards):
-        raise ValueError("shards, relpaths, expected counts and stats differ in length")
     head = f"v{version}.{KEY_FORMAT}|{on_error}|{len(relpaths)}|"
     digest = hashlib.sha256(head.encode())
     digest.update("\0".join(relpaths).encode("utf-8", "surrogateescape"))
-    digest.update(table.tobytes())
+    digest.update(packed)
     digest.update(counts.encode())
     return digest.digest()
 
 
-def _stat_missing(shards: Sequence[str | os.PathLike[str]], table: np.ndarray) -> None:
-    """Fill the rows of ``table`` still ``-1`` with their shard's ``(size, changed_ns)``.
+def _int64_bytes(values: list[int]) -> bytes:
+    """Native int64s, as numpy's ``tobytes`` of an int64 array gives them (the keys of indexes
+    written before must still match); without numpy, which stage-in does not import."""
+    from array import array
+
+    packed = array("q", values)
+    if packed.itemsize != 8:
+        raise RuntimeError("this platform's array('q') is not 8 bytes")
+    return packed.tobytes()
+
+
+def _stat_missing(shards: Sequence[str | os.PathLike[str]], table: list[int]) -> None:
+    """Fill the rows of ``table`` (flat: size, changed_ns, size, ...) still ``-1`` with their
+    shard's ``(size, changed_ns)``.
 
     In runs of :func:`~stager.storage.statmany.stat_many` (one release of the interpreter lock
     per run where the helper is built): stage-in's finish keys every just-copied shard here,
@@ -88,7 +111,7 @@ def _stat_missing(shards: Sequence[str | os.PathLike[str]], table: np.ndarray) -
     22 ms in runs against 28 ms one ``os.stat`` at a time; each ``os.stat`` is also a point
     where another thread may take the lock. A failed stat raises as ``os.stat`` would.
     """
-    missing = np.flatnonzero(table[:, 1] < 0).tolist()
+    missing = [i for i in range(len(table) // 2) if table[2 * i + 1] < 0]
     paths = [os.fspath(shards[i]) for i in missing]  # str: pathlib costs ~25 us per shard
     done, size = 0, 64
     while done < len(paths):
@@ -101,7 +124,8 @@ def _stat_missing(shards: Sequence[str | os.PathLike[str]], table: np.ndarray) -
         for k, row in enumerate(rows):
             if isinstance(row, int):
                 raise OSError(row, os.strerror(row), run[k])
-            table[missing[done + k]] = (row[1], _changed(row))
+            at = 2 * missing[done + k]
+            table[at], table[at + 1] = row[1], _changed(row)
         done += len(rows)
 
 

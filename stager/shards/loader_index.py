@@ -32,6 +32,7 @@ from stager.shards.flatindex import (
     flatten_walks,
     open_dataset_index,
 )
+from stager.shards.indexfile import CACHE_VERSION, DATASET_INDEX_NAME, dataset_index_path
 from stager.shards.indexkey import changed_ns, dataset_key
 from stager.shards.tarindex import TarIndex, duplicate_member, index_tar
 from stager.shards.tarnative import WalkResult
@@ -49,17 +50,7 @@ __all__ = [
 
 log = logging.getLogger("stager_loaders")
 
-# 2: the dataset index narrows offsets and sizes to 32 bits where they fit; 3: extensions are
-# lower-cased (stager.shards.members.split_key), and keys use each shard's ctime too
-_CACHE_VERSION = 3
-
-#: The dataset's one index file, in the loader-index directory beside the staged copy.
-DATASET_INDEX_NAME = "dataset.index"
-
-
-def dataset_index_path(cache_dir: Path) -> Path:
-    """Where the dataset's mapped index lives in the loader-index directory ``cache_dir``."""
-    return cache_dir / DATASET_INDEX_NAME
+_CACHE_VERSION = CACHE_VERSION  # one version for both writers (stager.shards.indexfile)
 
 
 def _cache_path(shard: Path, cache_dir: Path | None, relpath: str) -> Path | None:

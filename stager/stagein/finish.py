@@ -34,7 +34,7 @@ from stager.errors import (
     shard_failures,
 )
 from stager.layout import StagedDataset
-from stager.shards import tarindex
+from stager.shards import indexfile, tarindex
 from stager.shards.manifest import Manifest, ManifestEntry
 from stager.shards.tarindex import TarIndex
 from stager.shards.tarnative import WalkResult
@@ -202,11 +202,10 @@ def _verify_count(run: Staging, relpath: str, indexes: Indexes) -> None:
 def _save_loader_index(run: Staging, manifest: Manifest, indexes: Indexes) -> None:
     """The loader's one-file sample index of the staged copy, beside it (best effort).
 
-    From the indexes in hand when every shard has one; otherwise the loader's own builder,
+    From the indexes in hand when every shard has one (joined without numpy where every one
+    is a compiled walk's: :mod:`stager.shards.indexfile`); otherwise the loader's own builder,
     which returns at once when the index on disk is current and walks only what changed.
     """
-    from stager.shards import loader_index  # numpy: imported only once copies are done
-
     entries = manifest.entries
     if not entries or tarindex.any_compressed(e.relpath for e in entries):
         return  # compressed shards are streamed by the loader, never indexed
@@ -225,10 +224,17 @@ def _save_loader_index(run: Staging, manifest: Manifest, indexes: Indexes) -> No
                 )
                 if twice is not None:  # the loader refuses it (naming it); no index says otherwise
                     raise IntegrityError(f"{relpath}: member {twice!r} appears twice in one sample")
-            loader_index.save_dataset_index(
-                paths, relpaths, samples, [indexes[r] for r in relpaths], run.staged.index_dir
-            )
+            walked = [indexes[r] for r in relpaths]
+            if indexfile.can_join() and all(isinstance(i, WalkResult) for i in walked):
+                parts = [i.parts for i in walked if isinstance(i, WalkResult)]
+                indexfile.save_walked_index(paths, relpaths, samples, parts, run.staged.index_dir)
+                return
+            from stager.shards import loader_index  # numpy: imported only once copies are done
+
+            loader_index.save_dataset_index(paths, relpaths, samples, walked, run.staged.index_dir)
         else:
+            from stager.shards import loader_index
+
             loader_index.build_flat_index(
                 [run.staged.dir / relpath for relpath in relpaths],
                 relpaths=relpaths,
