@@ -367,3 +367,54 @@ def test_a_read_only_scratch_keeps_serving_when_a_kept_files_ctime_moved(
         for _ in range(2):
             result = run_main(capsys, "stage-in", str(src), "--dest", str(scratch), *FAST)
             assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize(
+    "digest, why",
+    [
+        ("xxh3_64:" + "zz" * 8, "not a xxh3_64 digest"),
+        ("xxh3_64:1234", "not a xxh3_64 digest"),
+        ("sha256:" + "ab" * 8, "not a sha256 digest"),
+        ("ab" * 8, "not a sha256 digest"),  # a bare digest is sha256sum's
+    ],
+)
+def test_a_manifest_digest_no_copy_can_match_is_a_usage_error_before_any_copy(
+    tmp_path: Path, capsys, digest: str, why: str
+) -> None:
+    """A non-hex or cut digest is bad input (exit 2, naming the shard), not an integrity
+    failure after copying (exit 4, as if the data were damaged)."""
+    src = tmp_path / "ds"
+    write_synthetic_dataset(src, SyntheticSpec(num_shards=2, samples_per_shard=2))
+    assert run_main(capsys, "stager", "index", str(src)).returncode == 0
+    manifest = next(src.glob("*.json"))
+    doc = json.loads(manifest.read_text())
+    doc["shards"][1]["hash"] = digest
+    manifest.write_text(json.dumps(doc))
+    dest = tmp_path / "s"
+    result = run_main(capsys, "stage-in", str(src), "--dest", str(dest), *FAST)
+    assert result.returncode == EXIT_USAGE, result.stderr
+    assert why in result.stderr and doc["shards"][1]["path"] in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not any(dest.rglob("*.tar"))
+
+
+@pytest.mark.parametrize("spelling", ["same", "another"])
+def test_a_manifest_listing_a_shard_twice_is_refused(tmp_path: Path, capsys, spelling) -> None:
+    """The last entry silently won for size and hash, and a loader read its samples twice."""
+    src = tmp_path / "ds"
+    write_synthetic_dataset(src, SyntheticSpec(num_shards=2, samples_per_shard=2))
+    assert run_main(capsys, "stager", "index", str(src)).returncode == 0
+    manifest = next(src.glob("*.json"))
+    doc = json.loads(manifest.read_text())
+    again = dict(doc["shards"][0])
+    if spelling == "another":
+        again["path"] = "./" + again["path"]
+    doc["shards"].append(again)
+    manifest.write_text(json.dumps(doc))
+    result = run_main(capsys, "stage-in", str(src), "--dest", str(tmp_path / "s"), *FAST)
+    assert result.returncode == EXIT_USAGE, result.stderr
+    assert "listed more than once" in result.stderr and doc["shards"][0]["path"] in result.stderr
+    from stager.shards.manifest import read_columns
+
+    with pytest.raises(Exception, match="listed more than once"):
+        read_columns(manifest)  # the loader's reader refuses it too

@@ -366,3 +366,24 @@ def test_a_halt_ends_a_pause_at_once_and_follows_a_given_stop() -> None:
     assert outcome == ["stopped"]
     with pytest.raises(CopierStopped):
         halt.check()
+
+
+@pytest.mark.parametrize("entry", ["stage-in", "stager"])
+def test_an_interrupt_while_the_command_imports_is_one_line_and_its_code(
+    entry: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C in the first ~0.1 s, while the command's modules import, printed Python's
+    traceback and exited 1; now one line and exit 130, as during the run."""
+    from stager.cli import main as cli
+
+    def interrupted(_module: str) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_command_module", interrupted)
+    if entry == "stager":
+        code = cli.main(["stage-in", "/nowhere", "--dest", "/nowhere2"])
+    else:
+        code = cli.stage_in_main(["/nowhere", "--dest", "/nowhere2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == EXIT_INTERRUPTED
+    assert err == [f"{entry}: interrupted while starting; nothing was done"]

@@ -75,7 +75,10 @@ def test_read_columns_agrees_with_manifest_read(tmp_path) -> None:
         return path
 
     plain = [{"path": f"d/s{i}.tar", "size": 10 + i, "hash": None, "samples": i} for i in range(5)]
-    odd = [*plain, {"path": "./x//y.tar", "size": 3, "hash": "xxh3_64:00", "samples": None}]
+    odd = [
+        *plain,
+        {"path": "./x//y.tar", "size": 3, "hash": "xxh3_64:" + "0" * 16, "samples": None},
+    ]
     for shards in (plain, odd):
         path = write(shards)
         columns, manifest = read_columns(path), Manifest.read(path)
@@ -100,7 +103,16 @@ ROWS = st.lists(
                 st.lists(PIECES, min_size=1, max_size=4).map("".join),
             ),
             "size": st.integers(min_value=-2, max_value=50),
-            "hash": st.sampled_from([None, "xxh3_64:ab", "sha256:cd", "ef", "", "md5:00", ":x"]),
+            "hash": st.sampled_from(
+                [
+                    None,
+                    "xxh3_64:" + "ab" * 8,
+                    "sha256:" + "cd" * 32,
+                    "EF" * 32,
+                    "xxh3_64:" + "AB" * 8,
+                ]
+                + ["xxh3_64:ab", "sha256:cd", "ef", "", "md5:00", ":x", "xxh64:" + "g" * 16]
+            ),
             "samples": st.one_of(st.none(), st.integers(min_value=-1, max_value=9)),
             "version": st.sampled_from([None, "v1", ""]),
         }

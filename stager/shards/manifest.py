@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from stager.errors import StagerError, UsageError
-from stager.storage.hashing import ALGORITHMS, split_digest
+from stager.storage.hashing import HEX_DIGITS, split_digest
 from stager.storage.paths import all_canonical, safe_relpath
 
 __all__ = [
@@ -118,8 +118,11 @@ class Manifest:
         path = Path(path)
         try:
             if path.suffix == ".parquet":
-                return _read_parquet(path)
-            return _from_json(json.loads(path.read_text()), path)
+                manifest = _read_parquet(path)
+            else:
+                manifest = _from_json(json.loads(path.read_text()), path)
+            _refuse_repeats([e.relpath for e in manifest.entries], path)
+            return manifest
         except StagerError:
             raise  # UsageError, or UnsafePath for a hostile entry: keep its meaning and exit code
         except FileNotFoundError as exc:
@@ -128,6 +131,18 @@ class Manifest:
             raise UsageError(
                 f"manifest {path} is unreadable ({type(exc).__name__}: {exc}); re-run stager index"
             ) from exc
+
+
+def _refuse_repeats(relpaths: list[str], where: Path) -> None:
+    """A shard listed twice (the same path, or two spellings of it) is refused: the last entry
+    would silently win for its size and hash, and a loader would read its samples twice."""
+    if len(set(relpaths)) == len(relpaths):
+        return
+    seen: set[str] = set()
+    for relpath in relpaths:
+        if relpath in seen:
+            raise UsageError(f"manifest {where}: shard {relpath!r} is listed more than once")
+        seen.add(relpath)
 
 
 @dataclass(frozen=True)
@@ -191,6 +206,7 @@ def _fast_columns(payload: object) -> ManifestColumns | None:
         and min(counts, default=0) >= 0
         and set(map(type, digests)) <= {str}
         and all(digests)
+        and len(set(relpaths)) == len(relpaths)  # else Manifest.read names the one repeated
     )
     if not valid:
         return None
@@ -324,6 +340,11 @@ def _read_parquet(path: Path) -> Manifest:
     return Manifest(tuple(entries), meta)
 
 
+_CANONICAL_DIGEST = (
+    "^(?:" + "|".join(f"{name}:[0-9a-f]{{{digits}}}" for name, digits in HEX_DIGITS.items()) + ")$"
+)
+
+
 def _entries_checked_by_column(
     table: Any, columns: dict[str, list[Any]], versions: list[Any]
 ) -> list[ManifestEntry] | None:
@@ -370,8 +391,8 @@ def _entries_checked_by_column(
             return None
         if not pc.all(pc.equal(present, pc.utf8_lower(present))).as_py():
             return None
-        heads = pc.list_element(pc.split_pattern(present, ":", max_splits=1), 0)
-        if not set(pc.unique(heads).to_pylist()) <= set(ALGORITHMS):
+        # each a known algorithm and a digest of its length (the row path says what is wrong)
+        if not pc.all(pc.match_substring_regex(present, _CANONICAL_DIGEST)).as_py():
             return None
     paths_list = columns["path"]
     if not all_canonical(paths_list):

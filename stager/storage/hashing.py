@@ -42,12 +42,22 @@ def split_digest(digest: str) -> tuple[str, str]:
     """``"xxh3_64:abcd"`` -> ``("xxh3_64", "abcd")``; a bare hex string is taken as sha256."""
     algorithm, sep, hexpart = digest.partition(":")
     if not sep:
-        return "sha256", digest
+        algorithm, hexpart = "sha256", digest
     if algorithm not in ALGORITHMS:
         raise UsageError(
             f"unknown hash algorithm in {digest!r}; expected one of {', '.join(ALGORITHMS)}"
         )
+    # A digest no copy can ever produce (a typo, a cut line, a hash of another kind) is bad
+    # input, said as such; else every copy would fail its check as if the data were damaged.
+    want = HEX_DIGITS[algorithm]
+    if len(hexpart) != want or hexpart.strip(_HEX):
+        raise UsageError(f"{digest!r} is not a {algorithm} digest ({want} hex digits)")
     return algorithm, hexpart
+
+
+#: The length of each algorithm's digest in hex.
+HEX_DIGITS = {"xxh3_64": 16, "xxh64": 16, "sha256": 64}
+_HEX = "0123456789abcdefABCDEF"
 
 
 def hash_file(path: str | Path, algorithm: str = DEFAULT_ALGORITHM) -> str:
