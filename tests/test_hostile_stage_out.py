@@ -285,3 +285,46 @@ def test_processes_forked_after_a_copy_do_not_share_its_buffer(tmp_path: Path) -
     assert errors.empty(), errors.get()
     for source in sources:
         assert Path(str(source) + ".copy").read_bytes() == source.read_bytes()
+
+
+def test_watch_says_each_line_once_not_every_pass(tmp_path: Path) -> None:
+    """A pass a minute for a day printed every line each time ("already committed" per kept
+    checkpoint, the same FAILED line for one that cannot succeed). Each is said once; a
+    checkpoint that is mended is then said as committed."""
+    import io
+    import threading
+
+    from stager.signalevent import SignalSafeEvent
+    from stager.stageout.run import StageOutOptions
+    from stager.stageout.snapshot import list_checkpoints
+    from stager.stageout.watch import watch
+
+    ckpts = tmp_path / "ck"
+    (ckpts / "step-1").mkdir(parents=True)
+    (ckpts / "step-1" / "model.pt").write_bytes(b"weights")
+    bad = ckpts / "step-2" / os.fsdecode(b"opt\xff.pt")
+    bad.parent.mkdir()
+    bad.write_bytes(b"state")
+    log = io.StringIO()
+    stop = SignalSafeEvent()
+    passes: list[int] = []
+    mended = threading.Event()
+
+    def on_pass(_outcomes: object) -> None:
+        passes.append(1)
+        if len(passes) == 4:
+            bad.rename(bad.with_name("opt.pt"))  # the user renames it
+            mended.set()
+        if len(passes) == 7:
+            stop.set()
+
+    options = StageOutOptions(log=log, settle_s=0)
+    watch(
+        lambda: list_checkpoints(ckpts), str(tmp_path / "out"), options,
+        interval_s=0.01, stop=stop, on_pass=on_pass,
+    )  # fmt: skip
+    lines = log.getvalue().splitlines()
+    assert sum("not valid UTF-8" in line for line in lines) == 1, lines
+    assert sum("step-1 already committed" in line for line in lines) == 1, lines
+    assert sum("committed step-2" in line for line in lines) == 1, lines
+    assert lines[-1].startswith("stage-out: watch stopped after 7 pass(es)")

@@ -27,8 +27,9 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TextIO
 
@@ -155,27 +156,27 @@ def stage_out(
     *,
     slurm: SlurmEnv | None = None,
     stop: threading.Event | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> list[Outcome]:
     """Commit each checkpoint in ``ckpts`` under ``dest_url``, newest first; return the outcomes.
 
     ``stop`` (set by a signal in ``--watch``) is checked between checkpoints: the copy in flight
     always finishes or is abandoned atomically. Raises :class:`DestinationError` when the
     destination is unusable; per-checkpoint problems (deadline, source changing) are outcomes.
+    ``say`` prints each report line (default: to ``options.log``, else stderr); ``--watch``
+    passes one that drops the lines its last pass said.
     """
     options = options or StageOutOptions()
     if options.keep is not None and options.keep < 1:
         raise UsageError("--keep must be at least 1: the newest checkpoint is never pruned")
-    log = options.log or sys.stderr
+    if say is None:
+        say = partial(print, file=options.log or sys.stderr, flush=True)
     slurm = slurm or SlurmEnv.from_environ()
     store = open_store(dest_url, stale_s=options.stale_s)
     check_outside_checkpoints(store, [Path(os.path.abspath(p)) for p in ckpts], options.ckpt_dir)
     store.check_writable()
     for name in store.clean_stale():
-        print(
-            f"stage-out: cleaned an interrupted stage-out of {name} at {store.url}",
-            file=log,
-            flush=True,
-        )
+        say(f"stage-out: cleaned an interrupted stage-out of {name} at {store.url}")
     outcomes: list[Outcome] = []
     candidates = []
     for ckpt in (Path(os.path.abspath(p)) for p in ckpts):
@@ -183,7 +184,7 @@ def stage_out(
             candidates.append(ckpt)
         else:  # before --keep ranks it
             outcomes.append(_empty(ckpt.name, store.display(ckpt.name)))
-            print(outcomes[-1].line(), file=log, flush=True)
+            say(outcomes[-1].line())
     mtimes = {p: newest_mtime_ns(p) for p in candidates}
     paths = sorted(mtimes, key=lambda p: (mtimes[p], p.name), reverse=True)
     if options.keep is not None:
@@ -202,17 +203,17 @@ def stage_out(
         if stop is not None and stop.is_set():
             break
         try:
-            outcome = _stage_one(ckpt, mtimes[ckpt], store, options, slurm, rate, throttle, log)
+            outcome = _stage_one(ckpt, mtimes[ckpt], store, options, slurm, rate, throttle, say)
         except CheckpointError as exc:  # this one only: the others are still staged
             if len(paths) == 1:
                 raise  # one line says it all
             outcome = Outcome(ckpt.name, FAILED, url=store.display(ckpt.name), message=str(exc))
         if outcome.status != SKIPPED_UNSETTLED:
-            print(outcome.line(), file=log, flush=True)
+            say(outcome.line())
         outcomes.append(outcome)
     if options.keep is not None:
         for name in prune(store, options.keep):
-            print(f"stage-out: pruned {name} (--keep {options.keep})", file=log, flush=True)
+            say(f"stage-out: pruned {name} (--keep {options.keep})")
     return outcomes
 
 
@@ -256,7 +257,7 @@ def _stage_one(
     slurm: SlurmEnv,
     rate: _Rate,
     throttle: Throttle | None,
-    log: TextIO,
+    say: Callable[[str], None],
 ) -> Outcome:
     url = store.display(ckpt.name)
     if options.settle_s > 0 and time.time() - mtime_ns / 1e9 < options.settle_s:
@@ -267,11 +268,9 @@ def _stage_one(
     with NodeLock(_lock_path(ckpt), timeout_s=options.lock_timeout_s):
         snap = snapshot(ckpt)
         for rel in snap.skipped:
-            print(
+            say(
                 f"stage-out: warning: skipped {rel!r} of {snap.name}: not a regular file (a "
-                "FIFO, a socket or a symlink to nothing?)",
-                file=log,
-                flush=True,
+                "FIFO, a socket or a symlink to nothing?)"
             )
         if snap.kind == KIND_DIR and not snap.files:  # emptied since it was listed
             return _empty(snap.name, url)

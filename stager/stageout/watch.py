@@ -14,12 +14,13 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TextIO
 
 from stager.errors import CheckpointError, DestinationError, IntegrityError, SourceError
 from stager.signalevent import SignalSafeEvent
 from stager.stageout.run import Outcome, StageOutOptions, stage_out
 
-__all__ = ["watch", "stop_on_signals", "STOP_SIGNALS", "WATCH_INTERVAL_S"]
+__all__ = ["watch", "stop_on_signals", "SayOnce", "STOP_SIGNALS", "WATCH_INTERVAL_S"]
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -48,6 +49,29 @@ def stop_on_signals(
             signal.signal(s, old)
 
 
+class SayOnce:
+    """Prints a pass's report lines, less those the pass before said too.
+
+    A pass every minute for a day repeated every line each time: "already committed" for each
+    kept checkpoint, and the same FAILED line for one that cannot succeed (1,440 a day each).
+    Now a line is said when it first appears, and again only after a pass without it (a
+    checkpoint that failed, then committed, then fails again is said each time).
+    """
+
+    def __init__(self, log: TextIO) -> None:
+        self.log = log
+        self.before: set[str] = set()
+        self.now: set[str] = set()
+
+    def __call__(self, line: str) -> None:
+        if line not in self.before and line not in self.now:
+            print(line, file=self.log, flush=True)
+        self.now.add(line)
+
+    def next_pass(self) -> None:
+        self.before, self.now = self.now, set()
+
+
 #: Seconds between two ``--watch`` passes.
 WATCH_INTERVAL_S = 60.0
 
@@ -63,18 +87,16 @@ def watch(
 ) -> int:
     """Stage out ``list_ckpts()`` every ``interval_s`` until ``stop`` is set; return passes run."""
     log = options.log or sys.stderr
+    say = SayOnce(log)
     passes = 0
     while not stop.is_set():
         try:
-            outcomes = stage_out(list_ckpts(), dest_url, options, stop=stop)
+            outcomes = stage_out(list_ckpts(), dest_url, options, stop=stop, say=say)
         except (DestinationError, SourceError, IntegrityError, CheckpointError) as exc:
-            print(
-                f"stage-out: watch pass failed: {' '.join(str(exc).split())}; retrying in "
-                f"{interval_s:g} s",
-                file=log,
-                flush=True,
-            )
+            why = " ".join(str(exc).split())
+            say(f"stage-out: watch pass failed: {why}; retrying in {interval_s:g} s")
             outcomes = []
+        say.next_pass()
         passes += 1
         if on_pass is not None:
             on_pass(outcomes)
