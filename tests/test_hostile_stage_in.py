@@ -418,3 +418,41 @@ def test_a_manifest_listing_a_shard_twice_is_refused(tmp_path: Path, capsys, spe
 
     with pytest.raises(Exception, match="listed more than once"):
         read_columns(manifest)  # the loader's reader refuses it too
+
+
+def test_a_list_spanning_two_top_level_directories_is_staged(tmp_path: Path, capsys) -> None:
+    """Its root is ``/``, and every destination was refused as "inside the source" (exit 2).
+    A list gains no file on a rerun, so only a listed shard inside the copy is a danger."""
+    import shutil
+    import tempfile
+
+    other = Path(tempfile.mkdtemp(dir="/var/tmp" if tmp_path.parts[1] != "var" else "/dev/shm"))
+    try:
+        here = write_synthetic_dataset(tmp_path / "a", SyntheticSpec(num_shards=1, seed=1))
+        there = write_synthetic_dataset(other / "b", SyntheticSpec(num_shards=1, seed=2))
+        assert here[0].parts[1] != there[0].parts[1]  # two top-level directories
+        listing = tmp_path / "list.txt"
+        listing.write_text(f"{here[0]}\n{there[0]}\n")
+        dest = tmp_path / "scratch"
+        argv = ["--from-list", str(listing), "--dest", str(dest), "--name", "ds", *FAST]
+        result = run_main(capsys, "stage-in", *argv)
+        assert result.returncode == 0, result.stderr
+        staged = [p.read_bytes() for p in (dest / "ds").rglob("*.tar")]
+        assert sorted(staged) == sorted([here[0].read_bytes(), there[0].read_bytes()])
+    finally:
+        shutil.rmtree(other)
+
+
+def test_a_listed_shard_inside_the_staged_copy_is_refused_and_left_alone(
+    tmp_path: Path, capsys
+) -> None:
+    dest = tmp_path / "scratch"
+    shards = write_synthetic_dataset(dest / "ds" / "in", SyntheticSpec(num_shards=2))
+    listing = tmp_path / "list.txt"
+    listing.write_text("".join(f"{p}\n" for p in shards))
+    before = _snapshot(dest)
+    argv = ["--from-list", str(listing), "--dest", str(dest), "--name", "ds", *FAST]
+    result = run_main(capsys, "stage-in", *argv)
+    assert result.returncode == EXIT_USAGE, result.stderr
+    assert "is inside the staged copy's directory" in result.stderr
+    assert _snapshot(dest) == before

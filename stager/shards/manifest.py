@@ -20,11 +20,10 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from stager.errors import StagerError, UsageError
-from stager.storage.hashing import HEX_DIGITS, split_digest
-from stager.storage.paths import all_canonical, safe_relpath
+from stager.shards.manifest_entry import FORMAT_VERSION, ManifestEntry, check_entry
+from stager.storage.paths import all_canonical
 
 __all__ = [
     "ManifestEntry",
@@ -39,24 +38,6 @@ __all__ = [
 
 MANIFEST_NAMES = ("stager-manifest.parquet", "stager-manifest.json")
 JSON_MAX_ENTRIES = 10_000
-_FORMAT_VERSION = 1
-
-
-@dataclass(slots=True, unsafe_hash=True)
-class ManifestEntry:
-    """One shard: where it lives relative to the dataset root and what it must contain.
-
-    Treated as immutable (changed copies come from ``dataclasses.replace``) but not declared
-    frozen: a frozen dataclass's ``__init__`` costs 0.7 s per million, before the first copy.
-    """
-
-    relpath: str
-    size: int
-    hash: str | None = None  # "<algorithm>:<hex>"
-    samples: int | None = None
-    #: In a staged manifest: the source's version of the bytes copied
-    #: (:mod:`stager.storage.identity`); a rerun copies again when the source's differs.
-    version: str | None = None
 
 
 @dataclass(frozen=True)
@@ -95,7 +76,9 @@ class Manifest:
 
     def _write_to(self, tmp: Path, suffix: str) -> None:
         if suffix == ".parquet":
-            _write_parquet(self, tmp)
+            from stager.shards.manifest_parquet import write_parquet
+
+            write_parquet(self.entries, self.meta, tmp)
         else:
             tmp.write_text(self._json_text())
 
@@ -104,7 +87,7 @@ class Manifest:
         (100k shards: 0.63 s, against 0.25 s here); the C encoder writes the list, then every
         entry (its text starts ``{"path": ``; a quote in a string is escaped) gets a line."""
         head = json.dumps(
-            {"format": "stager-manifest", "version": _FORMAT_VERSION, "meta": dict(self.meta)},
+            {"format": "stager-manifest", "version": FORMAT_VERSION, "meta": dict(self.meta)},
             indent=1,
         )
         shards = json.dumps([_json_entry(e) for e in self.entries])
@@ -118,7 +101,9 @@ class Manifest:
         path = Path(path)
         try:
             if path.suffix == ".parquet":
-                manifest = _read_parquet(path)
+                from stager.shards.manifest_parquet import read_parquet
+
+                manifest = Manifest(*read_parquet(path))
             else:
                 manifest = _from_json(json.loads(path.read_text()), path)
             _refuse_repeats([e.relpath for e in manifest.entries], path)
@@ -244,41 +229,6 @@ def _json_entry(entry: ManifestEntry) -> dict[str, object]:
     return out
 
 
-def _entry(
-    relpath: object,
-    size: object,
-    hash_: object,
-    samples: object,
-    where: Path,
-    version: object = None,
-) -> ManifestEntry:
-    if not isinstance(relpath, str):
-        raise UsageError(f"manifest {where}: shard path {relpath!r} is not a string")
-    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-        raise UsageError(
-            f"manifest {where}: size {size!r} of {relpath!r} is not a non-negative integer"
-        )
-    if hash_ is not None and (not isinstance(hash_, str) or not hash_):
-        raise UsageError(f"manifest {where}: hash {hash_!r} of {relpath!r} is not a string")
-    if samples is not None and (
-        not isinstance(samples, int) or isinstance(samples, bool) or samples < 0
-    ):
-        raise UsageError(
-            f"manifest {where}: samples {samples!r} of {relpath!r} is not a non-negative integer"
-        )
-    if hash_ is not None:
-        try:
-            algorithm, hexpart = split_digest(hash_)
-        except UsageError as exc:
-            raise UsageError(f"manifest {where}: {exc} (shard {relpath!r})") from None
-        # one spelling, the one a copy computes: a bare or upper-case sha256sum digest would
-        # otherwise never equal "sha256:<lower-case hex>", and every copy would be refused
-        hash_ = f"{algorithm}:{hexpart.lower()}"
-    if version is not None and not isinstance(version, str):
-        raise UsageError(f"manifest {where}: version {version!r} of {relpath!r} is not a string")
-    return ManifestEntry(safe_relpath(relpath), size, hash_, samples, version)
-
-
 def _from_json(payload: object, where: Path) -> Manifest:
     if not isinstance(payload, dict) or payload.get("format") != "stager-manifest":
         raise UsageError(f"{where} is not a stager manifest (missing format tag)")
@@ -291,7 +241,7 @@ def _from_json(payload: object, where: Path) -> Manifest:
         if not isinstance(item, dict):
             raise UsageError(f"manifest {where}: shard entry {item!r} is not an object")
         entries.append(
-            _entry(
+            check_entry(
                 item.get("path"),
                 item.get("size"),
                 item.get("hash"),
@@ -301,119 +251,3 @@ def _from_json(payload: object, where: Path) -> Manifest:
             )
         )
     return Manifest(tuple(entries), {str(k): str(v) for k, v in meta.items()})
-
-
-def _write_parquet(manifest: Manifest, path: Path) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    table = pa.table(
-        {
-            "path": pa.array([e.relpath for e in manifest.entries], pa.string()),
-            "size": pa.array([e.size for e in manifest.entries], pa.int64()),
-            "hash": pa.array([e.hash for e in manifest.entries], pa.string()),
-            "samples": pa.array([e.samples for e in manifest.entries], pa.int64()),
-            "version": pa.array([e.version for e in manifest.entries], pa.string()),
-        }
-    )
-    meta = {b"stager.format": b"stager-manifest", b"stager.version": str(_FORMAT_VERSION).encode()}
-    meta.update({f"stager.meta.{k}".encode(): v.encode() for k, v in manifest.meta.items()})
-    pq.write_table(table.replace_schema_metadata(meta), path)
-
-
-def _read_parquet(path: Path) -> Manifest:
-    import pyarrow.parquet as pq
-
-    table = pq.read_table(path)
-    raw_meta = table.schema.metadata or {}
-    if raw_meta.get(b"stager.format") != b"stager-manifest":
-        raise UsageError(f"{path} is not a stager manifest (missing format tag)")
-    columns = table.to_pydict()
-    versions = columns.get("version") or [None] * len(columns["path"])  # absent before v1.1
-    entries = _entries_checked_by_column(table, columns, versions)
-    if entries is None:  # something odd in a column: check entry by entry, naming the bad one
-        entries = _entries_checked_by_row(path, columns, versions)
-    prefix = b"stager.meta."
-    meta = {
-        k[len(prefix) :].decode(): v.decode() for k, v in raw_meta.items() if k.startswith(prefix)
-    }
-    return Manifest(tuple(entries), meta)
-
-
-_CANONICAL_DIGEST = (
-    "^(?:" + "|".join(f"{name}:[0-9a-f]{{{digits}}}" for name, digits in HEX_DIGITS.items()) + ")$"
-)
-
-
-def _entries_checked_by_column(
-    table: Any, columns: dict[str, list[Any]], versions: list[Any]
-) -> list[ManifestEntry] | None:
-    """The entries when every column passes :func:`_entry`'s checks as a whole, else None.
-
-    A million-entry manifest is read before the first copy starts: checking columns at once
-    (their types from the schema, ranges with pyarrow's kernels) and building the entries
-    with ``map`` takes a fraction of a per-row check.
-    """
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    schema = table.schema
-    if any(schema.get_field_index(name) < 0 for name in ("path", "size", "hash", "samples")):
-        return None
-
-    def text(name: str) -> bool:  # polars writes large_string by default
-        kind = schema.field(name).type
-        return bool(pa.types.is_string(kind) or pa.types.is_large_string(kind))
-
-    if not (
-        text("path")
-        and pa.types.is_integer(schema.field("size").type)
-        and text("hash")
-        and pa.types.is_integer(schema.field("samples").type)
-        and (schema.get_field_index("version") < 0 or text("version"))
-    ):
-        return None
-    paths, sizes, hashes = table.column("path"), table.column("size"), table.column("hash")
-    samples = table.column("samples")
-    if paths.null_count or sizes.null_count:
-        return None
-    for numbers in (sizes, samples):
-        low = pc.min(numbers).as_py()
-        if low is not None and low < 0:
-            return None
-    if len(hashes) > hashes.null_count:
-        if pc.min(pc.utf8_length(hashes)).as_py() == 0:
-            return None
-        # the algorithm before the first ":", in pyarrow's kernels; a bare digest (sha256) or
-        # upper-case hex takes the row path, which writes it the way a copy computes it
-        present = hashes.drop_null()
-        if not pc.all(pc.match_substring(present, ":")).as_py():
-            return None
-        if not pc.all(pc.equal(present, pc.utf8_lower(present))).as_py():
-            return None
-        # each a known algorithm and a digest of its length (the row path says what is wrong)
-        if not pc.all(pc.match_substring_regex(present, _CANONICAL_DIGEST)).as_py():
-            return None
-    paths_list = columns["path"]
-    if not all_canonical(paths_list):
-        return None
-    return list(
-        map(ManifestEntry, paths_list, columns["size"], columns["hash"], columns["samples"],
-            versions)
-    )  # fmt: skip
-
-
-def _entries_checked_by_row(
-    path: Path, columns: dict[str, list[Any]], versions: list[Any]
-) -> list[ManifestEntry]:
-    return [
-        _entry(p, s, h, n, path, v)
-        for p, s, h, n, v in zip(
-            columns["path"],
-            columns["size"],
-            columns["hash"],
-            columns["samples"],
-            versions,
-            strict=True,
-        )
-    ]

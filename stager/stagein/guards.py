@@ -22,11 +22,27 @@ __all__ = ["check_outside_source", "check_same_source", "preflight", "space_erro
 def check_outside_source(staged: StagedDataset, source: SourceSet) -> None:
     """Refuse a staged copy and a local source that overlap: a destination inside the source
     (every rerun would stage the copy again), or a source inside the staged copy's directory
-    (staging would write over the source's files and delete its ``*.partial`` ones)."""
+    (staging would write over the source's files and delete its ``*.partial`` ones).
+
+    A source whose shards are all named (a list, braces, one file) gains no file a rerun could
+    find, so only a named shard inside the staged copy is refused: a list spanning two
+    top-level directories has ``/`` as its root, and every destination was "inside" it."""
     if not source.is_local:
         return
     root = os.path.realpath(source.root_url)
     dest = os.path.realpath(staged.dir)
+    if source.named:  # no rerun finds the copies; only a shard inside the copy is a danger
+        # a realpath per directory, not per shard (a list may name a million)
+        dirs = {os.path.dirname(shard.path) for shard in source.shards}
+        into = {d for d in dirs if _within(os.path.realpath(d), dest)}
+        inside = [s.url for s in source.shards if os.path.dirname(s.path) in into]
+        if inside:
+            raise UsageError(
+                f"the source shard {inside[0]} is inside the staged copy's directory "
+                f"{staged.dir}: staging would write over it; pass --dest (or --name) so that "
+                "DEST/NAME holds no source shard"
+            )
+        return
     if _within(dest, root):
         raise UsageError(
             f"the destination {staged.dir} is inside the source {source.root_url}: each run "

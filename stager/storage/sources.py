@@ -83,6 +83,7 @@ class SourceSet:
     spec: str = ""  # stager.layout.canonical_spec of what was asked for: same spec, same set
     skipped: tuple[str, ...] = ()  # entries that are not regular files (FIFOs, devices)
     walked: bool = False  # a whole directory: every shard under the root belongs to the set
+    named: bool = False  # every shard named (a list, braces, one file): no other file joins it
 
     @property
     def is_local(self) -> bool:
@@ -160,7 +161,14 @@ def _from_paths(
         else:
             shards.append(_shard(fs, path, root, info))
     return SourceSet(
-        display(fs, root or "/"), name, _unique(shards), tuple(missing), fs, spec, tuple(skipped)
+        display(fs, root or "/"),
+        name,
+        _unique(shards),
+        tuple(missing),
+        fs,
+        spec,
+        tuple(skipped),
+        named=True,
     )
 
 
@@ -381,4 +389,4 @@ def _resolve(
             "refused"
         )
     shard = _shard(fs, path, root, info)
-    return SourceSet(display(fs, root), name, (shard,), (), fs, canonical_spec(spec))
+    return SourceSet(display(fs, root), name, (shard,), (), fs, canonical_spec(spec), named=True)
