@@ -32,6 +32,7 @@ from stager.shards.loader_index import build_flat_index
 from stager.shards.tarindex import any_compressed
 from stager.slurm import SlurmEnv
 from stager.stagein.status import (
+    CopierWatch,
     PlanFacts,
     is_current,
     lock_held,
@@ -39,7 +40,6 @@ from stager.stagein.status import (
     read_outcome,
     read_plan,
 )
-from stager.stagein.wait import GONE_AFTER_S
 
 from .options import LoaderOptions
 from .packedstrings import PackedStrings
@@ -188,7 +188,7 @@ class StagingReader(StagedReader):
         self.sampler: RankBatchSampler | None = None
         self.complete = False
         self._next_look = 0.0
-        self._free_since: float | None = None
+        self._copier = CopierWatch(self.staged)
         self._said = False
 
     def bind(self, layout: WorldLayout, options: PlanOptions, per_rank: int) -> dict[str, Any]:
@@ -241,14 +241,11 @@ class StagingReader(StagedReader):
             if not outcome.ok:
                 self._say(f"it ended: {outcome.error or 'error'}")
             return
-        if lock_held(self.staged):
-            self._free_since = None
-        elif final and not staging_incomplete(self.staged.dir, self.facts):
+        if not self._copier.gone(now, at_once=final):
+            return
+        if final and not staging_incomplete(self.staged.dir, self.facts):
             return  # every shard is there: nothing was read around it
-        elif final or (self._free_since is not None and now - self._free_since > GONE_AFTER_S):
-            self._say("its lock is free and it left no result")
-        elif self._free_since is None:
-            self._free_since = now
+        self._say("its lock is free and it left no result")
 
     def _say(self, why: str) -> None:
         self._said = True

@@ -17,7 +17,7 @@ When the copier will not deliver a shard:
   read for it);
 * the run ended and the shard failed otherwise (source errors after retries): the shard is
   fetched from the source, as the plain reader reads a failed shard there;
-* the copier is gone (its lock free for :data:`stager.stagein.wait.GONE_AFTER_S` with no
+* the copier is gone (its lock free for :data:`stager.stagein.status.GONE_AFTER_S` with no
   result) or was stopped: per ``LoaderOptions.on_copier_death``, :class:`StagingStopped`
   (``"fail"``) or the shard is fetched from the source (``"source"``).
 
@@ -45,8 +45,7 @@ from stager.layout import StagedDataset
 from stager.shards.loader_index import FlatIndex, cached_index
 from stager.shards.manifest import Manifest
 from stager.shards.tarindex import TarIndex, index_tar
-from stager.stagein.status import Outcome, PlanFacts, lock_held, published, read_outcome
-from stager.stagein.wait import GONE_AFTER_S
+from stager.stagein.status import CopierWatch, Outcome, PlanFacts, published, read_outcome
 from stager.storage.copy import copy_file
 from stager.storage.listing import split_fs
 
@@ -101,7 +100,7 @@ class ShardGate:
         # once, not after GONE_AFTER_S again (1,000 missing shards were 83 minutes of waiting);
         # a fetch too early is harmless (it copies under the node lock). With "fail" each wait
         # starts its own grace: a copier taking over in between must not be taken for dead.
-        self._free_since: float | None = None
+        self._copier = CopierWatch(staged)
 
     def path(self, shard: int) -> str:
         return self.prefix + self.relpaths[shard].decode()
@@ -116,7 +115,7 @@ class ShardGate:
         started = time.monotonic()
         delay, check_at = 0.01, started
         if self.on_copier_death != "source":
-            self._free_since = None
+            self._copier.forget()
         while not self.is_published(shard):
             now = time.monotonic()
             if now >= check_at:
@@ -125,11 +124,7 @@ class ShardGate:
                 if outcome is not None:
                     self._settle(shard, outcome)
                     break
-                if lock_held(self.staged):
-                    self._free_since = None
-                elif self._free_since is None:
-                    self._free_since = now
-                elif now - self._free_since > GONE_AFTER_S:
+                if self._copier.gone(now):
                     self._copier_gone(shard, "its lock is free and it left no result")
                     break
             time.sleep(delay)

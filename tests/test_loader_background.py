@@ -137,11 +137,9 @@ def test_a_state_saved_after_staging_resumes_in_the_full_shuffle(tmp_path: Path)
 def test_a_dead_copier_is_said_in_one_line_then_fails_or_reads_the_source(
     tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import stager_loaders.staging as staging_module
-    import stager_loaders.waiting as waiting_module
+    import stager.stagein.status as status_module
 
-    monkeypatch.setattr(waiting_module, "GONE_AFTER_S", 0.2)
-    monkeypatch.setattr(staging_module, "GONE_AFTER_S", 0.2)
+    monkeypatch.setattr(status_module, "GONE_AFTER_S", 0.2)  # the one rule (CopierWatch)
     src, dest = dataset(tmp_path), tmp_path / "scratch"
     copier = start_copier(src, dest, "--bw-limit", "0.1")  # ~2 s per shard
     try:

@@ -42,6 +42,8 @@ __all__ = [
     "discard_plan",
     "read_outcome",
     "lock_held",
+    "CopierWatch",
+    "GONE_AFTER_S",
     "published",
     "is_current",
 ]
@@ -174,6 +176,45 @@ def lock_held(staged: StagedDataset) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+#: A copier counts as gone when its lock stays free this long without a result: a task
+#: taking over from a dead one needs a moment to take the lock and publish its own plan.
+GONE_AFTER_S = 5.0
+
+
+class CopierWatch:
+    """How long a background copier's lock has been seen free: the one rule for "the copier
+    is gone" (free for :data:`GONE_AFTER_S`, with no result), which ``--wait-staged``, the
+    loader's shard gate and its monitor all apply.
+
+    Each :meth:`free_for` probes the lock. The time is kept between calls, from the first
+    probe that found it free; a probe that finds it held starts over.
+    """
+
+    def __init__(self, staged: StagedDataset) -> None:
+        self.staged = staged
+        self._free_since: float | None = None
+
+    def free_for(self, now: float) -> float | None:
+        """Seconds the lock has been free (0 at the first probe that finds it free), or None
+        while a copier holds it."""
+        if lock_held(self.staged):
+            self._free_since = None
+            return None
+        if self._free_since is None:
+            self._free_since = now
+        return now - self._free_since
+
+    def gone(self, now: float, *, at_once: bool = False) -> bool:
+        """Whether the lock has been free longer than :data:`GONE_AFTER_S` (``at_once``: at
+        all, when there is no time left to wait, as at the end of an epoch)."""
+        free = self.free_for(now)
+        return free is not None and (at_once or free > GONE_AFTER_S)
+
+    def forget(self) -> None:
+        """Start the grace over (a new wait must not inherit an old sighting)."""
+        self._free_since = None
 
 
 def published(path: str, size: int) -> bool:

@@ -23,6 +23,8 @@ from stager.layout import StagedDataset
 from stager.plan.staging import copy_order
 from stager.slurm import SlurmEnv
 from stager.stagein.status import (
+    GONE_AFTER_S,
+    CopierWatch,
     PlanFacts,
     is_current,
     lock_held,
@@ -33,9 +35,6 @@ from stager.stagein.status import (
 
 __all__ = ["wait_staged", "GONE_AFTER_S", "STARTUP_GRACE_S"]
 
-#: A copier counts as gone when its lock stays free this long without a result: a task
-#: taking over from a dead one needs a moment to take the lock and publish its own plan.
-GONE_AFTER_S = 5.0
 #: Before any plan of this run: how long the lock may stay free (the copier step starting:
 #: an interpreter, the import, the lock) before the waiter says no copier runs.
 STARTUP_GRACE_S = 60.0
@@ -77,7 +76,7 @@ def wait_staged(
     many shards the plan has. ``timeout_s`` bounds the wait without progress."""
     progress_at = idle_since = time.monotonic()
     wait_started = time.time()
-    free_since: float | None = None
+    copier = CopierWatch(staged)
     done = -1
     while True:
         loaded = read_plan(staged)
@@ -107,16 +106,12 @@ def wait_staged(
                     f"[{slurm.node_name}] the background stage-in of {staged.dir} ended with "
                     f"{ready} of the first {len(wanted)} shard(s) staged; see its log"
                 )
-            if lock_held(staged):
-                free_since = None
-            else:
-                free_since = free_since if free_since is not None else time.monotonic()
-                if time.monotonic() - free_since > GONE_AFTER_S:
-                    raise StagingStopped(
-                        f"[{slurm.node_name}] the background stage-in of {staged.dir} is gone "
-                        f"(its lock is free, it left no result) with {ready} of the first "
-                        f"{len(wanted)} shard(s) staged; see its log and rerun it"
-                    )
+            if copier.gone(time.monotonic()):
+                raise StagingStopped(
+                    f"[{slurm.node_name}] the background stage-in of {staged.dir} is gone "
+                    f"(its lock is free, it left no result) with {ready} of the first "
+                    f"{len(wanted)} shard(s) staged; see its log and rerun it"
+                )
         else:
             # No plan of this run yet: a copier lists the source holding the node lock.
             failed = _failed_since(staged, wait_started)
