@@ -29,21 +29,19 @@ def _walk(samples: list[tuple[str, list[tuple[str, int, int]]]]) -> dict:
     by hand so that offsets and sizes can be as large as a shard of many GiB gives."""
     names: dict[str, int] = {}
     width = max([len(key) for key, _ in samples] + [1])
-    starts, codes, offsets, sizes, exts = [], [], [], [], []
+    starts, codes, offsets, sizes = [], [], [], []
     for _key, members in samples:
         starts.append(len(codes))
         for ext, offset, size in members:
             codes.append(names.setdefault(ext, len(names)))
             offsets.append(offset)
             sizes.append(size)
-            exts.append(ext)
     starts.append(len(codes))
     return {
-        "keys": [key for key, _ in samples],
+        "samples": len(samples),
         "key_bytes": b"".join(key.encode().ljust(width, b"\0") for key, _ in samples),
         "key_width": width,
         "member_start": np.asarray(starts, np.int64).tobytes(),
-        "exts": exts,
         "ext_names": tuple(names),
         "ext_codes": np.asarray(codes, np.int16).tobytes(),
         "offsets": np.asarray(offsets, np.int64).tobytes(),

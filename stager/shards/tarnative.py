@@ -50,7 +50,7 @@ class WalkResult:
 
     @property
     def num_samples(self) -> int:
-        return len(self.parts["keys"])
+        return int(self.parts["samples"])
 
     @property
     def duplicate(self) -> str | None:
@@ -88,10 +88,13 @@ def to_index(parts: dict[str, Any]) -> TarIndex:
 
     key_bytes = np.frombuffer(parts["key_bytes"], dtype=f"S{parts['key_width']}")
     codes = np.frombuffer(parts["ext_codes"], dtype=np.int16)
+    names = parts["ext_names"]
     return TarIndex(
-        keys=parts["keys"],
+        # the walk vouches only for ASCII names, which hold no NUL: numpy's trimming of the
+        # padding gives each key back whole
+        keys=[key.decode("ascii") for key in key_bytes.tolist()],
         member_start=np.frombuffer(parts["member_start"], dtype=np.int64),
-        exts=parts["exts"],
+        exts=[names[code] for code in codes.tolist()],
         offsets=np.frombuffer(parts["offsets"], dtype=np.int64),
         sizes=np.frombuffer(parts["sizes"], dtype=np.int64),
         columns=TarColumns(key_bytes, codes, parts["ext_names"]),

@@ -234,7 +234,7 @@ class TarSampleCounter:
     def samples(self) -> int | None:
         """The count, or None if the bytes were not a complete, well-formed tar."""
         if self._walk_parts is not None:
-            return len(self._walk_parts["keys"])
+            return int(self._walk_parts["samples"])
         if self._walked is not None:
             return self._walked.num_samples
         return None if self._index is None else self._index.num_samples
