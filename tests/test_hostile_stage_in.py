@@ -456,3 +456,31 @@ def test_a_listed_shard_inside_the_staged_copy_is_refused_and_left_alone(
     assert result.returncode == EXIT_USAGE, result.stderr
     assert "is inside the staged copy's directory" in result.stderr
     assert _snapshot(dest) == before
+
+
+@pytest.mark.parametrize("how", ["list", "directory"])
+def test_a_source_shard_linked_to_its_own_staged_file_is_refused_not_deleted(
+    tmp_path: Path, capsys, how: str
+) -> None:
+    """A listed (or walked) shard that is a symlink to the staged file it would replace: the
+    plan deleted that file as stale, the source's only bytes, then failed 'not found'."""
+    dest = tmp_path / "dest"
+    data = write_synthetic_dataset(tmp_path / "made", SyntheticSpec(num_shards=2, seed=3))
+    (dest / "ds").mkdir(parents=True)
+    only_copy = dest / "ds" / data[0].name
+    data[0].rename(only_copy)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / data[0].name).symlink_to(only_copy)
+    data[1].rename(src / data[1].name)
+    before = only_copy.read_bytes()
+    if how == "list":
+        listing = tmp_path / "list.txt"
+        listing.write_text("".join(f"{src / p.name}\n" for p in data))
+        argv = ["--from-list", str(listing)]
+    else:
+        argv = [str(src)]
+    result = run_main(capsys, "stage-in", *argv, "--dest", str(dest), "--name", "ds", *FAST)
+    assert result.returncode == EXIT_USAGE, result.stderr
+    assert "is the staged file" in result.stderr
+    assert only_copy.read_bytes() == before

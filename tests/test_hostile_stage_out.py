@@ -328,3 +328,32 @@ def test_watch_says_each_line_once_not_every_pass(tmp_path: Path) -> None:
     assert sum("step-1 already committed" in line for line in lines) == 1, lines
     assert sum("committed step-2" in line for line in lines) == 1, lines
     assert lines[-1].startswith("stage-out: watch stopped after 7 pass(es)")
+
+
+def test_watch_says_every_commit_even_in_the_same_words(tmp_path: Path) -> None:
+    """A fixed-name checkpoint (Lightning's last.ckpt) rewritten each pass is committed each
+    pass, and its commit lines read the same (size, time, rate): each must still be said."""
+    import io
+
+    from stager.signalevent import SignalSafeEvent
+    from stager.stageout.run import StageOutOptions
+    from stager.stageout.watch import watch
+
+    ckpt = tmp_path / "ck" / "last.ckpt"
+    ckpt.parent.mkdir()
+    log = io.StringIO()
+    stop = SignalSafeEvent()
+    passes: list[int] = []
+
+    def listing() -> list[Path]:
+        passes.append(1)
+        ckpt.write_bytes(b"v%03d" % len(passes))  # new bytes, same size, every pass
+        if len(passes) == 5:
+            stop.set()  # (this pass commits nothing: stop is checked before each checkpoint)
+        return [ckpt]
+
+    options = StageOutOptions(log=log, settle_s=0)
+    watch(listing, str(tmp_path / "out"), options, interval_s=0.01, stop=stop)
+    commits = [line for line in log.getvalue().splitlines() if "committed last.ckpt" in line]
+    assert len(commits) == 4, log.getvalue()
+    assert (tmp_path / "out" / "last.ckpt").read_bytes() == b"v004"

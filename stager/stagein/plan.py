@@ -18,7 +18,7 @@ from itertools import repeat
 from operator import attrgetter
 from pathlib import Path
 
-from stager.errors import IntegrityError, StagerError
+from stager.errors import IntegrityError, StagerError, UsageError
 from stager.layout import PARTIAL_SUFFIX, StagedDataset
 from stager.shards import tarindex
 from stager.shards.manifest import MANIFEST_NAMES, Manifest, ManifestEntry, find_manifest
@@ -315,6 +315,7 @@ def plan_local(
                 kept[shard.relpath] = entry
                 continue
             if st is not None and stat.S_ISREG(st.st_mode):
+                _refuse_the_source_itself(shard, target, st)
                 # Not the source's current bytes: gone now, not when the copy replaces it, so
                 # that a run refused later (no space, a failed copy) leaves no stale final file.
                 discard(target)  # (a read-only scratch: the copy into it fails with its error)
@@ -322,6 +323,20 @@ def plan_local(
             target = root + "/" + rel
         to_copy.append(_copy_item(shard, target, want))
     return LocalPlan(to_copy, kept)
+
+
+def _refuse_the_source_itself(shard: SourceShard, target: str, st: os.stat_result) -> None:
+    """Refuse a local source shard that is the staged file it would replace (a symlink into
+    the staged copy): deleting it as stale lost the source's only bytes (exit 3 after)."""
+    try:
+        source = os.stat(shard.path) if "://" not in shard.url else None
+    except OSError:
+        return
+    if source is not None and (source.st_dev, source.st_ino) == (st.st_dev, st.st_ino):
+        raise UsageError(
+            f"the source shard {shard.url} is the staged file {target} itself (a link into the "
+            "staged copy): staging would delete it; name the file itself, outside DEST/NAME"
+        )
 
 
 def _copy_item(shard: SourceShard, target: str, want: ManifestEntry | None) -> CopyItem:

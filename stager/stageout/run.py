@@ -156,27 +156,27 @@ def stage_out(
     *,
     slurm: SlurmEnv | None = None,
     stop: threading.Event | None = None,
-    say: Callable[[str], None] | None = None,
+    say: Callable[[str, bool], None] | None = None,
 ) -> list[Outcome]:
     """Commit each checkpoint in ``ckpts`` under ``dest_url``, newest first; return the outcomes.
 
     ``stop`` (set by a signal in ``--watch``) is checked between checkpoints: the copy in flight
     always finishes or is abandoned atomically. Raises :class:`DestinationError` when the
     destination is unusable; per-checkpoint problems (deadline, source changing) are outcomes.
-    ``say`` prints each report line (default: to ``options.log``, else stderr); ``--watch``
-    passes one that drops the lines its last pass said.
+    ``say(line, news)`` prints each report line (default: to ``options.log``, else stderr);
+    ``--watch`` passes one that drops a line its last pass said too, unless it is news (a
+    commit, a cleanup, a prune: each an event, even in the same words as the last).
     """
     options = options or StageOutOptions()
     if options.keep is not None and options.keep < 1:
         raise UsageError("--keep must be at least 1: the newest checkpoint is never pruned")
-    if say is None:
-        say = partial(print, file=options.log or sys.stderr, flush=True)
+    say = say or partial(_print_line, options.log or sys.stderr)
     slurm = slurm or SlurmEnv.from_environ()
     store = open_store(dest_url, stale_s=options.stale_s)
     check_outside_checkpoints(store, [Path(os.path.abspath(p)) for p in ckpts], options.ckpt_dir)
     store.check_writable()
     for name in store.clean_stale():
-        say(f"stage-out: cleaned an interrupted stage-out of {name} at {store.url}")
+        say(f"stage-out: cleaned an interrupted stage-out of {name} at {store.url}", True)
     outcomes: list[Outcome] = []
     candidates = []
     for ckpt in (Path(os.path.abspath(p)) for p in ckpts):
@@ -184,18 +184,14 @@ def stage_out(
             candidates.append(ckpt)
         else:  # before --keep ranks it
             outcomes.append(_empty(ckpt.name, store.display(ckpt.name)))
-            say(outcomes[-1].line())
+            say(outcomes[-1].line(), False)
     mtimes = {p: newest_mtime_ns(p) for p in candidates}
     paths = sorted(mtimes, key=lambda p: (mtimes[p], p.name), reverse=True)
     if options.keep is not None:
-        wanted = set(
-            plan_keep([(p.name, m) for p, m in mtimes.items()], store.records(), options.keep)
-        )
-        outcomes += [
-            Outcome(p.name, SKIPPED_KEEP, url=store.display(p.name))
-            for p in paths
-            if p.name not in wanted
-        ]
+        ranked = [(p.name, m) for p, m in mtimes.items()]
+        wanted = set(plan_keep(ranked, store.records(), options.keep))
+        dropped = [p for p in paths if p.name not in wanted]
+        outcomes += [Outcome(p.name, SKIPPED_KEEP, url=store.display(p.name)) for p in dropped]
         paths = [p for p in paths if p.name in wanted]
     rate = _Rate(assumed_bps=options.assume_mbps * 1e6)
     throttle = Throttle(options.bw_limit_mbps * 1e6) if options.bw_limit_mbps else None
@@ -209,12 +205,16 @@ def stage_out(
                 raise  # one line says it all
             outcome = Outcome(ckpt.name, FAILED, url=store.display(ckpt.name), message=str(exc))
         if outcome.status != SKIPPED_UNSETTLED:
-            say(outcome.line())
+            say(outcome.line(), outcome.status == COMMITTED)
         outcomes.append(outcome)
     if options.keep is not None:
         for name in prune(store, options.keep):
-            say(f"stage-out: pruned {name} (--keep {options.keep})")
+            say(f"stage-out: pruned {name} (--keep {options.keep})", True)
     return outcomes
+
+
+def _print_line(log: TextIO, line: str, _news: bool) -> None:
+    print(line, file=log, flush=True)
 
 
 def check_outside_checkpoints(
@@ -257,7 +257,7 @@ def _stage_one(
     slurm: SlurmEnv,
     rate: _Rate,
     throttle: Throttle | None,
-    say: Callable[[str], None],
+    say: Callable[[str, bool], None],
 ) -> Outcome:
     url = store.display(ckpt.name)
     if options.settle_s > 0 and time.time() - mtime_ns / 1e9 < options.settle_s:
@@ -270,7 +270,8 @@ def _stage_one(
         for rel in snap.skipped:
             say(
                 f"stage-out: warning: skipped {rel!r} of {snap.name}: not a regular file (a "
-                "FIFO, a socket or a symlink to nothing?)"
+                "FIFO, a socket or a symlink to nothing?)",
+                False,
             )
         if snap.kind == KIND_DIR and not snap.files:  # emptied since it was listed
             return _empty(snap.name, url)

@@ -55,7 +55,8 @@ class SayOnce:
     A pass every minute for a day repeated every line each time: "already committed" for each
     kept checkpoint, and the same FAILED line for one that cannot succeed (1,440 a day each).
     Now a line is said when it first appears, and again only after a pass without it (a
-    checkpoint that failed, then committed, then fails again is said each time).
+    checkpoint that failed, then committed, then fails again is said each time); news (a
+    commit, a cleanup, a prune) is always said.
     """
 
     def __init__(self, log: TextIO) -> None:
@@ -63,8 +64,10 @@ class SayOnce:
         self.before: set[str] = set()
         self.now: set[str] = set()
 
-    def __call__(self, line: str) -> None:
-        if line not in self.before and line not in self.now:
+    def __call__(self, line: str, news: bool = False) -> None:
+        """Print ``line`` unless the last pass (or this one) said it too and it is not
+        ``news``: a commit is an event each time, even in the same words as the last."""
+        if news or (line not in self.before and line not in self.now):
             print(line, file=self.log, flush=True)
         self.now.add(line)
 
