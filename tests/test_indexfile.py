@@ -90,6 +90,37 @@ def test_a_walk_with_a_code_outside_its_table_is_refused_not_read_past() -> None
         indexfile.join_walks([walk])
 
 
+@pytest.mark.parametrize(
+    "damage",
+    ["offsets not whole int64s", "key width past memory", "member starts out of order", "list"],
+)
+def test_malformed_walks_raise_rather_than_read_or_write_out_of_bounds(damage: str) -> None:
+    """The join takes bytes from a dict: any inconsistency is a ValueError, never a write past
+    a buffer (15 bytes of offsets and sizes) or a read at a wild pointer (a key width of 2**62
+    whose product with the sample count wrapped to the length given)."""
+    from stager.shards import _tarwalk  # type: ignore[attr-defined]
+
+    walk = _walk([("a", [("jpg", 0, 1)]), ("b", [("jpg", 1, 1)])])
+    if damage == "offsets not whole int64s":
+        walk["offsets"] = walk["sizes"] = bytes(15)
+        walk["ext_codes"] = bytes(2)
+    elif damage == "key width past memory":
+        walk["key_width"] = 2**62
+        walk["member_start"] = np.asarray([0, 0, 0, 0, 0], np.int64).tobytes()
+        walk["key_bytes"] = b""
+        walk["offsets"] = walk["sizes"] = walk["ext_codes"] = b""
+    elif damage == "member starts out of order":
+        walk["member_start"] = np.asarray([0, 2, 1], np.int64).tobytes()
+    table, bases = np.asarray([0], np.int32).tobytes(), np.zeros(1, np.int64).tobytes()
+    if damage == "list":
+        # a tuple of walks is taken as given (the join copies any sequence before reading it)
+        got = _tarwalk.join_walks((walk,), table, bases, 1)
+        assert got["key_width"] == 1
+        return
+    with pytest.raises(ValueError):
+        _tarwalk.join_walks([walk], table, bases, 1)
+
+
 def test_stage_in_never_imports_numpy_and_writes_the_loaders_index(tmp_path: Path) -> None:
     """A whole stage-in (copies, counts, manifest, loader index) with the compiled walk runs
     without numpy, and the index it writes is the one the loader builds and accepts."""

@@ -157,3 +157,44 @@ def test_parquet_column_checks_agree_with_the_json_reader(tmp_path_factory, rows
             return type(exc)
 
     assert read("m.parquet") == read("m.json")
+
+
+_DIGESTS = st.one_of(
+    st.none(),
+    st.sampled_from(
+        ["xxh3_64:" + "0f" * 8, "xxh64:" + "a1" * 8, "sha256:" + "9b" * 32, "EF" * 32]
+        + ["xxh3_64:" + "0f" * 7 + "0", "xxh3_64:" + "0F" * 8, "SHA256:" + "9b" * 32]
+        + ["md5:" + "00" * 16, "sha256:", "xxh64:" + "g" * 16, "xxh3_64:" + "0f" * 8 + "\n"]
+    ),
+    st.text(max_size=30),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_DIGESTS, min_size=1, max_size=5))
+def test_the_loaders_json_reader_refuses_the_digests_the_others_refuse(
+    tmp_path_factory, digests: list
+) -> None:
+    """read_columns' whole-column path took any non-empty string as a hash, where
+    Manifest.read (JSON and Parquet) refuses what no copy can match: both now agree."""
+    import json
+
+    from stager.shards.manifest import Manifest, read_columns
+
+    path = tmp_path_factory.mktemp("m") / "m.json"
+    shards = [
+        {"path": f"s{i}.tar", "size": 1, "hash": h, "samples": 1} for i, h in enumerate(digests)
+    ]
+    path.write_text(json.dumps({"format": "stager-manifest", "version": 1, "shards": shards}))
+
+    def outcome(read) -> object:
+        try:
+            return list(
+                read(path).relpaths
+                if read is read_columns
+                else [e.relpath for e in read(path).entries]
+            )
+        except StagerError as exc:
+            return type(exc)
+
+    assert outcome(read_columns) == outcome(Manifest.read)

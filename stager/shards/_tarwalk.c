@@ -684,9 +684,17 @@ static PyObject *join_walks(PyObject *Py_UNUSED(module), PyObject *args) {
     PyObject *walks, *result = NULL;
     Py_buffer lookup, bases;
     Py_ssize_t n_names;
-    if (!PyArg_ParseTuple(args, "O!y*y*n", &PyList_Type, &walks, &lookup, &bases, &n_names))
+    PyObject *given;
+    if (!PyArg_ParseTuple(args, "Oy*y*n", &given, &lookup, &bases, &n_names)) return NULL;
+    /* a tuple of its own: a list changed by a key's __eq__ during a lookup cannot move the
+     * items under this loop */
+    walks = PySequence_Tuple(given);
+    if (!walks) {
+        PyBuffer_Release(&lookup);
+        PyBuffer_Release(&bases);
         return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(walks), ready = 0;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(walks), ready = 0;
     const int32_t *table = (const int32_t *)lookup.buf;
     size_t table_len = (size_t)lookup.len / sizeof(int32_t);
     const int64_t *table_at = (const int64_t *)bases.buf;
@@ -701,7 +709,7 @@ static PyObject *join_walks(PyObject *Py_UNUSED(module), PyObject *args) {
     }
     size_t total_s = 0, total_m = 0, width = 0;
     for (; ready < n; ready++) {
-        PyObject *walk = PyList_GET_ITEM(walks, ready);
+        PyObject *walk = PyTuple_GET_ITEM(walks, ready);
         WalkView *w = &v[ready];
         if (!PyDict_Check(walk)) {
             PyErr_SetString(PyExc_TypeError, "walks are the walker's finish() dicts");
@@ -720,12 +728,21 @@ static PyObject *join_walks(PyObject *Py_UNUSED(module), PyObject *args) {
         if (!view_part(walk, K_CODES, &w->codes)) goto done_one;
         w->n_samples = w->starts.len / (Py_ssize_t)sizeof(int64_t) - 1;
         w->n_members = w->sizes.len / (Py_ssize_t)sizeof(int64_t);
-        if (w->n_samples < 0 || w->keys.len != w->n_samples * w->key_width ||
-            w->offsets.len != w->sizes.len ||
+        if (w->n_samples < 0 || w->starts.len % (Py_ssize_t)sizeof(int64_t) ||
+            w->sizes.len % (Py_ssize_t)sizeof(int64_t) || w->offsets.len != w->sizes.len ||
+            w->keys.len % w->key_width || w->keys.len / w->key_width != w->n_samples ||
             w->codes.len != w->n_members * (Py_ssize_t)sizeof(int16_t)) {
             PyErr_SetString(PyExc_ValueError, "a walk's columns differ in length");
-            ready++;
-            goto done;
+            goto done_one; /* (its views are held: done_one counts it for release) */
+        }
+        /* each sample's first member, in order, from 0 to the member count */
+        const int64_t *first = (const int64_t *)w->starts.buf;
+        int monotone = first[0] == 0 && first[w->n_samples] == w->n_members;
+        for (Py_ssize_t k = 0; monotone && k < w->n_samples; k++)
+            monotone = first[k] <= first[k + 1];
+        if (!monotone) {
+            PyErr_SetString(PyExc_ValueError, "a walk's member_start is not its members' starts");
+            goto done_one;
         }
         const char *key = (const char *)w->keys.buf;
         for (Py_ssize_t k = 0; k < w->n_samples; k++) {
@@ -737,6 +754,10 @@ static PyObject *join_walks(PyObject *Py_UNUSED(module), PyObject *args) {
         continue;
     done_one:
         ready++;
+        goto done;
+    }
+    if (total_s && width > (size_t)PY_SSIZE_T_MAX / total_s) {
+        PyErr_SetString(PyExc_ValueError, "the keys would not fit in memory");
         goto done;
     }
     if (width == 0) width = 1;
@@ -803,6 +824,7 @@ fail_nomem:
 done:
     if (v) release_views(v, ready);
     PyMem_Free(v);
+    Py_DECREF(walks);
     PyMem_Free(starts);
     PyMem_Free(offsets);
     PyMem_Free(sizes);

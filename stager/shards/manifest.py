@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from stager.errors import StagerError, UsageError
 from stager.shards.manifest_entry import FORMAT_VERSION, ManifestEntry, check_entry
+from stager.storage.hashing import HEX_DIGITS
 from stager.storage.paths import all_canonical
 
 __all__ = [
@@ -190,7 +192,7 @@ def _fast_columns(payload: object) -> ManifestColumns | None:
         and set(map(type, counts)) <= {int}
         and min(counts, default=0) >= 0
         and set(map(type, digests)) <= {str}
-        and all(digests)
+        and _canonical_digests(digests)
         and len(set(relpaths)) == len(relpaths)  # else Manifest.read names the one repeated
     )
     if not valid:
@@ -201,6 +203,29 @@ def _fast_columns(payload: object) -> ManifestColumns | None:
         samples,
         {str(k): str(v) for k, v in meta.items()},
     )
+
+
+def _canonical_digests(digests: list[str]) -> bool:
+    """Whether every digest is as a copy computes it (a known algorithm, lower-case hex of its
+    length): else :meth:`Manifest.read` normalises it or refuses it, as for the other readers.
+
+    Column by column in C where every digest has one length (one algorithm: each has its own),
+    ~30 ms at a million against ~0.2 s for a regular expression over them.
+    """
+    lengths = set(map(len, digests))
+    if len(lengths) > 1:  # several algorithms in one manifest: rare, checked one by one
+        return all(map(_ONE_DIGEST.fullmatch, digests))
+    for length in lengths:
+        joined, count = "".join(digests), len(digests)
+        heads = [f"{name}:" for name, n in HEX_DIGITS.items() if len(name) + 1 + n == length]
+        if not heads or any(joined[i::length] != c * count for i, c in enumerate(heads[0])):
+            return False
+        tail = "".join(joined[i::length] for i in range(len(heads[0]), length))
+        return tail.isascii() and not tail.encode().translate(None, b"0123456789abcdef")
+    return True
+
+
+_ONE_DIGEST = re.compile("|".join(f"{name}:[0-9a-f]{{{n}}}" for name, n in HEX_DIGITS.items()))
 
 
 def default_manifest_name(num_entries: int) -> str:
