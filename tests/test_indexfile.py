@@ -160,3 +160,35 @@ def test_stage_in_never_imports_numpy_and_writes_the_loaders_index(tmp_path: Pat
         cache_dir=cache,
     )
     assert (cache / indexfile.DATASET_INDEX_NAME).stat().st_mtime_ns == before
+
+
+def test_a_shard_the_loader_scans_with_numpy_gets_the_same_index_as_stage_in_writes(
+    tmp_path: Path,
+) -> None:
+    """Over 1 MiB of large members the loader indexes with the numpy scanner, which numbered
+    extensions sorted (bin before txt) where the walk numbers them as they first appear."""
+    import io
+    import tarfile
+
+    from stager.shards.loader_index import dataset_index_path
+    from stager.slurm import SlurmEnv
+    from stager.stagein.run import StageInOptions, stage_in
+    from stager.storage.sources import resolve_source
+
+    source = tmp_path / "ds"
+    source.mkdir()
+    with tarfile.open(source / "big.tar", "w", format=tarfile.PAX_FORMAT) as tar:
+        for sample in range(40):
+            for ext, size in (("txt", 10), ("bin", 70_000)):
+                info = tarfile.TarInfo(f"s{sample:04d}.{ext}")
+                info.size = size
+                tar.addfile(info, io.BytesIO(bytes(size)))
+    options = StageInOptions(dest_root=tmp_path / "scratch", progress="none", jitter_max_s=0)
+    report = stage_in(resolve_source(str(source)), options, slurm=SlurmEnv.from_environ({}))
+    staged = Path(report.dataset_dir)
+    written, _, _ = open_dataset_index(dataset_index_path(staged / ".stager" / "index"))
+    built, _ = build_flat_index([staged / "big.tar"], relpaths=["big.tar"], expected_samples=[40])
+    assert written.ext_names == built.ext_names == ("txt", "bin")
+    for name in _ARRAYS:
+        got, want = getattr(written, name), getattr(built, name)
+        assert got.dtype == want.dtype and np.array_equal(got, want), name

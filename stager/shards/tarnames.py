@@ -27,18 +27,24 @@ def sample_starts(keys: np.ndarray) -> np.ndarray:
 
 
 def ext_codes(exts: np.ndarray) -> tuple[tuple[str, ...], np.ndarray]:
-    """The distinct extensions (ASCII bytes) as str, and each member's code into them.
+    """The distinct extensions (ASCII bytes) as str, in order of first appearance, and each
+    member's code into them.
 
-    Up to 8 bytes (nearly always) they are sorted as integers, several times faster than
-    as strings; numpy's ``unique`` sorts either way, and the codes only need to be consistent.
+    First appearance, as the compiled walk numbers them: the loader index a loader builds
+    from this scanner is then the one stage-in writes from the walk, byte for byte (sorted,
+    as ``unique`` gives them, the two differed in ``ext_names`` and ``member_ext``). Up to 8
+    bytes (nearly always) they are found as integers, several times faster than as strings.
     """
     if exts.size and int(np.strings.str_len(exts).max()) <= 8:
         words = np.ascontiguousarray(exts.astype("S8")).view("<u8")
-        uniq, codes = np.unique(words, return_inverse=True)
+        uniq, first, codes = np.unique(words, return_index=True, return_inverse=True)
         names = uniq.view("S8")
     else:
-        names, codes = np.unique(exts, return_inverse=True)
-    return tuple(u.decode("ascii") for u in names.tolist()), codes.ravel()
+        names, first, codes = np.unique(exts, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(order))
+    return tuple(u.decode("ascii") for u in names[order].tolist()), rank[codes.ravel()]
 
 
 def _ext_list(exts: np.ndarray) -> list[str]:
