@@ -551,3 +551,41 @@ def test_a_stream_tarfile_cannot_decode_is_an_integrity_error() -> None:
     data += _raw_header(b"k.jpg", 3, b"0") + _padded(b"abc") + bytes(1024)
     with pytest.raises(IntegrityError, match="s.tar"):
         count_samples_stream(io.BytesIO(data), "s.tar")
+
+
+@pytest.mark.parametrize("fmt", ["gnu", "posix"])
+def test_a_sparse_member_is_said_to_be_sparse_not_truncated(tmp_path: Path, fmt: str) -> None:
+    """GNU tar's --sparse stores a member in pieces: the index (read by offset) cannot serve
+    it. It was refused as 'truncated' with advice to re-stage, which can never help."""
+
+    from stager.errors import IntegrityError
+    from stager.shards.tarindex import index_tar
+
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "a.cls").write_bytes(b"1")
+    with open(tree / "a.bin", "wb") as handle:
+        handle.write(b"H")
+        handle.seek(1 << 20)
+        handle.write(b"T")
+    shard = tmp_path / "s.tar"
+    subprocess.run(
+        ["tar", "cf", str(shard), "--sparse", f"--format={fmt}", "-C", str(tree), "."], check=True
+    )
+    with pytest.raises(IntegrityError, match="is a sparse file .*without --sparse"):
+        index_tar(shard)
+
+
+def test_a_gzip_file_named_tar_is_said_to_be_gzip(tmp_path: Path) -> None:
+    import gzip
+
+    from stager.errors import IntegrityError
+    from stager.shards.tarindex import index_tar
+
+    plain = io.BytesIO()
+    with tarfile.open(fileobj=plain, mode="w") as tar:
+        tar.addfile(tarfile.TarInfo("a.cls"), io.BytesIO())
+    shard = tmp_path / "s.tar"
+    shard.write_bytes(gzip.compress(plain.getvalue()))
+    with pytest.raises(IntegrityError, match="gzip-compressed: name it \\*.tar.gz"):
+        index_tar(shard)

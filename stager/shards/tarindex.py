@@ -58,8 +58,31 @@ def _open_tar(path: Path, mode: str, fileobj: BinaryIO | None = None) -> tarfile
         return tarfile.open(path, mode)  # type: ignore[call-overload]  # noqa: SIM115 - closed by the caller
     except (tarfile.TarError, EOFError, OSError, UnicodeError) as exc:
         raise IntegrityError(
-            f"{path}: not a readable tar ({exc}); re-stage or re-create this shard"
+            f"{path}: not a readable tar ({exc}){_what_it_is(path, fileobj)}"
         ) from exc
+
+
+def _what_it_is(path: Path, fileobj: BinaryIO | None) -> str:
+    """What to do about a file that is not a tar: a compressed tar under a plain ``.tar`` name
+    is said as such (webdataset reads it by its bytes, the loader by offset into plain tars)."""
+    try:
+        if fileobj is not None:
+            fileobj.seek(0)
+            head = fileobj.read(6)
+        else:
+            with open(path, "rb") as handle:
+                head = handle.read(6)
+    except OSError:
+        head = b""
+    if head.startswith(b"\x1f\x8b"):
+        return "; it is gzip-compressed: name it *.tar.gz (read as a stream) or decompress it"
+    for magic, kind in _COMPRESSED:
+        if head.startswith(magic):
+            return f"; it is {kind}-compressed: decompress it (shards are .tar or .tar.gz)"
+    return "; re-stage or re-create this shard"
+
+
+_COMPRESSED = ((b"BZh", "bzip2"), (b"\xfd7zXZ\x00", "xz"), (b"\x28\xb5\x2f\xfd", "zstd"))
 
 
 def _check_end(tail: bytes, where: str, offset: int, last_name: str) -> None:
@@ -201,6 +224,12 @@ def index_with_tarfile(path: Path, fileobj: BinaryIO | None = None) -> TarIndex:
                 last_name = info.name
                 if not info.isfile():
                     continue
+                if info.issparse():  # (its size is the expanded one, not the stored bytes)
+                    raise IntegrityError(
+                        f"{path}: member {info.name!r} is a sparse file (tar --sparse): its "
+                        "bytes are not stored in one piece, which the loader reads by offset; "
+                        "re-create the shard without --sparse"
+                    )
                 if info.offset_data + info.size > file_size:
                     raise IntegrityError(
                         f"{path}: member {info.name!r} is truncated "
