@@ -16,7 +16,7 @@ import pytest
 from stager.errors import EXIT_DEST
 from stager.shards.build import build_manifest, write_manifest
 from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
-from stager.stagein.wait import GONE_AFTER_S
+from stager.stagein.status import GONE_AFTER_S
 from stager.storage.sources import resolve_source
 from stager_loaders import LoaderOptions, ShardedLoader
 

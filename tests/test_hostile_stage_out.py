@@ -203,6 +203,21 @@ def test_a_newer_directory_of_only_a_dangling_link_is_not_a_checkpoint(tmp_path:
     assert _committed(dest) == ["step-1000"]
 
 
+def _at_once(target, argsets: list[tuple], timeout_s: float) -> None:  # noqa: ANN001
+    """``target(barrier, *args, errors)`` in one forked process per ``args``, released together
+    by the barrier; fails with the first error a process reported."""
+    import multiprocessing as mp
+
+    context = mp.get_context("fork")
+    barrier, errors = context.Barrier(len(argsets)), context.Queue()
+    workers = [context.Process(target=target, args=(barrier, *a, errors)) for a in argsets]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=timeout_s)
+    assert errors.empty(), errors.get()
+
+
 def _stage_out_after(barrier, source: str, dest: str, errors) -> None:  # noqa: ANN001 - mp types
     import io
 
@@ -222,11 +237,9 @@ def test_two_stage_outs_of_one_name_with_different_bytes_leave_a_true_record(
     and a record could describe the other copy's bytes (the tester: 20 of 300 trials, and
     false 'not usable' errors). The commit of a name holds a lock at DEST."""
     import json
-    import multiprocessing as mp
 
     from stager.storage.hashing import hash_file
 
-    context = mp.get_context("fork")
     dest = tmp_path / "dest"
     for trial in range(40):
         sources = []
@@ -234,16 +247,7 @@ def test_two_stage_outs_of_one_name_with_different_bytes_leave_a_true_record(
             sources.append(
                 str(_write(tmp_path / f"{tag}{trial}" / "last.pt", size=65_536, seed=-1))
             )
-        barrier, errors = context.Barrier(2), context.Queue()
-        workers = [
-            context.Process(target=_stage_out_after, args=(barrier, s, str(dest), errors))
-            for s in sources
-        ]
-        for worker in workers:
-            worker.start()
-        for worker in workers:
-            worker.join(timeout=60)
-        assert errors.empty(), errors.get()
+        _at_once(_stage_out_after, [(s, str(dest)) for s in sources], timeout_s=60)
         record = json.loads((dest / ".stager" / "commits" / "last.pt.json").read_text())
         described = record["files"][0]["hash"]
         assert hash_file(dest / "last.pt") == described, f"trial {trial}"
@@ -265,24 +269,12 @@ def test_processes_forked_after_a_copy_do_not_share_its_buffer(tmp_path: Path) -
     """The copy buffer was a shared anonymous mapping (mmap's default): processes forked after
     a copy (DataLoader workers, multiprocessing children) wrote into one another's bytes. The
     race test above found it as a hash mismatch of a source nobody changed."""
-    import multiprocessing as mp
-
     from stager.storage.copy import copy_file
 
     first = _write(tmp_path / "warm.bin", size=1 << 20, seed=-1)
     copy_file(None, str(first), tmp_path / "warm.copy")  # this process's buffer exists now
-    context = mp.get_context("fork")
     sources = [_write(tmp_path / f"s{i}.bin", size=12 << 20, seed=-1) for i in range(2)]
-    barrier, errors = context.Barrier(2), context.Queue()
-    workers = [
-        context.Process(target=_copy_after, args=(barrier, str(s), str(s) + ".copy", errors))
-        for s in sources
-    ]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join(timeout=120)
-    assert errors.empty(), errors.get()
+    _at_once(_copy_after, [(str(s), str(s) + ".copy") for s in sources], timeout_s=120)
     for source in sources:
         assert Path(str(source) + ".copy").read_bytes() == source.read_bytes()
 

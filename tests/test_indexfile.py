@@ -21,7 +21,7 @@ from stager.shards.flatindex import flatten
 from stager.shards.loader_index import _ARRAYS, build_flat_index, open_dataset_index
 from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 
-pytestmark = pytest.mark.skipif(not indexfile.can_join(), reason="compiled walk not built")
+pytestmark = pytest.mark.skipif(not tarnative.available(), reason="compiled walk not built")
 
 
 def _walk(samples: list[tuple[str, list[tuple[str, int, int]]]]) -> dict:

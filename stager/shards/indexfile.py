@@ -17,15 +17,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from stager.native import load_optional
+from stager.shards import tarnative
 from stager.shards.arrayfile import RawArray, write_arrays
-from stager.shards.indexkey import dataset_key
+from stager.shards.indexkey import dataset_key, int_bytes
 
 __all__ = [
     "ARRAYS",
     "CACHE_VERSION",
     "DATASET_INDEX_NAME",
-    "can_join",
     "dataset_index_path",
     "join_walks",
     "save_walked_index",
@@ -50,17 +49,11 @@ ARRAYS = (
 )
 
 _ORDER = "<" if sys.byteorder == "little" else ">"
-_module: Any = load_optional("stager.shards._tarwalk", "STAGER_NATIVE_TAR")
 
 
 def dataset_index_path(cache_dir: Path) -> Path:
     """Where the dataset's mapped index lives in the loader-index directory ``cache_dir``."""
     return cache_dir / DATASET_INDEX_NAME
-
-
-def can_join() -> bool:
-    """Whether the compiled join is built (it is wherever walks exist: the same extension)."""
-    return _module is not None
 
 
 def join_walks(walks: Sequence[dict[str, Any]]) -> tuple[dict[str, RawArray], tuple[str, ...]]:
@@ -70,8 +63,6 @@ def join_walks(walks: Sequence[dict[str, Any]]) -> tuple[dict[str, RawArray], tu
     :func:`~stager.shards.flatindex.flatten` does), through one lookup table per distinct tuple
     of names, laid end to end (one, for a dataset written by one writer).
     """
-    if _module is None:
-        raise RuntimeError("the compiled tar walk is not built")
     ext_codes: dict[str, int] = {}
     table_at: dict[tuple[str, ...], int] = {}
     lookup: list[int] = []
@@ -81,11 +72,8 @@ def join_walks(walks: Sequence[dict[str, Any]]) -> tuple[dict[str, RawArray], tu
             table_at[names] = len(lookup)
             lookup.extend(ext_codes.setdefault(e, len(ext_codes)) for e in names)
     bases = [table_at[walk["ext_names"]] for walk in walks]
-    joined = _module.join_walks(
-        list(walks),
-        _int_bytes(lookup, 4),
-        _int_bytes(bases, 8),
-        len(ext_codes),
+    joined = tarnative.join_columns(
+        walks, int_bytes(lookup, 4), int_bytes(bases, 8), len(ext_codes)
     )
     width = joined.pop("key_width")
     columns = {}
@@ -114,13 +102,3 @@ def save_walked_index(
     columns, ext_names = join_walks(walks)
     meta = {"stamp": stamp.hex(), "ext_names": list(ext_names), "skipped": []}
     write_arrays(dataset_index_path(cache_dir), {name: columns[name] for name in ARRAYS}, meta)
-
-
-def _int_bytes(values: list[int], width: int) -> bytes:
-    """Native-order integers as bytes, as the join reads them (``array`` without numpy)."""
-    from array import array
-
-    typed = array("i" if width == 4 else "q", values)
-    if typed.itemsize != width:
-        raise RuntimeError(f"this platform's array('{typed.typecode}') is not {width} bytes")
-    return typed.tobytes()

@@ -16,7 +16,7 @@ from stager.storage.statmany import StatRow, stat_many
 if TYPE_CHECKING:
     import numpy as np  # imported where a key is made: stage-in imports this module at start
 
-__all__ = ["KEY_FORMAT", "changed_ns", "dataset_key", "is_cache_link"]
+__all__ = ["KEY_FORMAT", "changed_ns", "dataset_key", "int_bytes", "is_cache_link"]
 
 KEY_FORMAT = 3  # 3: hashed column by column
 
@@ -79,7 +79,7 @@ def dataset_key(
         raise ValueError("shards, relpaths, expected counts and stats differ in length")
     if packed is None:
         _stat_missing(shards, table)
-        packed = _int64_bytes(table)
+        packed = int_bytes(table, 8)
     # counts as decimal text: a manifest may promise any integer, even one past int64
     counts = ",".join(map(str, expected))
     head = f"v{version}.{KEY_FORMAT}|{on_error}|{len(relpaths)}|"
@@ -90,14 +90,15 @@ def dataset_key(
     return digest.digest()
 
 
-def _int64_bytes(values: list[int]) -> bytes:
-    """Native int64s, as numpy's ``tobytes`` of an int64 array gives them (the keys of indexes
-    written before must still match); without numpy, which stage-in does not import."""
+def int_bytes(values: list[int], width: int) -> bytes:
+    """Native-order integers of ``width`` bytes (4 or 8), as numpy's ``tobytes`` of an int32 or
+    int64 array gives them (the keys of indexes written before must still match; the compiled
+    join reads them so); without numpy, which stage-in does not import."""
     from array import array
 
-    packed = array("q", values)
-    if packed.itemsize != 8:
-        raise RuntimeError("this platform's array('q') is not 8 bytes")
+    packed = array("i" if width == 4 else "q", values)
+    if packed.itemsize != width:
+        raise RuntimeError(f"this platform's array('{packed.typecode}') is not {width} bytes")
     return packed.tobytes()
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from stager.errors import StagerError, UsageError
 from stager.shards.manifest_entry import FORMAT_VERSION, ManifestEntry, check_entry
-from stager.storage.hashing import HEX_DIGITS
+from stager.storage.hashing import CANONICAL_DIGEST, HEX_DIGITS
 from stager.storage.paths import all_canonical
 
 __all__ = [
@@ -210,22 +210,25 @@ def _canonical_digests(digests: list[str]) -> bool:
     length): else :meth:`Manifest.read` normalises it or refuses it, as for the other readers.
 
     Column by column in C where every digest has one length (one algorithm: each has its own),
-    ~30 ms at a million against ~0.2 s for a regular expression over them.
+    ~0.12 s at a million against ~0.23 s for a regular expression over them.
     """
+    if not digests:
+        return True
     lengths = set(map(len, digests))
     if len(lengths) > 1:  # several algorithms in one manifest: rare, checked one by one
         return all(map(_ONE_DIGEST.fullmatch, digests))
-    for length in lengths:
-        joined, count = "".join(digests), len(digests)
-        heads = [f"{name}:" for name, n in HEX_DIGITS.items() if len(name) + 1 + n == length]
-        if not heads or any(joined[i::length] != c * count for i, c in enumerate(heads[0])):
-            return False
-        tail = "".join(joined[i::length] for i in range(len(heads[0]), length))
-        return tail.isascii() and not tail.encode().translate(None, b"0123456789abcdef")
-    return True
+    (length,) = lengths
+    heads = [f"{name}:" for name, n in HEX_DIGITS.items() if len(name) + 1 + n == length]
+    if not heads:
+        return False
+    joined, count = "".join(digests), len(digests)
+    if any(joined[i::length] != c * count for i, c in enumerate(heads[0])):
+        return False
+    tail = "".join(joined[i::length] for i in range(len(heads[0]), length))
+    return tail.isascii() and not tail.encode().translate(None, b"0123456789abcdef")
 
 
-_ONE_DIGEST = re.compile("|".join(f"{name}:[0-9a-f]{{{n}}}" for name, n in HEX_DIGITS.items()))
+_ONE_DIGEST = re.compile(CANONICAL_DIGEST)
 
 
 def default_manifest_name(num_entries: int) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 
 from stager.errors import UsageError
 from stager.shards.manifest_entry import FORMAT_VERSION, ManifestEntry, check_entry
-from stager.storage.hashing import HEX_DIGITS
+from stager.storage.hashing import CANONICAL_DIGEST
 from stager.storage.paths import all_canonical
 
 __all__ = ["read_parquet", "write_parquet"]
@@ -58,9 +58,7 @@ def read_parquet(path: Path) -> tuple[tuple[ManifestEntry, ...], dict[str, str]]
     return tuple(entries), meta
 
 
-_CANONICAL_DIGEST = (
-    "^(?:" + "|".join(f"{name}:[0-9a-f]{{{digits}}}" for name, digits in HEX_DIGITS.items()) + ")$"
-)
+_CANONICAL_DIGEST = f"^{CANONICAL_DIGEST}$"
 
 
 def _entries_checked_by_column(

@@ -16,6 +16,7 @@ that silently failed cannot pass as the fallback).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -23,7 +24,15 @@ from stager.native import load_optional
 from stager.shards.members import TarColumns, TarIndex
 from stager.shards.tarheader import UTF8
 
-__all__ = ["NativeWalk", "WalkResult", "available", "native_walk", "to_index", "walk_bytes"]
+__all__ = [
+    "NativeWalk",
+    "WalkResult",
+    "available",
+    "join_columns",
+    "native_walk",
+    "to_index",
+    "walk_bytes",
+]
 
 
 class NativeWalk(Protocol):
@@ -64,6 +73,16 @@ class WalkResult:
 def available() -> bool:
     """Whether the compiled walk is built and enabled."""
     return _module is not None
+
+
+def join_columns(
+    walks: Sequence[dict[str, Any]], lookup: bytes, table_at: bytes, n_names: int
+) -> dict[str, Any]:
+    """The compiled join of many walks' columns into a dataset index's
+    (:func:`stager.shards.indexfile.join_walks` says what it takes and gives)."""
+    if _module is None:
+        raise RuntimeError("the compiled tar walk is not built")
+    return _module.join_walks(walks, lookup, table_at, n_names)
 
 
 def native_walk() -> NativeWalk | None:

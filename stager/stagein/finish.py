@@ -225,7 +225,7 @@ def _save_loader_index(run: Staging, manifest: Manifest, indexes: Indexes) -> No
                 if twice is not None:  # the loader refuses it (naming it); no index says otherwise
                     raise IntegrityError(f"{relpath}: member {twice!r} appears twice in one sample")
             walked = [indexes[r] for r in relpaths]
-            if indexfile.can_join() and all(isinstance(i, WalkResult) for i in walked):
+            if all(isinstance(i, WalkResult) for i in walked):  # (only the compiled walk makes one)
                 parts = [i.parts for i in walked if isinstance(i, WalkResult)]
                 indexfile.save_walked_index(paths, relpaths, samples, parts, run.staged.index_dir)
                 return

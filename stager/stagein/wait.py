@@ -23,7 +23,6 @@ from stager.layout import StagedDataset
 from stager.plan.staging import copy_order
 from stager.slurm import SlurmEnv
 from stager.stagein.status import (
-    GONE_AFTER_S,
     CopierWatch,
     PlanFacts,
     is_current,
@@ -33,7 +32,7 @@ from stager.stagein.status import (
     read_plan,
 )
 
-__all__ = ["wait_staged", "GONE_AFTER_S", "STARTUP_GRACE_S"]
+__all__ = ["wait_staged", "STARTUP_GRACE_S"]
 
 #: Before any plan of this run: how long the lock may stay free (the copier step starting:
 #: an interpreter, the import, the lock) before the waiter says no copier runs.

@@ -14,7 +14,16 @@ import xxhash
 
 from stager.errors import UsageError
 
-__all__ = ["Hasher", "new_hasher", "hash_file", "ALGORITHMS", "DEFAULT_ALGORITHM", "split_digest"]
+__all__ = [
+    "Hasher",
+    "new_hasher",
+    "hash_file",
+    "ALGORITHMS",
+    "CANONICAL_DIGEST",
+    "DEFAULT_ALGORITHM",
+    "HEX_DIGITS",
+    "split_digest",
+]
 
 ALGORITHMS = ("xxh3_64", "xxh64", "sha256")
 DEFAULT_ALGORITHM = "xxh3_64"
@@ -57,6 +66,10 @@ def split_digest(digest: str) -> tuple[str, str]:
 
 #: The length of each algorithm's digest in hex.
 HEX_DIGITS = {"xxh3_64": 16, "xxh64": 16, "sha256": 64}
+#: A digest as a copy writes it (a known algorithm, lower-case hex of its length), unanchored:
+#: the manifest readers' whole-column checks use it, and anything else takes the row path,
+#: where :func:`split_digest` normalises or refuses it.
+CANONICAL_DIGEST = "(?:" + "|".join(f"{a}:[0-9a-f]{{{n}}}" for a, n in HEX_DIGITS.items()) + ")"
 _HEX = "0123456789abcdefABCDEF"
 
 
