@@ -28,9 +28,14 @@ def capture_rng_state() -> dict[str, Any]:
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
-    """Put the generators back as :func:`capture_rng_state` found them."""
+    """Put the generators back as :func:`capture_rng_state` found them.
+
+    The generator states are taken back to the CPU first: torch accepts only CPU byte tensors
+    there, and a checkpoint loaded with ``torch.load(..., map_location="cuda")`` (the usual way
+    to put a model on its GPU) brings them onto the GPU, where the resume failed.
+    """
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])

@@ -403,6 +403,19 @@ def test_rng_state_round_trip() -> None:
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == drawn
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_rng_state_restores_from_a_checkpoint_mapped_to_the_gpu(tmp_path: Path) -> None:
+    """``torch.load(map_location="cuda")`` puts the saved generator states on the GPU; the
+    resume of the example training script failed there (found by scripts/nccl_smoke.py)."""
+    torch.cuda.init()
+    torch.save({"rng": capture_rng_state()}, tmp_path / "state.pt")
+    drawn = (random.random(), torch.rand(1).item(), torch.rand(1, device="cuda").item())
+    state = torch.load(tmp_path / "state.pt", map_location="cuda", weights_only=False)["rng"]
+    assert state["torch"].is_cuda
+    restore_rng_state(state)
+    assert (random.random(), torch.rand(1).item(), torch.rand(1, device="cuda").item()) == drawn
+
+
 def test_stage_in_subset_node_and_loader_agree(small_dataset: Path, tmp_path: Path) -> None:
     staged_sets = []
     for node in (0, 1):

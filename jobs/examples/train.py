@@ -291,7 +291,9 @@ def main(argv: list[str] | None = None) -> int:
 
     state = None
     if args.resume:
-        state = torch.load(Path(args.resume) / "state.pt", map_location=device, weights_only=False)
+        # On the CPU: load_state_dict copies the model's and optimizer's tensors to their
+        # device, and the RNG states must stay CPU tensors.
+        state = torch.load(Path(args.resume) / "state.pt", map_location="cpu", weights_only=False)
     if state is not None and "data" in state:
         data_layout = dict(state["data"])
     else:
