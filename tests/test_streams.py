@@ -72,6 +72,31 @@ def test_copies_that_saturate_the_cores_use_no_more_streams_than_cores() -> None
     assert slow_start.limit == 4
 
 
+def test_copies_that_keep_a_core_busy_per_stream_grow_to_the_cores() -> None:
+    """Large files from a memory-speed source on 16 cores: four streams keep four cores busy,
+    so each is bound by its CPU and the limit rises to the cores (not past --jobs), and stays
+    there when a stream per core shares the memory bus (each busy less than a whole core).
+    Streams that wait on reads (cores idle) stay at the floor; so does a copier that must
+    leave the cores to training (``grow_to_cores=False``)."""
+    many = StreamController(64, floor=4, cores=16)
+    _feed(many, first_byte_s=0.0002, last_byte_s=0.05, cores_used=3.9)
+    assert many.limit == 16 and many.cpu_bound
+    _feed(many, first_byte_s=0.0002, last_byte_s=0.05, cores_used=11.0)  # 0.7 core a stream
+    assert many.limit == 16
+    capped = StreamController(8, floor=4, cores=16)
+    _feed(capped, first_byte_s=0.0002, last_byte_s=0.05, cores_used=3.9)
+    assert capped.limit == 8
+    waiting = StreamController(64, floor=4, cores=16)
+    _feed(waiting, first_byte_s=0.0002, last_byte_s=0.05, cores_used=1.2)
+    assert waiting.limit == 4 and not waiting.cpu_bound
+    beside_training = StreamController(64, floor=4, cores=16, grow_to_cores=False)
+    _feed(beside_training, first_byte_s=0.0002, last_byte_s=0.05, cores_used=3.9)
+    assert beside_training.limit == 4
+    latency_bound = StreamController(64, floor=4, cores=16)
+    _feed(latency_bound, first_byte_s=0.010, last_byte_s=0.012, cores_used=3.9)
+    assert latency_bound.limit == 6 and not latency_bound.cpu_bound
+
+
 def test_a_copy_reports_the_cores_the_process_kept_busy(tmp_path: Path) -> None:
     big = tmp_path / "big.bin"
     big.write_bytes(os.urandom(8 << 20))

@@ -59,12 +59,15 @@ class _OrderedCopier(Copier):
     """The plain copier, its bandwidth handed out in copy order and stoppable between blocks.
 
     Only the per-shard call is wrapped: which shard a copy thread serves is known there alone.
+    Its streams do not grow to every CPU of the step: training and its loader workers run
+    beside it on the same cores.
     """
 
     def __init__(
         self, *args: object, stop: threading.Event, priority: dict[str, int], **kwargs: object
     ):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.streams.grow_to_cores = False  # the cores are training's too
         rate = self.options.bw_limit_mbps * 1e6 if self.options.bw_limit_mbps else None
         self.pacing = OrderedThrottle(rate, stop)
         self.throttle = self.pacing

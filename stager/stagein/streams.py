@@ -13,9 +13,12 @@ slow link made the limit sag below the ceiling on small files. (The hashing and 
 earlier blocks, between reads, still count: they are small next to a multi-block transfer.)
 
 Where transfer dominates and the process keeps its CPUs busy meanwhile (a memory-speed source:
-each stream copies, hashes and indexes on a core of its own), the floor gives way to the CPUs
-the job has: more streams would only take turns on them. Reads that wait on a server leave the
-CPUs idle, and keep the floor.
+each stream copies, hashes and indexes on a core of its own), the CPUs decide instead. Once the
+copies keep a core busy per stream, the streams are bound by the CPU, not the link, and the
+limit rises to the CPUs the job has (``--cpus-per-task``) and stays there: on 16 cores four
+streams had held large shards from a tmpfs at ~3 GB/s where 16 ``cp`` processes moved 16.
+Where the job has fewer CPUs than the floor, the floor gives way to them: more streams would
+only take turns on them. Reads that wait on a server leave the CPUs idle, and keep the floor.
 
 When the link is shared, ``T`` grows as streams are added, so the target falls back by itself:
 it never overloads a server that is slow for lack of bandwidth. Shards that arrive whole in
@@ -69,16 +72,21 @@ class StreamController:
         window: int = 32,
         adaptive: bool = True,
         cores: int | None = None,
+        grow_to_cores: bool = True,
     ):
         """``cores``: the CPUs this process may use (default: its affinity, which Slurm sets
         to the job's ``--cpus-per-task``); files that are mostly transfer run on no more
-        streams than that, even below ``floor``."""
+        streams than that, even below ``floor``, and on that many once each stream keeps a core
+        busy, unless ``grow_to_cores`` is False (a copier beside training, which needs them)."""
         if ceiling < 1:
             raise ValueError("ceiling must be >= 1")
         self.ceiling = ceiling
         self.floor = max(1, min(floor, ceiling))
         self.cores = max(1, cores if cores is not None else usable_cpus())
         self.adaptive = adaptive
+        self.grow_to_cores = grow_to_cores
+        #: Set once copies kept a core busy per stream: from then on a stream per core.
+        self.cpu_bound = False
         self.limit = self.floor if adaptive else ceiling
         self.peak = self.limit
         self._active = 0
@@ -179,11 +187,21 @@ class StreamController:
         transfer = max(_median(self._transfer_s), 1e-4)
         wanted = math.ceil((latency + transfer) / transfer)
         floor = self.floor
-        if latency < transfer and _median(self._cores_used) >= SATURATED * self.cores:
-            # Mostly transfer, and the copies together keep the cores busy (a memory-speed
-            # source, not reads that wait on a server): streams past the cores only take turns
-            # on them. 16 x 64 MB from a tmpfs on 2 cores: 4 streams took ~10% longer than 2.
-            floor = min(floor, self.cores)
+        if latency < transfer:
+            busy = _median(self._cores_used)
+            if self.grow_to_cores and busy >= SATURATED * min(self.limit, self.cores):
+                # Mostly transfer, and every stream keeps a core busy: the CPU bounds each
+                # stream, so more streams move more bytes until the cores are used. Latched,
+                # not re-measured: at a stream per core each copy shares the memory bus, and
+                # a per-stream share read as "not CPU-bound" would drop the limit back.
+                self.cpu_bound = True
+            if busy >= SATURATED * self.cores:
+                # The copies together keep the cores busy (a memory-speed source, not reads
+                # that wait on a server): streams past the cores only take turns on them.
+                # 16 x 64 MB from a tmpfs on 2 cores: 4 streams took ~10% longer than 2.
+                floor = min(floor, self.cores)
+        if self.cpu_bound:
+            floor = min(self.cores, self.ceiling)
         return max(floor, min(self.ceiling, wanted))
 
 
