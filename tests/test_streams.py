@@ -95,6 +95,11 @@ def test_copies_that_keep_a_core_busy_per_stream_grow_to_the_cores() -> None:
     latency_bound = StreamController(64, floor=4, cores=16)
     _feed(latency_bound, first_byte_s=0.010, last_byte_s=0.012, cores_used=3.9)
     assert latency_bound.limit == 6 and not latency_bound.cpu_bound
+    # Whole files in the first read (tiny shards): no transfer to time, no growth; their cost
+    # is the interpreter's, which more threads only pass around (the rate search decides).
+    tiny = StreamController(64, floor=4, cores=16)
+    _feed(tiny, first_byte_s=0.00003, last_byte_s=0.00003, cores_used=3.9)
+    assert not tiny.cpu_bound
 
 
 def test_a_copy_reports_the_cores_the_process_kept_busy(tmp_path: Path) -> None:

@@ -189,7 +189,8 @@ class StreamController:
         floor = self.floor
         if latency < transfer:
             busy = _median(self._cores_used)
-            if self.grow_to_cores and busy >= SATURATED * min(self.limit, self.cores):
+            timed = latency < _median(self._transfer_s)  # not a whole file in the first read
+            if self.grow_to_cores and timed and busy >= SATURATED * min(self.limit, self.cores):
                 # Mostly transfer, and every stream keeps a core busy: the CPU bounds each
                 # stream, so more streams move more bytes until the cores are used. Latched,
                 # not re-measured: at a stream per core each copy shares the memory bus, and
