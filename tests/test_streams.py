@@ -97,6 +97,13 @@ def test_copies_that_keep_a_core_busy_per_stream_grow_to_the_cores() -> None:
     assert latency_bound.limit == 6 and not latency_bound.cpu_bound
     # Whole files in the first read (tiny shards): no transfer to time, no growth; their cost
     # is the interpreter's, which more threads only pass around (the rate search decides).
+    # No more cores than the floor: nothing to grow to, so nothing latched; copies that wait
+    # on a server later in the run go back to the floor.
+    few = StreamController(64, floor=4, cores=2)
+    _feed(few, first_byte_s=0.0002, last_byte_s=0.05, cores_used=1.9)
+    assert few.limit == 2 and not few.cpu_bound
+    _feed(few, first_byte_s=0.0002, last_byte_s=0.05, cores_used=0.3)
+    assert few.limit == 4
     tiny = StreamController(64, floor=4, cores=16)
     _feed(tiny, first_byte_s=0.00003, last_byte_s=0.00003, cores_used=3.9)
     assert not tiny.cpu_bound

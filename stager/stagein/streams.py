@@ -190,7 +190,10 @@ class StreamController:
         if latency < transfer:
             busy = _median(self._cores_used)
             timed = latency < _median(self._transfer_s)  # not a whole file in the first read
-            if self.grow_to_cores and timed and busy >= SATURATED * min(self.limit, self.cores):
+            # (Where the job has no more CPUs than the floor there is nothing to grow to, and
+            # a latch would hold later copies that wait on a server below the floor.)
+            growable = self.grow_to_cores and self.cores > self.floor
+            if growable and timed and busy >= SATURATED * min(self.limit, self.cores):
                 # Mostly transfer, and every stream keeps a core busy: the CPU bounds each
                 # stream, so more streams move more bytes until the cores are used. Latched,
                 # not re-measured: at a stream per core each copy shares the memory bus, and
