@@ -72,40 +72,70 @@ def test_copies_that_saturate_the_cores_use_no_more_streams_than_cores() -> None
     assert slow_start.limit == 4
 
 
+def _feed_running(
+    ctl: StreamController,
+    running: int,
+    first_byte_s: float,
+    last_byte_s: float,
+    cores_used: float,
+    n: int = 40,
+) -> None:
+    """``n`` copies that each end while ``running`` copies are in flight (each thread starts
+    its next file at once), as many copy threads report them."""
+    for _ in range(running):
+        ctl.acquire()  # the caller keeps ``running`` within the limit
+    for _ in range(n):
+        ctl.release(first_byte_s, last_byte_s, cores_used)
+        with ctl._cond:  # the thread's next file: in flight again without waiting for a slot
+            ctl._active += 1
+    with ctl._cond:
+        ctl._active -= running
+
+
 def test_copies_that_keep_a_core_busy_per_stream_grow_to_the_cores() -> None:
     """Large files from a memory-speed source on 16 cores: four streams keep four cores busy,
-    so each is bound by its CPU and the limit rises to the cores (not past --jobs), and stays
-    there when a stream per core shares the memory bus (each busy less than a whole core).
-    Streams that wait on reads (cores idle) stay at the floor; so does a copier that must
-    leave the cores to training (``grow_to_cores=False``)."""
+    so each is bound by its CPU and the limit rises to the cores (not past --jobs), and holds
+    when a stream per core shares the memory bus (each busy less than a whole core). When the
+    copies then wait on a server (a core's fifth each), the latency model decides again.
+    Streams that wait on reads stay at the floor; so does a copier that must leave the cores
+    to training (``grow_to_cores=False``)."""
     many = StreamController(64, floor=4, cores=16)
-    _feed(many, first_byte_s=0.0002, last_byte_s=0.05, cores_used=3.9)
+    _feed_running(many, 4, first_byte_s=0.0002, last_byte_s=0.05, cores_used=3.9)
     assert many.limit == 16 and many.cpu_bound
-    _feed(many, first_byte_s=0.0002, last_byte_s=0.05, cores_used=11.0)  # 0.7 core a stream
-    assert many.limit == 16
+    _feed_running(many, 16, first_byte_s=0.0002, last_byte_s=0.05, cores_used=11.0)
+    assert many.limit == 16  # 0.7 core a stream: held
+    _feed_running(many, 16, first_byte_s=0.0002, last_byte_s=0.5, cores_used=3.0)
+    assert many.limit == 4 and not many.cpu_bound
     capped = StreamController(8, floor=4, cores=16)
-    _feed(capped, first_byte_s=0.0002, last_byte_s=0.05, cores_used=3.9)
+    _feed_running(capped, 4, first_byte_s=0.0002, last_byte_s=0.05, cores_used=3.9)
     assert capped.limit == 8
     waiting = StreamController(64, floor=4, cores=16)
-    _feed(waiting, first_byte_s=0.0002, last_byte_s=0.05, cores_used=1.2)
+    _feed_running(waiting, 4, first_byte_s=0.0002, last_byte_s=0.05, cores_used=1.2)
     assert waiting.limit == 4 and not waiting.cpu_bound
     beside_training = StreamController(64, floor=4, cores=16, grow_to_cores=False)
-    _feed(beside_training, first_byte_s=0.0002, last_byte_s=0.05, cores_used=3.9)
+    _feed_running(beside_training, 4, first_byte_s=0.0002, last_byte_s=0.05, cores_used=3.9)
     assert beside_training.limit == 4
     latency_bound = StreamController(64, floor=4, cores=16)
-    _feed(latency_bound, first_byte_s=0.010, last_byte_s=0.012, cores_used=3.9)
+    _feed_running(latency_bound, 4, first_byte_s=0.010, last_byte_s=0.012, cores_used=3.9)
     assert latency_bound.limit == 6 and not latency_bound.cpu_bound
-    # Whole files in the first read (tiny shards): no transfer to time, no growth; their cost
-    # is the interpreter's, which more threads only pass around (the rate search decides).
+    # Many copies in flight (small files behind latency pushed the limit up), then large
+    # server-bound ones: four cores busy over 20 copies is a fifth of a core each, not CPU-bound.
+    after_small = StreamController(64, floor=4, cores=16)
+    _feed_running(after_small, 4, first_byte_s=0.010, last_byte_s=0.0105, cores_used=0.5)
+    assert after_small.limit == 21
+    _feed_running(after_small, 20, first_byte_s=0.0002, last_byte_s=0.5, cores_used=4.0)
+    assert not after_small.cpu_bound and after_small.limit == 4
     # No more cores than the floor: nothing to grow to, so nothing latched; copies that wait
     # on a server later in the run go back to the floor.
     few = StreamController(64, floor=4, cores=2)
-    _feed(few, first_byte_s=0.0002, last_byte_s=0.05, cores_used=1.9)
+    _feed_running(few, 2, first_byte_s=0.0002, last_byte_s=0.05, cores_used=1.9)
     assert few.limit == 2 and not few.cpu_bound
-    _feed(few, first_byte_s=0.0002, last_byte_s=0.05, cores_used=0.3)
+    _feed_running(few, 2, first_byte_s=0.0002, last_byte_s=0.05, cores_used=0.3)
     assert few.limit == 4
+    # Whole files in the first read (tiny shards): no transfer to time, no growth; their cost
+    # is the interpreter's, which more threads only pass around (the rate search decides).
     tiny = StreamController(64, floor=4, cores=16)
-    _feed(tiny, first_byte_s=0.00003, last_byte_s=0.00003, cores_used=3.9)
+    _feed_running(tiny, 4, first_byte_s=0.00003, last_byte_s=0.00003, cores_used=3.9)
     assert not tiny.cpu_bound
 
 

@@ -15,8 +15,9 @@ earlier blocks, between reads, still count: they are small next to a multi-block
 Where transfer dominates and the process keeps its CPUs busy meanwhile (a memory-speed source:
 each stream copies, hashes and indexes on a core of its own), the CPUs decide instead. Once the
 copies keep a core busy per stream, the streams are bound by the CPU, not the link, and the
-limit rises to the CPUs the job has (``--cpus-per-task``) and stays there: on 16 cores four
-streams had held large shards from a tmpfs at ~3 GB/s where 16 ``cp`` processes moved 16.
+limit rises to the CPUs the job has (``--cpus-per-task``) until each copy keeps less than half
+a core busy (then they wait on a server or a disk again): on 16 cores four streams had held
+large shards from a tmpfs at ~3 GB/s where 16 ``cp`` processes moved 16.
 Where the job has fewer CPUs than the floor, the floor gives way to them: more streams would
 only take turns on them. Reads that wait on a server leave the CPUs idle, and keep the floor.
 
@@ -49,8 +50,11 @@ __all__ = ["StreamController", "KeptSlots", "DEFAULT_JOBS"]
 DEFAULT_JOBS = 64
 
 
-#: Copies during which the process kept at least this share of the cores busy saturate them.
+#: Copies during which the process kept at least this share of the cores busy saturate them;
+#: copies that each keep this share of a core busy are bound by the CPU.
 SATURATED = 0.8
+#: Copies that each keep less than this share of a core busy wait on something else.
+RELEASED = 0.5
 
 
 def _median(values: deque[float]) -> float:
@@ -85,7 +89,7 @@ class StreamController:
         self.cores = max(1, cores if cores is not None else usable_cpus())
         self.adaptive = adaptive
         self.grow_to_cores = grow_to_cores
-        #: Set once copies kept a core busy per stream: from then on a stream per core.
+        #: Copies keep a core busy each: a stream per core, until they wait on other things.
         self.cpu_bound = False
         self.limit = self.floor if adaptive else ceiling
         self.peak = self.limit
@@ -93,6 +97,7 @@ class StreamController:
         self._latency_s: deque[float] = deque(maxlen=window)
         self._transfer_s: deque[float] = deque(maxlen=window)
         self._cores_used: deque[float] = deque(maxlen=window)
+        self._core_share: deque[float] = deque(maxlen=window)
         self._cond = threading.Condition()
         self._probe: RateProbe | None = None  # searching, while transfers are too short to time
 
@@ -114,8 +119,9 @@ class StreamController:
         first byte and to its last; ``cores_used``, the CPUs the process kept busy meanwhile.
         """
         with self._cond:
+            running = self._active
             self._active -= 1
-            self._record(first_byte_s, last_byte_s, cores_used)
+            self._record(first_byte_s, last_byte_s, cores_used, running)
             self._wake()
 
     def finished(
@@ -132,7 +138,7 @@ class StreamController:
         a memory-speed source those were most of a small shard's copy time.
         """
         with self._cond:
-            self._record(first_byte_s, last_byte_s, cores_used)
+            self._record(first_byte_s, last_byte_s, cores_used, self._active)
             keep = self._active <= self.limit
             if not keep:
                 self._active -= 1
@@ -151,12 +157,19 @@ class StreamController:
             return False
 
     def _record(
-        self, first_byte_s: float | None, last_byte_s: float | None, cores_used: float | None = None
+        self,
+        first_byte_s: float | None,
+        last_byte_s: float | None,
+        cores_used: float | None = None,
+        running: int = 1,
     ) -> None:
+        """``running``: the copies in flight as this one ended (itself included)."""
         if self.adaptive and first_byte_s is not None and last_byte_s is not None:
             self._latency_s.append(max(0.0, first_byte_s))
             self._transfer_s.append(max(0.0, last_byte_s - first_byte_s))
             self._cores_used.append(cores_used or 0.0)
+            # The share of a core each running copy kept busy (at most one core each).
+            self._core_share.append((cores_used or 0.0) / max(1, min(running, self.cores)))
             self.limit = self._next_limit()
             self.peak = max(self.peak, self.limit)
 
@@ -189,23 +202,28 @@ class StreamController:
         floor = self.floor
         if latency < transfer:
             busy = _median(self._cores_used)
-            timed = latency < _median(self._transfer_s)  # not a whole file in the first read
-            # (Where the job has no more CPUs than the floor there is nothing to grow to, and
-            # a latch would hold later copies that wait on a server below the floor.)
-            growable = self.grow_to_cores and self.cores > self.floor
-            if growable and timed and busy >= SATURATED * min(self.limit, self.cores):
-                # Mostly transfer, and every stream keeps a core busy: the CPU bounds each
-                # stream, so more streams move more bytes until the cores are used. Latched,
-                # not re-measured: at a stream per core each copy shares the memory bus, and
-                # a per-stream share read as "not CPU-bound" would drop the limit back.
-                self.cpu_bound = True
+            # Timed: not whole files in the first read, whose cost is the interpreter's (the
+            # rate search sizes those). Growable: more CPUs than the floor, or nothing to gain.
+            timed = latency < _median(self._transfer_s)
+            if timed and self.grow_to_cores and self.cores > self.floor:
+                share = _median(self._core_share)
+                if share >= SATURATED:
+                    # Mostly transfer, and each running copy keeps a core busy: the CPU bounds
+                    # each stream, so more streams move more bytes until the cores are used.
+                    self.cpu_bound = True
+                elif share < RELEASED:
+                    # The copies now wait on something else (a server, the disk): the
+                    # latency model decides again. Between the two thresholds the state
+                    # holds: at a stream per core the copies share the memory bus, and each
+                    # keeping less than a whole core busy is no reason to drop back to 4.
+                    self.cpu_bound = False
+                if self.cpu_bound:
+                    floor = min(self.cores, self.ceiling)
             if busy >= SATURATED * self.cores:
                 # The copies together keep the cores busy (a memory-speed source, not reads
                 # that wait on a server): streams past the cores only take turns on them.
                 # 16 x 64 MB from a tmpfs on 2 cores: 4 streams took ~10% longer than 2.
                 floor = min(floor, self.cores)
-        if self.cpu_bound:
-            floor = min(self.cores, self.ceiling)
         return max(floor, min(self.ceiling, wanted))
 
 
