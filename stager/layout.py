@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import posixpath
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +43,7 @@ __all__ = [
     "canonical_root",
     "source_root",
     "is_shard_name",
+    "no_shards_message",
     "is_bookkeeping",
     "RESTORED_DIR",
     "RESTORE_LOCK",
@@ -72,6 +73,20 @@ _GLOB_CHARS = "*?["
 def is_shard_name(name: str) -> bool:
     """True for the file names stage-in treats as shards in a directory source."""
     return name.endswith(SHARD_SUFFIXES)
+
+
+def no_shards_message(spec: str, names: Iterable[str]) -> str:
+    """The one line for a source without shards. Where some of ``names`` (the files found)
+    would be shards but for the case of their suffix (``SHARD-0.TAR``), it names one: shard
+    names are matched as written, and "check the directory" did not say what was wrong."""
+    for name in names:
+        base = name.rsplit("/", 1)[-1]
+        if is_shard_name(base.lower()):
+            return (
+                f"no shards (*.tar, *.tgz, *.tar.gz) under {spec}: {base} and its like end in "
+                "upper case, and shard suffixes are matched as written; rename them to lower case"
+            )
+    return f"no shards (*.tar, *.tgz, *.tar.gz) under {spec}; check the directory"
 
 
 def is_bookkeeping(name: str) -> bool:

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import fsspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from stager.errors import SourceError
 from stager.storage import listing
+from stager.storage.sources import resolve_source
 
+from .conftest import run_cli
 from .trees import build_tree
 
 _PATHS = st.lists(
@@ -64,3 +68,26 @@ def test_an_unreadable_directory_fails_the_threaded_walk_too(
     monkeypatch.setattr(listing, "_list_dir", failing)
     with pytest.raises(PermissionError):
         listing.walk_local(str(tmp_path), 8)
+
+
+def test_a_source_of_upper_case_suffixes_is_refused_naming_one(tmp_path: Path) -> None:
+    """``SHARD-0.TAR``: no shard (suffixes are matched as written), and the one line says so
+    instead of "check the directory", on the streamed first run, a walk, and an fsspec walk."""
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "sub" / "SHARD-0.TAR").write_bytes(b"\0" * 1024)
+    (src / "notes.txt").write_text("x")
+    done = run_cli("stage-in", str(src), "--dest", str(tmp_path / "dst"), "--quiet")
+    assert done.returncode == 3, done.stderr
+    assert "SHARD-0.TAR and its like end in upper case" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    for spec in (str(src), f"file://{src}"):
+        with pytest.raises(SourceError, match="SHARD-0.TAR and its like end in upper case"):
+            resolve_source(spec)
+    memory = fsspec.filesystem("memory")  # an fsspec walk (the remote branch)
+    memory.pipe(f"/{tmp_path.name}/d/SHARD-1.Tar", b"\0" * 1024)
+    with pytest.raises(SourceError, match="SHARD-1.Tar and its like end in upper case"):
+        resolve_source(f"memory://{tmp_path.name}")
+    (src / "sub" / "SHARD-0.TAR").unlink()
+    with pytest.raises(SourceError, match="no shards .* check the directory$"):
+        resolve_source(str(src))

@@ -31,7 +31,13 @@ from typing import TextIO
 
 from stager.errors import SourceError, StagerError
 from stager.gcpause import collection_paused
-from stager.layout import META_DIR, StagedDataset, canonical_spec, dataset_name
+from stager.layout import (
+    META_DIR,
+    StagedDataset,
+    canonical_spec,
+    dataset_name,
+    no_shards_message,
+)
 from stager.shards.manifest import find_manifest
 from stager.shards.tarparse import load_scanner
 from stager.slurm import SlurmEnv
@@ -55,7 +61,7 @@ from stager.stagein.run import (
     staged_dataset,
 )
 from stager.stagein.status import discard_plan
-from stager.storage.listing import split_fs, translate, walk_local
+from stager.storage.listing import some_file_names, split_fs, translate, walk_local
 from stager.storage.sources import SourceSet, SourceShard, check_encodable
 
 __all__ = ["streamable_root", "stage_in_streamed", "stage_in_foreground", "WHOLE_WALK_S"]
@@ -200,7 +206,7 @@ def _stream(
     outcome = copier.run()
     walker.join()
     if not listing:
-        raise SourceError(f"no shards (*.tar, *.tgz, *.tar.gz) under {spec}; check the directory")
+        raise SourceError(no_shards_message(spec, some_file_names(root)))
     shards = tuple(SourceShard(p, p, p[cut:], None) for p in listing)
     run.source = dataclasses.replace(empty, shards=shards)
     run.shards = shards

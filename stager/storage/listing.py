@@ -118,6 +118,17 @@ def walk_local(
     return found
 
 
+def some_file_names(root: str, limit: int = 10_000) -> list[str]:
+    """Up to ``limit`` file names under ``root`` (an error message's evidence, not a listing:
+    read only after a walk found no shards)."""
+    names: list[str] = []
+    for _, _, files in os.walk(root):
+        names += files[: limit - len(names)]
+        if len(names) >= limit:
+            break
+    return names
+
+
 def _in_threads(fn: Callable[[T], R], items: list[T], jobs: int) -> list[R]:
     if jobs > 1 and len(items) > 1:
         return map_in_threads(fn, items, jobs, name="list")

@@ -20,7 +20,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from stager.errors import SourceError, UsageError
-from stager.layout import SHARD_SUFFIXES, canonical_spec, dataset_name, is_shard_name
+from stager.layout import (
+    SHARD_SUFFIXES,
+    canonical_spec,
+    dataset_name,
+    is_shard_name,
+    no_shards_message,
+)
 from stager.patterns import expand_pattern, is_pattern
 from stager.storage.listing import (
     DIRECTORY,
@@ -31,6 +37,7 @@ from stager.storage.listing import (
     info_of,
     protocol_of,
     read_list,
+    some_file_names,
     split_fs,
     stat_many,
     stat_one,
@@ -279,7 +286,8 @@ def _walk(
         skipped = tuple(display(fs, p) for p, info in infos if info.kind == OTHER)
         result = SourceSet(display(fs, root), name, shards, (), fs, spec_id, skipped, walked=True)
     if not result.shards:
-        raise SourceError(f"no shards (*.tar, *.tgz, *.tar.gz) under {spec}; check the directory")
+        listed = some_file_names(root) if fs is None else list(found)
+        raise SourceError(no_shards_message(spec, listed))
     return result
 
 
