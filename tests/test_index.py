@@ -204,6 +204,25 @@ def test_truncated_tar_names_shard_and_member(fresh: Path, where: str) -> None:
         with pytest.raises(IntegrityError) as info:
             read(shard)
         assert str(shard) in str(info.value) and repr(expected) in str(info.value)
+        if where == "at a member boundary":  # what can help: not a re-stage
+            assert "without the end-of-archive blocks" in str(info.value)
+            assert "re-stage" not in str(info.value) and "/dev/zero" in str(info.value)
+
+
+def test_a_tar_whose_end_blocks_are_appended_reads_whole(fresh: Path) -> None:
+    """The advice for a tar that ends at a member boundary works: with two zero blocks
+    appended, every member before the cut is read."""
+    shard = fresh / "train-000002.tar"
+    offset, before, _ = _member_header_offset(shard, 4)
+    shard.write_bytes(shard.read_bytes()[:offset])
+    with pytest.raises(IntegrityError):
+        index_tar(shard)
+    with open(shard, "ab") as handle:
+        handle.write(bytes(1024))  # head -c 1024 /dev/zero >> SHARD
+    with tarfile.open(shard) as tar:
+        names = [m.name for m in tar.getmembers()]
+    assert names[-1] == before and len(names) == 4
+    assert index_tar(shard).num_samples == _count_streaming(shard) > 0
 
 
 def test_truncated_gzip_shard_names_shard(tmp_path: Path) -> None:

@@ -88,9 +88,14 @@ _COMPRESSED = ((b"BZh", "bzip2"), (b"\xfd7zXZ\x00", "xz"), (b"\x28\xb5\x2f\xfd",
 def _check_end(tail: bytes, where: str, offset: int, last_name: str) -> None:
     """Raise unless ``tail`` (the bytes where tarfile stopped) is an end-of-archive zero block."""
     if len(tail) < tarfile.BLOCKSIZE:
+        # A cut at a member boundary and a tar its writer never closed look the same. Staging
+        # cannot cause it (every copy is checked against its source), so "re-stage" never
+        # helps: say what can.
         raise IntegrityError(
-            f"{where}: truncated after member {last_name!r} "
-            f"(no end-of-archive block at byte {offset}); re-stage or re-create this shard"
+            f"{where}: ends after member {last_name!r} at byte {offset} without the "
+            "end-of-archive blocks (cut there, losing any later samples, or never closed by "
+            "its writer); re-create the shard, or if it is whole, append them to the source "
+            "(head -c 1024 /dev/zero >> SHARD) and stage it again"
         )
     if any(tail[: tarfile.BLOCKSIZE]):
         raise IntegrityError(
