@@ -209,6 +209,19 @@ def test_truncated_tar_names_shard_and_member(fresh: Path, where: str) -> None:
             assert "re-stage" not in str(info.value) and "/dev/zero" in str(info.value)
 
 
+def test_a_compressed_tar_without_end_blocks_is_not_told_to_append_zeros(fresh: Path) -> None:
+    """Zeros appended to a gzip file would corrupt it: for a .tar.gz the line says to
+    decompress first."""
+    plain = fresh / "train-000002.tar"
+    offset, before, _ = _member_header_offset(plain, 4)
+    packed = fresh.parent / "cut.tar.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()[:offset]))
+    with pytest.raises(IntegrityError) as info:
+        count_samples(packed)
+    assert repr(before) in str(info.value) and "decompress it, append them" in str(info.value)
+    assert ">> SHARD.tar) and compress it" in str(info.value)
+
+
 def test_a_tar_whose_end_blocks_are_appended_reads_whole(fresh: Path) -> None:
     """The advice for a tar that ends at a member boundary works: with two zero blocks
     appended, every member before the cut is read."""

@@ -85,17 +85,24 @@ def _what_it_is(path: Path, fileobj: BinaryIO | None) -> str:
 _COMPRESSED = ((b"BZh", "bzip2"), (b"\xfd7zXZ\x00", "xz"), (b"\x28\xb5\x2f\xfd", "zstd"))
 
 
-def _check_end(tail: bytes, where: str, offset: int, last_name: str) -> None:
-    """Raise unless ``tail`` (the bytes where tarfile stopped) is an end-of-archive zero block."""
+def _check_end(
+    tail: bytes, where: str, offset: int, last_name: str, compressed: bool = False
+) -> None:
+    """Raise unless ``tail`` (the bytes where tarfile stopped) is an end-of-archive zero block.
+    ``compressed``: the tar was read out of a gzip stream (``offset`` is in the tar)."""
     if len(tail) < tarfile.BLOCKSIZE:
         # A cut at a member boundary and a tar its writer never closed look the same. Staging
         # cannot cause it (every copy is checked against its source), so "re-stage" never
-        # helps: say what can.
+        # helps: say what can. Zeros appended to a gzip file would only corrupt it.
+        append = (
+            "decompress it, append them (head -c 1024 /dev/zero >> SHARD.tar) and compress it"
+            if compressed
+            else "append them to the source (head -c 1024 /dev/zero >> SHARD)"
+        )
         raise IntegrityError(
             f"{where}: ends after member {last_name!r} at byte {offset} without the "
             "end-of-archive blocks (cut there, losing any later samples, or never closed by "
-            "its writer); re-create the shard, or if it is whole, append them to the source "
-            "(head -c 1024 /dev/zero >> SHARD) and stage it again"
+            f"its writer); re-create the shard, or if it is whole, {append} and stage it again"
         )
     if any(tail[: tarfile.BLOCKSIZE]):
         raise IntegrityError(
@@ -311,9 +318,8 @@ def count_samples_stream(stream: BinaryIO, name: str, *, compressed: bool = Fals
                 if parts and parts[0] != last_key:
                     count += 1
                     last_key = parts[0]
-            _check_end(
-                reader.bytes_from(tar.offset, tarfile.BLOCKSIZE), name, tar.offset, last_name
-            )
+            tail = reader.bytes_from(tar.offset, tarfile.BLOCKSIZE)
+            _check_end(tail, name, tar.offset, last_name, compressed)
             while reader.read(1 << 20):
                 pass  # the padding, and for gzip the trailer whose CRC is checked on the way
     except (tarfile.TarError, EOFError, UnicodeError, gzip.BadGzipFile, zlib.error) as exc:
