@@ -81,10 +81,11 @@ def no_shards_message(spec: str, names: Iterable[str]) -> str:
     names are matched as written, and "check the directory" did not say what was wrong."""
     for name in names:
         base = name.rsplit("/", 1)[-1]
-        if is_shard_name(base.lower()):
+        if not is_shard_name(base) and is_shard_name(base.lower()):
             return (
-                f"no shards (*.tar, *.tgz, *.tar.gz) under {spec}: {base} and its like end in "
-                "upper case, and shard suffixes are matched as written; rename them to lower case"
+                f"no shards (*.tar, *.tgz, *.tar.gz) under {spec}: {base} and its like have "
+                "suffixes not in lower case, and suffixes are matched as written; rename them "
+                "to lower case"
             )
     return f"no shards (*.tar, *.tgz, *.tar.gz) under {spec}; check the directory"
 

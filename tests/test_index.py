@@ -207,6 +207,22 @@ def test_truncated_tar_names_shard_and_member(fresh: Path, where: str) -> None:
         if where == "at a member boundary":  # what can help: not a re-stage
             assert "without the end-of-archive blocks" in str(info.value)
             assert "re-stage" not in str(info.value) and "/dev/zero" in str(info.value)
+            assert "re-run stager index where a manifest lists it" in str(info.value)
+
+
+def test_a_corrupt_block_after_the_last_member_is_not_sent_to_a_re_stage(fresh: Path) -> None:
+    """Staging checks every copy against its source: a shard found corrupt at staging is
+    corrupt at its source, and the line says to re-create it (re-staging only helps where the
+    staged copy was changed since)."""
+    shard = fresh / "train-000002.tar"
+    offset, before, _ = _member_header_offset(shard, 4)
+    shard.write_bytes(shard.read_bytes()[:offset] + b"x" * 512 + bytes(1024))
+    for read in (index_tar, _count_streaming):
+        with pytest.raises(IntegrityError) as info:
+            read(shard)
+        message = str(info.value)
+        assert repr(before) in message and "re-create this shard" in message
+        assert "re-stage" not in message  # (re-staging is named only with when it helps)
 
 
 def test_a_compressed_tar_without_end_blocks_is_not_told_to_append_zeros(fresh: Path) -> None:
@@ -218,8 +234,9 @@ def test_a_compressed_tar_without_end_blocks_is_not_told_to_append_zeros(fresh: 
     packed.write_bytes(gzip.compress(plain.read_bytes()[:offset]))
     with pytest.raises(IntegrityError) as info:
         count_samples(packed)
-    assert repr(before) in str(info.value) and "decompress it, append them" in str(info.value)
-    assert ">> SHARD.tar) and compress it" in str(info.value)
+    assert repr(before) in str(info.value)
+    assert "decompress the source shard, append them" in str(info.value)
+    assert ">> SHARD.tar) and compress it again" in str(info.value)
 
 
 def test_a_tar_whose_end_blocks_are_appended_reads_whole(fresh: Path) -> None:

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stager.errors import SourceError
+from stager.layout import no_shards_message
 from stager.storage import listing
 from stager.storage.sources import resolve_source
 
@@ -79,15 +80,18 @@ def test_a_source_of_upper_case_suffixes_is_refused_naming_one(tmp_path: Path) -
     (src / "notes.txt").write_text("x")
     done = run_cli("stage-in", str(src), "--dest", str(tmp_path / "dst"), "--quiet")
     assert done.returncode == 3, done.stderr
-    assert "SHARD-0.TAR and its like end in upper case" in done.stderr
+    assert "SHARD-0.TAR and its like have suffixes not in lower case" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
     for spec in (str(src), f"file://{src}"):
-        with pytest.raises(SourceError, match="SHARD-0.TAR and its like end in upper case"):
+        with pytest.raises(SourceError, match="SHARD-0.TAR and its like have suffixes not in"):
             resolve_source(spec)
     memory = fsspec.filesystem("memory")  # an fsspec walk (the remote branch)
     memory.pipe(f"/{tmp_path.name}/d/SHARD-1.Tar", b"\0" * 1024)
-    with pytest.raises(SourceError, match="SHARD-1.Tar and its like end in upper case"):
+    with pytest.raises(SourceError, match="SHARD-1.Tar and its like have suffixes not in"):
         resolve_source(f"memory://{tmp_path.name}")
     (src / "sub" / "SHARD-0.TAR").unlink()
     with pytest.raises(SourceError, match="no shards .* check the directory$"):
         resolve_source(str(src))
+    # A lower-case name that is no shard (a symlink to nothing) is not called upper case.
+    (src / "shard-0.tar").symlink_to(src / "gone.tar")
+    assert "check the directory" in no_shards_message(str(src), listing.some_file_names(str(src)))

@@ -95,20 +95,27 @@ def _check_end(
         # cannot cause it (every copy is checked against its source), so "re-stage" never
         # helps: say what can. Zeros appended to a gzip file would only corrupt it.
         append = (
-            "decompress it, append them (head -c 1024 /dev/zero >> SHARD.tar) and compress it"
+            "decompress the source shard, append them (head -c 1024 /dev/zero >> SHARD.tar) "
+            "and compress it again"
             if compressed
-            else "append them to the source (head -c 1024 /dev/zero >> SHARD)"
+            else "append them to the source shard (head -c 1024 /dev/zero >> SHARD)"
         )
         raise IntegrityError(
             f"{where}: ends after member {last_name!r} at byte {offset} without the "
             "end-of-archive blocks (cut there, losing any later samples, or never closed by "
-            f"its writer); re-create the shard, or if it is whole, {append} and stage it again"
+            f"its writer); re-create the shard, or if it is whole, {append}, re-run stager "
+            "index where a manifest lists it, and stage it again"
         )
     if any(tail[: tarfile.BLOCKSIZE]):
         raise IntegrityError(
             f"{where}: corrupt tar header at byte {offset}, after member {last_name!r}; "
-            "re-stage or re-create this shard"
+            f"re-create this shard ({_RESTAGE_HELPS})"
         )
+
+
+#: When re-staging helps: every copy is checked against its source as it is made, so a shard
+#: found corrupt is corrupt at its source unless the staged copy was changed afterwards.
+_RESTAGE_HELPS = "re-staging it helps only where the staged copy was changed after staging"
 
 
 #: Shards up to this size are read whole by the fast indexer (one read); larger ones are mapped,
@@ -251,7 +258,7 @@ def index_with_tarfile(path: Path, fileobj: BinaryIO | None = None) -> TarIndex:
         except (tarfile.TarError, EOFError, UnicodeError) as exc:  # (a PAX hdrcharset)
             raise IntegrityError(
                 f"{path}: corrupt tar header after member {last_name!r} ({exc}); "
-                "re-stage this shard or pass on_error='skip'"
+                f"re-create this shard ({_RESTAGE_HELPS}), or pass on_error='skip' to the loader"
             ) from exc
         tar.fileobj.seek(tar.offset)
         _check_end(tar.fileobj.read(tarfile.BLOCKSIZE), str(path), tar.offset, last_name)

@@ -119,12 +119,12 @@ def walk_local(
 
 
 def some_file_names(root: str, limit: int = 10_000) -> list[str]:
-    """Up to ``limit`` file names under ``root`` (an error message's evidence, not a listing:
-    read only after a walk found no shards)."""
+    """Up to ``limit`` file names under ``root``, from at most ``limit`` directories (an error
+    message's evidence, not a listing: read only after a walk found no shards)."""
     names: list[str] = []
-    for _, _, files in os.walk(root):
+    for seen, (_, _, files) in enumerate(os.walk(root), 1):
         names += files[: limit - len(names)]
-        if len(names) >= limit:
+        if len(names) >= limit or seen >= limit:
             break
     return names
 
