@@ -589,3 +589,17 @@ def test_a_gzip_file_named_tar_is_said_to_be_gzip(tmp_path: Path) -> None:
     shard.write_bytes(gzip.compress(plain.getvalue()))
     with pytest.raises(IntegrityError, match="gzip-compressed: name it \\*.tar.gz"):
         index_tar(shard)
+
+
+def test_a_file_that_is_no_tar_is_sent_to_re_create_it(tmp_path: Path) -> None:
+    """Not a tar and not compressed: as for the other corrupt-tar lines, re-staging is named
+    only with when it helps (every copy is checked against its source as it is made)."""
+    from stager.errors import IntegrityError
+    from stager.shards.tarindex import index_tar
+
+    shard = tmp_path / "s.tar"
+    shard.write_bytes(b"not a tar at all\n" * 64)
+    with pytest.raises(IntegrityError) as info:
+        index_tar(shard)
+    assert "not a readable tar" in str(info.value)
+    assert "re-create this shard" in str(info.value) and "re-stage" not in str(info.value)

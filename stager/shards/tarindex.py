@@ -62,6 +62,11 @@ def _open_tar(path: Path, mode: str, fileobj: BinaryIO | None = None) -> tarfile
         ) from exc
 
 
+#: When re-staging helps: every copy is checked against its source as it is made, so a shard
+#: found corrupt is corrupt at its source unless the staged copy was changed afterwards.
+_RESTAGE_HELPS = "re-staging it helps only where the staged copy was changed after staging"
+
+
 def _what_it_is(path: Path, fileobj: BinaryIO | None) -> str:
     """What to do about a file that is not a tar: a compressed tar under a plain ``.tar`` name
     is said as such (webdataset reads it by its bytes, the loader by offset into plain tars)."""
@@ -79,7 +84,7 @@ def _what_it_is(path: Path, fileobj: BinaryIO | None) -> str:
     for magic, kind in _COMPRESSED:
         if head.startswith(magic):
             return f"; it is {kind}-compressed: decompress it (shards are .tar or .tar.gz)"
-    return "; re-stage or re-create this shard"
+    return f"; re-create this shard ({_RESTAGE_HELPS})"
 
 
 _COMPRESSED = ((b"BZh", "bzip2"), (b"\xfd7zXZ\x00", "xz"), (b"\x28\xb5\x2f\xfd", "zstd"))
@@ -111,11 +116,6 @@ def _check_end(
             f"{where}: corrupt tar header at byte {offset}, after member {last_name!r}; "
             f"re-create this shard ({_RESTAGE_HELPS})"
         )
-
-
-#: When re-staging helps: every copy is checked against its source as it is made, so a shard
-#: found corrupt is corrupt at its source unless the staged copy was changed afterwards.
-_RESTAGE_HELPS = "re-staging it helps only where the staged copy was changed after staging"
 
 
 #: Shards up to this size are read whole by the fast indexer (one read); larger ones are mapped,
