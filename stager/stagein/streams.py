@@ -197,14 +197,15 @@ class StreamController:
         if not self._latency_s:
             return self.limit
         latency = _median(self._latency_s)
-        transfer = max(_median(self._transfer_s), 1e-4)
+        measured = _median(self._transfer_s)
+        transfer = max(measured, 1e-4)
         wanted = math.ceil((latency + transfer) / transfer)
         floor = self.floor
         if latency < transfer:
             busy = _median(self._cores_used)
             # Timed: not whole files in the first read, whose cost is the interpreter's (the
             # rate search sizes those). Growable: more CPUs than the floor, or nothing to gain.
-            timed = latency < _median(self._transfer_s)
+            timed = latency < measured
             if timed and self.grow_to_cores and self.cores > self.floor:
                 share = _median(self._core_share)
                 if share >= SATURATED:
