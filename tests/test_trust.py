@@ -336,6 +336,40 @@ def test_7_a_fifo_named_like_a_shard_is_skipped_with_a_warning(tmp_path: Path) -
     assert not (tmp_path / "s" / "ds" / "pipe.tar").exists()
 
 
+def test_7_a_source_of_only_fifos_and_broken_links_is_no_shards_not_success(
+    tmp_path: Path,
+) -> None:
+    """Staging nothing and exiting 0 looked like success; `stager index` refused the same."""
+    src = tmp_path / "ds"
+    src.mkdir()
+    os.symlink(tmp_path / "nowhere.tar", src / "gone.tar")
+    os.mkfifo(src / "pipe.tar")
+    listed = tmp_path / "list.txt"
+    listed.write_text(f"{src / 'gone.tar'}\n{src / 'pipe.tar'}\n")
+    named = {
+        "directory, streamed first run": [str(src)],
+        "glob": [str(src / "*.tar")],
+        "list": ["--from-list", str(listed)],
+        "directory, a staged copy there": [str(src)],  # listed before copying
+    }
+    for n, (how, spec) in enumerate(named.items()):
+        dest = tmp_path / f"s{n}"
+        if how == "directory, a staged copy there":  # staged, then the shard broke
+            shutil.move(src / "gone.tar", tmp_path / "gone.tar.away")
+            write_synthetic_dataset(tmp_path / "one", SyntheticSpec(num_shards=1))
+            shutil.copy(tmp_path / "one" / "train-000000.tar", src / "gone.tar")
+            assert run_cli("stage-in", str(src), "--dest", str(dest), *FAST).returncode == 0
+            (src / "gone.tar").unlink()
+            shutil.move(tmp_path / "gone.tar.away", src / "gone.tar")
+        result = run_cli("stage-in", *spec, "--dest", str(dest), *FAST, timeout=60)
+        errors = [line for line in result.stderr.splitlines() if "error" in line]
+        assert result.returncode == EXIT_SOURCE, (how, result.stderr)
+        assert len(errors) == 1 and "no shards to stage" in errors[0], (how, result.stderr)
+        assert "gone.tar" in errors[0] and "1 more are not regular files" in errors[0], how
+        if how != "directory, a staged copy there":
+            assert not list(dest.rglob("*.tar*")), how
+
+
 def test_7_a_hung_lock_holder_makes_waiters_exit_8(tmp_path: Path) -> None:
     src = tmp_path / "ds"
     write_synthetic_dataset(src, SyntheticSpec(num_shards=2, samples_per_shard=2))

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from operator import attrgetter
 from typing import TextIO
 
-from stager.errors import ShardFailure, one_line
+from stager.errors import ShardFailure, SourceError, one_line
 from stager.gcpause import collection_paused
 from stager.layout import StagedDataset
 from stager.shards.manifest import ManifestEntry
@@ -56,6 +56,7 @@ __all__ = [
     "jitter_s",
     "new_report",
     "prepare",
+    "nothing_regular_message",
     "copy_per_node",
 ]
 
@@ -186,6 +187,8 @@ def prepare(
         known = hashed | sized_later
         shards = fill_sizes(source, shards, options.jobs, known=known, skipped=skipped)
         aligned = None  # fill_sizes may have dropped some
+    if skipped and not shards and options.subset == "all":
+        raise SourceError(nothing_regular_message(source, skipped))
     for url in skipped:
         warn(
             log,
@@ -232,6 +235,18 @@ def prepare(
     return run, plan, expected
 
 
+def nothing_regular_message(source: SourceSet, skipped: Sequence[str]) -> str:
+    """The error for a source whose every shard is a FIFO, a device or a broken link: staging
+    nothing and exiting 0 would look like success (``stager index`` refuses the same source)."""
+    first = f"no shards to stage from {one_line(source.root_url)}: {one_line(min(skipped))!r}"
+    if len(skipped) == 1:
+        return f"{first} is not a regular file (a FIFO, a device or a symlink to nothing?)"
+    return (
+        f"{first} and {len(skipped) - 1} more are not regular files (FIFOs, devices or symlinks "
+        "to nothing?)"
+    )
+
+
 def copy_per_node(
     source: SourceSet,
     options: StageInOptions,
@@ -271,7 +286,7 @@ def copy_per_node(
                 time.sleep(jitter_s(slurm.node, slurm.num_nodes, options.jitter_max_s))
             if options.count_samples:
                 load_scanner()
-            outcome = Copier(
+            copier = Copier(
                 source,
                 plan,
                 options,
@@ -280,7 +295,11 @@ def copy_per_node(
                 journal=run.journal,
                 heartbeat=heartbeat,
                 cache=cache,
-            ).run()
+            )
+            outcome = copier.run()
+            if len(copier.dropped) == len(run.shards) and options.subset == "all":
+                # (sized before or while copying, every one proved not a shard)
+                raise SourceError(nothing_regular_message(source, [s.url for s in shards]))
             run.entries.update(outcome.entries)
             run.parsed.update(outcome.parsed)
         if cache is not None:

@@ -57,6 +57,7 @@ from stager.stagein.run import (
     copy_per_node,
     jitter_s,
     new_report,
+    nothing_regular_message,
     stage_in,
     staged_dataset,
 )
@@ -207,6 +208,9 @@ def _stream(
     walker.join()
     if not listing:
         raise SourceError(no_shards_message(spec, some_file_names(root)))
+    if len(copier.dropped) == len(listing):  # every one a FIFO, a device, a broken link...
+        urls = [f"{root.rstrip('/')}/{relpath}" for relpath in copier.dropped]
+        raise SourceError(nothing_regular_message(empty, urls))
     shards = tuple(SourceShard(p, p, p[cut:], None) for p in listing)
     run.source = dataclasses.replace(empty, shards=shards)
     run.shards = shards
