@@ -29,7 +29,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from stager.errors import IntegrityError, SourceError
 from stager.plan.order import seeded_rng
 from stager.plan.streaming import StreamingPlan
-from stager.shards.tarindex import count_samples, split_key
+from stager.shards.tarindex import RESTAGE_HELPS, count_samples, split_key
 
 from .samples import SamplePipeline
 
@@ -84,7 +84,7 @@ def iter_tar_samples(location: str) -> Iterator[dict[str, Any]]:
         except (tarfile.TarError, EOFError, OSError) as exc:
             raise IntegrityError(
                 f"{location}: corrupt or truncated after member {last_name!r} ({exc}); "
-                "re-stage this shard or pass on_error='skip'"
+                f"re-create this shard ({RESTAGE_HELPS}), or pass on_error='skip'"
             ) from exc
     if current is not None:
         yield current

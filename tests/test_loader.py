@@ -747,3 +747,19 @@ def test_a_shard_truncated_after_indexing_names_shard_and_sample(
         handle.truncate(2048)
     with pytest.raises(IntegrityError, match=r"train-000003\.tar: member of sample 's00003-"):
         list(loader)
+
+
+def test_a_corrupt_compressed_stream_says_to_re_create_the_shard(tmp_path: Path) -> None:
+    """Every staged copy is checked against its source: a stream corrupt in scratch is corrupt
+    at its source too (unless changed since), so "re-stage" alone would repeat the bad bytes."""
+    from loaders.streaming import iter_tar_samples
+
+    spec = SyntheticSpec(num_shards=1, samples_per_shard=20, seed=3, compress=True)
+    write_synthetic_dataset(tmp_path / "tgz", spec)
+    (shard,) = sorted((tmp_path / "tgz").glob("*.tar.gz"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(IntegrityError) as caught:
+        list(iter_tar_samples(str(shard)))
+    message = str(caught.value)
+    assert shard.name in message and "re-create this shard" in message
+    assert "helps only where the staged copy was changed" in message

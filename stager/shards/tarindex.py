@@ -48,6 +48,7 @@ __all__ = [
     "split_key",
     "is_compressed",
     "any_compressed",
+    "RESTAGE_HELPS",
 ]
 
 
@@ -64,7 +65,7 @@ def _open_tar(path: Path, mode: str, fileobj: BinaryIO | None = None) -> tarfile
 
 #: When re-staging helps: every copy is checked against its source as it is made, so a shard
 #: found corrupt is corrupt at its source unless the staged copy was changed afterwards.
-_RESTAGE_HELPS = "re-staging it helps only where the staged copy was changed after staging"
+RESTAGE_HELPS = "re-staging it helps only where the staged copy was changed after staging"
 
 
 def _what_it_is(path: Path, fileobj: BinaryIO | None) -> str:
@@ -84,7 +85,7 @@ def _what_it_is(path: Path, fileobj: BinaryIO | None) -> str:
     for magic, kind in _COMPRESSED:
         if head.startswith(magic):
             return f"; it is {kind}-compressed: decompress it (shards are .tar or .tar.gz)"
-    return f"; re-create this shard ({_RESTAGE_HELPS})"
+    return f"; re-create this shard ({RESTAGE_HELPS})"
 
 
 _COMPRESSED = ((b"BZh", "bzip2"), (b"\xfd7zXZ\x00", "xz"), (b"\x28\xb5\x2f\xfd", "zstd"))
@@ -114,7 +115,7 @@ def _check_end(
     if any(tail[: tarfile.BLOCKSIZE]):
         raise IntegrityError(
             f"{where}: corrupt tar header at byte {offset}, after member {last_name!r}; "
-            f"re-create this shard ({_RESTAGE_HELPS})"
+            f"re-create this shard ({RESTAGE_HELPS})"
         )
 
 
@@ -258,7 +259,7 @@ def index_with_tarfile(path: Path, fileobj: BinaryIO | None = None) -> TarIndex:
         except (tarfile.TarError, EOFError, UnicodeError) as exc:  # (a PAX hdrcharset)
             raise IntegrityError(
                 f"{path}: corrupt tar header after member {last_name!r} ({exc}); "
-                f"re-create this shard ({_RESTAGE_HELPS}), or pass on_error='skip' to the loader"
+                f"re-create this shard ({RESTAGE_HELPS}), or pass on_error='skip' to the loader"
             ) from exc
         tar.fileobj.seek(tar.offset)
         _check_end(tar.fileobj.read(tarfile.BLOCKSIZE), str(path), tar.offset, last_name)
