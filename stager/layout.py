@@ -30,7 +30,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from stager.errors import UsageError
+from stager.errors import UsageError, one_line
 from stager.patterns import expand_pattern
 
 __all__ = [
@@ -75,13 +75,30 @@ def is_shard_name(name: str) -> bool:
     return name.endswith(SHARD_SUFFIXES)
 
 
+def is_shard_name_but_for_case(name: str) -> bool:
+    """True for ``SHARD-0.TAR``: a shard name if its suffix were lower case. Suffixes are
+    matched as written (the loader tells compressed shards by them), so such files are not
+    staged, and stage-in says so."""
+    return not is_shard_name(name) and is_shard_name(name.lower())
+
+
+def unmatched_case_message(unmatched: Sequence[str], done: str = "staged") -> str:
+    """The warning for files a walk did not take as shards for their suffix's case alone: a
+    source of ``a.tar`` and ``B.TAR`` staged only ``a.tar``, without a word."""
+    more = f" and {len(unmatched) - 1} more" if len(unmatched) > 1 else ""
+    return (
+        f"not {done}: {one_line(unmatched[0])!r}{more}, named like shards but for the case of "
+        "the suffix (suffixes are matched as written); rename them to lower case"
+    )
+
+
 def no_shards_message(spec: str, names: Iterable[str]) -> str:
     """The one line for a source without shards. Where some of ``names`` (the files found)
     would be shards but for the case of their suffix (``SHARD-0.TAR``), it names one: shard
     names are matched as written, and "check the directory" did not say what was wrong."""
     for name in names:
         base = name.rsplit("/", 1)[-1]
-        if not is_shard_name(base) and is_shard_name(base.lower()):
+        if is_shard_name_but_for_case(base):
             return (
                 f"no shards (*.tar, *.tgz, *.tar.gz) under {spec}: {base} and its like have "
                 "suffixes not in lower case, and suffixes are matched as written; rename them "

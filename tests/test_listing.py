@@ -95,3 +95,44 @@ def test_a_source_of_upper_case_suffixes_is_refused_naming_one(tmp_path: Path) -
     # A lower-case name that is no shard (a symlink to nothing) is not called upper case.
     (src / "shard-0.tar").symlink_to(src / "gone.tar")
     assert "check the directory" in no_shards_message(str(src), listing.some_file_names(str(src)))
+
+
+def test_upper_case_suffixes_beside_shards_are_named_in_a_warning(tmp_path: Path) -> None:
+    """``a.tar`` beside ``B.TAR``: only ``a.tar`` is a shard, and every way of walking the
+    source says which files were left out (a subset staged without a word looked whole)."""
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    tar = _one_shard(tmp_path)
+    for name in ("a.tar", "sub/B.TAR", "C.Tar.Gz"):
+        (src / name).write_bytes(tar)
+    (src / "notes.txt").write_text("x")
+    for spec in (str(src), f"file://{src}"):
+        source = resolve_source(spec)
+        assert [s.relpath for s in source.shards] == ["a.tar"]
+        assert [u.rsplit("/", 1)[-1] for u in source.unmatched] == ["C.Tar.Gz", "B.TAR"]
+    memory = fsspec.filesystem("memory")  # an fsspec walk (the remote branch)
+    memory.pipe(f"/{tmp_path.name}/m/a.tar", tar)
+    memory.pipe(f"/{tmp_path.name}/m/B.TAR", tar)
+    assert [
+        u.rsplit("/", 1)[-1] for u in resolve_source(f"memory://{tmp_path.name}").unmatched
+    ] == ["B.TAR"]
+    dest = tmp_path / "dst"
+    runs = {
+        "streamed first run": ("stage-in", str(src), "--dest", str(dest)),
+        "listed again": ("stage-in", str(src), "--dest", str(dest)),
+        "index": ("stager", "index", str(src), "--out", str(tmp_path / "m.json")),
+    }
+    for how, argv in runs.items():
+        done = run_cli(*argv)
+        assert done.returncode == 0, (how, done.stderr)
+        warnings = [line for line in done.stderr.splitlines() if "warning" in line]
+        assert len(warnings) == 1, (how, done.stderr)
+        assert "C.Tar.Gz' and 1 more" in warnings[0] and "lower case" in warnings[0], how
+    assert sorted(p.name for p in (dest / "src").iterdir()) == [".stager", "a.tar"]
+
+
+def _one_shard(tmp_path: Path) -> bytes:
+    from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
+
+    write_synthetic_dataset(tmp_path / "one", SyntheticSpec(num_shards=1, samples_per_shard=2))
+    return next((tmp_path / "one").glob("*.tar")).read_bytes()

@@ -18,7 +18,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from stager.errors import SourceError, UsageError
-from stager.layout import SHARD_SUFFIXES
+from stager.layout import SHARD_SUFFIXES, is_shard_name_but_for_case
 from stager.storage.identity import local_version, remote_version
 from stager.storage.workers import map_in_threads
 
@@ -83,7 +83,10 @@ SLOW_DIRECTORY_S = 0.005
 
 
 def walk_local(
-    root: str, jobs: int = 1, on_found: Callable[[list[str]], object] | None = None
+    root: str,
+    jobs: int = 1,
+    on_found: Callable[[list[str]], object] | None = None,
+    unmatched: list[str] | None = None,
 ) -> list[str]:
     """Shard file names under ``root``, sorted, from directory reads only (no stat per file).
 
@@ -99,6 +102,8 @@ def walk_local(
 
     ``on_found(paths)`` is called with each directory's shard paths as soon as they are read
     (in no particular order across directories), so copies can start while the walk goes on.
+    ``unmatched`` gets the files that would be shards but for their suffix's case
+    (:func:`~stager.layout.is_shard_name_but_for_case`), for the caller's warning.
     """
     found: list[str] = []
     level = [root]
@@ -114,6 +119,12 @@ def walk_local(
             threads = max(1, jobs)
         directories = _in_threads(_is_directory, others, threads)
         level = [entry.path for entry, yes in zip(others, directories, strict=True) if yes]
+        if unmatched is not None:
+            unmatched += [
+                entry.path
+                for entry, yes in zip(others, directories, strict=True)
+                if not yes and is_shard_name_but_for_case(entry.name)
+            ]
     found.sort()
     return found
 

@@ -6,7 +6,8 @@ parent directory for a brace pattern or a list. File names are kept as they are 
 a character, not a separator). Two entries naming the same file collapse into one; two
 different files that would land on one relative path are refused before any byte moves,
 naming both. Entries that are not regular files (a FIFO named ``x.tar`` would block a reader
-forever) are skipped and listed in :attr:`SourceSet.skipped` for a warning.
+forever) are skipped and listed in :attr:`SourceSet.skipped` for a warning, as are files named
+like shards but for their suffix's case (``x.TAR``) in :attr:`SourceSet.unmatched`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from stager.layout import (
     canonical_spec,
     dataset_name,
     is_shard_name,
+    is_shard_name_but_for_case,
     no_shards_message,
 )
 from stager.patterns import expand_pattern, is_pattern
@@ -89,6 +91,7 @@ class SourceSet:
     remote_fs: fsspec.AbstractFileSystem | None = None  # None: a local path (NFS mounts too)
     spec: str = ""  # stager.layout.canonical_spec of what was asked for: same spec, same set
     skipped: tuple[str, ...] = ()  # entries that are not regular files (FIFOs, devices)
+    unmatched: tuple[str, ...] = ()  # walked files named like shards but for the suffix's case
     walked: bool = False  # a whole directory: every shard under the root belongs to the set
     named: bool = False  # every shard named (a list, braces, one file): no other file joins it
 
@@ -167,15 +170,9 @@ def _from_paths(
             skipped.append(display(fs, path))
         else:
             shards.append(_shard(fs, path, root, info))
+    where = display(fs, root or "/")
     return SourceSet(
-        display(fs, root or "/"),
-        name,
-        _unique(shards),
-        tuple(missing),
-        fs,
-        spec,
-        tuple(skipped),
-        named=True,
+        where, name, _unique(shards), tuple(missing), fs, spec, tuple(skipped), named=True
     )
 
 
@@ -190,9 +187,8 @@ def fill_sizes(
     """``shards`` with every unknown size stat'ed (in parallel), except relpaths in ``known``.
 
     For shards from a directory walk (:func:`resolve_source` with ``stat_listed=False``): one
-    that vanished since the listing, or turned out to be a directory, is dropped, as the walk
-    would have dropped it; one that is not a regular file is dropped and its URL appended to
-    ``skipped``, for the caller's warning.
+    gone since the listing, or a directory, is dropped as the walk would have dropped it; one
+    not a regular file is dropped and its URL appended to ``skipped``, for a warning.
     """
     todo = [i for i, s in enumerate(shards) if s.size is None and s.relpath not in known]
     if not todo:
@@ -258,10 +254,10 @@ def _walk(
 ) -> SourceSet:
     spec_id = canonical_spec(spec)
     if fs is None:
-        # NFS answers each stat with a round trip: list names (readdir; in parallel once reads
-        # prove slow, see walk_local), then stat in parallel.
+        # NFS answers each stat with a round trip: names from readdir (walk_local), then stats.
+        unmatched: list[str] = []
         try:
-            names = walk_local(root, jobs)
+            names = walk_local(root, jobs, unmatched=unmatched)
         except OSError as exc:
             raise translate(exc, spec) from exc
         # The walk joins readdir names with "/" under root: the tail is already a canonical
@@ -269,7 +265,8 @@ def _walk(
         # (posixpath.relpath cost ~60 us a shard: a minute at 1M shards).
         cut = len(root.rstrip("/")) + 1
         walked = tuple(SourceShard(p, p, p[cut:], None) for p in names)
-        result = SourceSet(root, name, walked, spec=spec_id, walked=True)
+        found_case = tuple(sorted(unmatched))
+        result = SourceSet(root, name, walked, spec=spec_id, walked=True, unmatched=found_case)
         if stat:
             others: list[str] = []
             kept = fill_sizes(result, walked, jobs, skipped=others)
@@ -284,7 +281,10 @@ def _walk(
             _shard(fs, p, root, info) for p, info in infos if info.kind not in (DIRECTORY, OTHER)
         )
         skipped = tuple(display(fs, p) for p, info in infos if info.kind == OTHER)
-        result = SourceSet(display(fs, root), name, shards, (), fs, spec_id, skipped, walked=True)
+        case_only = tuple(display(fs, p) for p in sorted(found) if is_shard_name_but_for_case(p))
+        result = SourceSet(
+            *(display(fs, root), name, shards, (), fs, spec_id, skipped, case_only), walked=True
+        )
     if not result.shards:
         listed = some_file_names(root) if fs is None else list(found)
         raise SourceError(no_shards_message(spec, listed))
