@@ -68,6 +68,7 @@ SIZES = {
 ROWS = {
     "large": ("few large shards: 16 x 64 MB, ~100 KB samples", 16, 640, 100_000),
     "small": ("many small shards: 400 x 2.5 MB, ~100 KB samples", 400, 25, 100_000),
+    "smaller": ("many smaller shards: 4,000 x 200 KB, ~100 KB samples", 4_000, 2, 100_000),
     "tiny-samples": ("~1 KB samples: 16 x 77 MB, 25,000 samples each", 16, 25_000, 1024),
     "tiny-shards": ("tiny shards: 10,000 x 20 KB, 4 ~1 KB samples each", 10_000, 4, 1024),
 }

@@ -90,7 +90,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--retries must be >= 0")
     source = resolve_source(args.source, from_list=args.from_list, jobs=args.jobs)
     for url in source.skipped:
-        warning = f"skipped {one_line(url)!r}: not a regular file (a FIFO, a device or a symlink?)"
+        warning = (
+            f"skipped {one_line(url)!r}: not a regular file (a FIFO, a device or a symlink to "
+            "nothing?)"
+        )
         print(f"index: warning: {warning}", file=sys.stderr, flush=True)
     if source.unmatched:
         warning = unmatched_case_message(source.unmatched, "indexed")
