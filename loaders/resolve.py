@@ -6,9 +6,9 @@ source is never listed nor read, so a loader on 1,000 nodes puts no load on NFS.
 local copy is missing, or that stage-in failed to copy, is read from the source instead, at the
 absolute source root the manifest records (never resolved against this process's working
 directory), and one warning says how many shards that was. A shard stage-in found corrupt
-(its bytes differ from the manifest) is never read from the source: that raises
-:class:`~stager.errors.IntegrityError`, or with ``on_error="skip"`` leaves it out with a warning.
-A staged copy of another source under the same name is refused.
+(its bytes differ from the manifest, or its tar cannot be read) is never read from the source:
+that raises :class:`~stager.errors.IntegrityError`, or with ``on_error="skip"`` leaves it out
+with a warning. A staged copy of another source under the same name is refused.
 """
 
 from __future__ import annotations
@@ -261,8 +261,9 @@ def _merge_failures(
     if corrupt and on_error != "skip":
         raise IntegrityError(
             f"stage-in found {len(corrupt)} shard(s) of {dataset_dir} corrupt (first: "
-            f"{corrupt[0]}): their bytes differ from the manifest. Fix the source and re-run "
-            "stage-in, or pass on_error='skip' to train without them"
+            f"{corrupt[0]}): their bytes differ from the manifest or their tar cannot be read "
+            "(stage-in's FAILED lines say which). Fix the source and re-run stage-in, or pass "
+            "on_error='skip' to train without them"
         )
     if corrupt:
         log.warning("leaving out %d shard(s) stage-in found corrupt: %s", len(corrupt), corrupt[:5])

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from stager.errors import EXIT_DEST, EXIT_FULL, EXIT_INTERRUPTED, EXIT_USAGE
+from stager.errors import EXIT_DEST, EXIT_FULL, EXIT_INTEGRITY, EXIT_INTERRUPTED, EXIT_USAGE
 from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 
 from .conftest import BIN, clean_env, mount_tmpfs, run_cli
@@ -155,17 +155,28 @@ def test_a_task_waiting_on_an_interrupted_copier_finishes_the_staging_itself(
     assert not list(dest.rglob("*.partial"))
 
 
-def test_a_corrupt_shard_is_warned_about_once_per_run(tmp_path: Path) -> None:
+def test_a_corrupt_shard_fails_the_run_with_exit_4_once_per_run(tmp_path: Path) -> None:
+    """A shard whose tar cannot be read is corrupt at its source: exit 4 with one FAILED line,
+    as `stager index` says it (a warning under "0 failed" and exit 0 let a job go on to fail in
+    its loader), the shard not staged, the others staged; a rerun says it again."""
     src = tmp_path / "ds"
     write_synthetic_dataset(src, SyntheticSpec(num_shards=3, samples_per_shard=4))
     with open(src / "train-000001.tar", "r+b") as handle:
         handle.truncate(9000)
-    for _ in range(2):  # the first run and a rerun that keeps everything
+    dest = tmp_path / "s" / "ds"
+    for _ in range(2):  # the first run and a rerun that keeps the good ones
         result = run_cli("stage-in", str(src), "--dest", str(tmp_path / "s"), *LOUD)
-        assert result.returncode == 0, result.stderr
-        corrupt = [line for line in result.stderr.splitlines() if "corrupt tar header" in line]
-        assert len([line for line in corrupt if "no loader index" not in line]) == 1, result.stderr
-        assert all(line.startswith("[") for line in corrupt)  # the node says it
+        assert result.returncode == EXIT_INTEGRITY, result.stderr
+        lines = result.stderr.splitlines()
+        assert not [line for line in lines if "warning" in line], result.stderr
+        failed = [line for line in lines if line.startswith("FAILED")]
+        assert len(failed) == 1 and "train-000001.tar" in failed[0], result.stderr
+        assert "corrupt tar header" in failed[0] and "re-create this shard" in failed[0]
+        assert sorted(p.name for p in dest.glob("*.tar")) == [
+            "train-000000.tar",
+            "train-000002.tar",
+        ]
+        assert not list(dest.rglob("*.partial"))
 
 
 def test_a_shard_that_is_a_symlink_to_nothing_is_warned_about(tmp_path: Path) -> None:

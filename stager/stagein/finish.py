@@ -33,7 +33,7 @@ from stager.errors import (
     one_line,
     shard_failures,
 )
-from stager.layout import StagedDataset
+from stager.layout import StagedDataset, is_shard_name
 from stager.shards import indexfile, tarindex
 from stager.shards.manifest import Manifest, ManifestEntry
 from stager.shards.tarindex import TarIndex
@@ -41,7 +41,6 @@ from stager.shards.tarnative import WalkResult
 from stager.shards.tarparse import TarSampleCounter
 from stager.stagein.journal import Journal
 from stager.stagein.options import StageInOptions
-from stager.stagein.plan import count_samples_of
 from stager.stagein.report import StageInReport
 from stager.storage.paths import discard
 from stager.storage.sources import SourceSet, SourceShard
@@ -69,6 +68,8 @@ class Staging:
     heartbeat: Callable[[], None] = field(default=lambda: None)  # progress, for lock waiters
     #: Write the manifest even with the same entries (stager.stagein.recorded.RecordTimes.stale)
     rewrite_manifest: bool = False
+    #: Staged before this run and kept (in the report's "skipped"), not copied in it
+    kept: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         if self.journal is None:
@@ -137,12 +138,9 @@ Indexes = dict[str, TarIndex | WalkResult]
 
 def _count_and_index(run: Staging) -> Indexes:
     """Samples for entries that have none, and the member index of every uncompressed tar staged
-    in this run, from the parse in flight or, where there was none, from the staged file."""
+    in this run, from the parse in flight or, where there was none, from the staged file. A
+    shard whose tar cannot be read is unstaged as corrupt."""
     indexes: Indexes = {}
-
-    def warn(message: str) -> None:
-        print(f"[{run.report.node}] warning: {message}", file=run.log, flush=True)
-
     for relpath, counter in run.parsed.items():
         index = counter.result()
         if index is not None and relpath in run.entries:
@@ -153,16 +151,21 @@ def _count_and_index(run: Staging) -> Indexes:
         if entry.samples is not None:
             continue
         final = run.staged.dir / relpath
-        if tarindex.is_compressed(final) or not final.name.endswith(".tar"):
-            samples = count_samples_of(final, warn)
-        else:
-            try:
+        try:
+            if not is_shard_name(final.name):
+                samples = None  # a file named explicitly that is not a shard: copied as it is
+            elif tarindex.is_compressed(final):
+                samples = tarindex.count_samples(final)
+            else:
                 index = indexes.get(relpath) or tarindex.index_tar(final)
-            except IntegrityError as exc:
-                warn(str(exc))
-                continue
-            indexes[relpath] = index
-            samples = index.num_samples
+                indexes[relpath] = index
+                samples = index.num_samples
+        except IntegrityError as exc:
+            # Corrupt at its source (the copy was checked against it): a failure, as `stager
+            # index` makes it, not a warning under "0 failed" and exit 0 that let a job go on
+            # to fail in its loader on the GPUs.
+            _unstage_corrupt(run, relpath, one_line(exc))
+            continue
         run.entries[relpath] = dataclasses.replace(entry, samples=samples)
     return indexes
 
@@ -189,11 +192,21 @@ def _verify_count(run: Staging, relpath: str, indexes: Indexes) -> None:
             f"holds {counted} samples but the manifest says {entry.samples}; the manifest is "
             "stale or wrong: re-run stager index"
         )
-    del run.entries[relpath]
     indexes.pop(relpath, None)
-    run.report.files_copied -= 1
-    run.report.bytes_copied -= entry.size
-    discard(final)  # a file with its final name is always what the manifest describes
+    _unstage_corrupt(run, relpath, reason)
+
+
+def _unstage_corrupt(run: Staging, relpath: str, reason: str) -> None:
+    """Report ``relpath`` as a corrupt shard (exit 4) and delete its staged copy: a file with
+    its final name is always what the manifest describes, and the loader, told by the report,
+    never reads a corrupt shard from the source instead."""
+    entry = run.entries.pop(relpath)
+    if relpath in run.kept:
+        run.report.files_skipped -= 1
+    else:
+        run.report.files_copied -= 1
+        run.report.bytes_copied -= entry.size
+    discard(run.staged.dir / relpath)
     run.report.add_failure(
         ShardFailure(f"{run.source.root_url.rstrip('/')}/{relpath}", reason, "corrupt")
     )

@@ -234,6 +234,7 @@ def prepare(
     run = Staging(source, options, staged, report, log, shards, heartbeat=heartbeat)
     run.rewrite_manifest = times.stale
     run.entries.update(plan.kept)
+    run.kept = set(plan.kept)
     return run, plan, expected
 
 
