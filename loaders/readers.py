@@ -15,12 +15,13 @@ the per-rank figure the loader agreed on (an ``all_reduce`` for node subsets).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import numpy as np
 
-from stager.errors import ResumeMismatch, UsageError
+from stager.errors import IntegrityError, ResumeMismatch, UsageError
 from stager.layout import StagedDataset
 from stager.plan.elastic import RemainingSamples
 from stager.plan.ranks import PlanOptions, WorldLayout
@@ -34,6 +35,8 @@ from .resolve import DatasetShards
 from .sampler import RankBatchSampler
 from .samples import SamplePipeline, collate_samples
 from .streaming import StreamingShards, count_remote_samples, reorder_batches
+
+log = logging.getLogger("stager_loaders")
 
 __all__ = ["Reader", "StagedReader", "StreamingReader", "open_reader"]
 
@@ -176,14 +179,25 @@ class StreamingReader:
         workers: int,
     ):
         self.locations = list(shards.locations)
-        self.counts = np.asarray(
-            [
-                n if n is not None else count_remote_samples(location)
-                for n, location in zip(shards.samples, shards.locations, strict=True)
-            ],
-            dtype=np.int64,
-        )
         self.skipped_shards: list[str] = []
+        counts = []
+        for n, location, relpath in zip(
+            shards.samples, shards.locations, shards.relpaths, strict=True
+        ):
+            try:
+                counts.append(n if n is not None else count_remote_samples(location))
+            except IntegrityError:
+                if options.on_error != "skip":
+                    raise
+                counts.append(0)  # left out, as the staged reader leaves out a corrupt tar
+                self.skipped_shards.append(relpath)
+        if self.skipped_shards:
+            log.warning(
+                "skipped %d corrupt shard(s): %s",
+                len(self.skipped_shards),
+                ", ".join(self.skipped_shards[:5]),
+            )
+        self.counts = np.asarray(counts, dtype=np.int64)
         self._options = options
         self._pipeline = pipeline
         self._collate = collate_fn

@@ -18,8 +18,10 @@ bad shard's range early, which shortens that rank's epoch.
 
 from __future__ import annotations
 
+import gzip
 import logging
 import tarfile
+import zlib
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -29,7 +31,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from stager.errors import IntegrityError, SourceError
 from stager.plan.order import seeded_rng
 from stager.plan.streaming import StreamingPlan
-from stager.shards.tarindex import RESTAGE_HELPS, count_samples, split_key
+from stager.shards.tarindex import RESTAGE_HELPS, count_samples, is_compressed, split_key
 
 from .samples import SamplePipeline
 
@@ -62,7 +64,12 @@ def iter_tar_samples(location: str) -> Iterator[dict[str, Any]]:
     current: dict[str, Any] | None = None
     with _open(location) as handle:
         try:
-            with tarfile.open(fileobj=handle, mode="r|*") as stream:
+            # gzip's own reader, not tarfile's "r|gz": that stops at the end of the first gzip
+            # member, and a shard written by a parallel gzip (bgzip, pigz -i, `cat a.gz b.gz`)
+            # has several; the indexer reads them all (stager.shards.tarindex), so must this.
+            gzipped = is_compressed(location)
+            source = gzip.GzipFile(fileobj=handle, mode="rb") if gzipped else handle
+            with tarfile.open(fileobj=source, mode="r|" if gzipped else "r|*") as stream:
                 for info in stream:
                     last_name = info.name
                     parts = split_key(info.name) if info.isfile() else None
@@ -81,7 +88,7 @@ def iter_tar_samples(location: str) -> Iterator[dict[str, Any]]:
                         )
                     member = stream.extractfile(info)
                     current[ext] = member.read() if member is not None else b""
-        except (tarfile.TarError, EOFError, OSError) as exc:
+        except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
             raise IntegrityError(
                 f"{location}: corrupt or truncated after member {last_name!r} ({exc}); "
                 f"re-create this shard ({RESTAGE_HELPS}), or pass on_error='skip'"

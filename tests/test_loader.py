@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -763,3 +764,54 @@ def test_a_corrupt_compressed_stream_says_to_re_create_the_shard(tmp_path: Path)
     message = str(caught.value)
     assert shard.name in message and "re-create this shard" in message
     assert "helps only where the staged copy was changed" in message
+
+
+def _gzip_members_tar(path: Path, samples: int, members: int) -> list[str]:
+    """A .tar.gz written as ``members`` concatenated gzip members (bgzip, pigz -i, ``cat``):
+    valid gzip, which tarfile's own stream mode reads only to the end of the first member."""
+    import gzip
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        for i in range(samples):
+            for ext, data in (("jpg", os.urandom(2000)), ("cls", str(i).encode())):
+                info = tarfile.TarInfo(f"{path.stem.split('.')[0]}-{i:03d}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    raw = buf.getvalue()
+    cuts = [len(raw) * k // members for k in range(members + 1)]
+    path.write_bytes(b"".join(gzip.compress(raw[a:b]) for a, b in itertools.pairwise(cuts)))
+    return [f"{path.stem.split('.')[0]}-{i:03d}" for i in range(samples)]
+
+
+def test_a_tar_gz_of_several_gzip_members_is_read_whole(tmp_path: Path) -> None:
+    src = tmp_path / "ds"
+    src.mkdir()
+    keys = _gzip_members_tar(src / "a.tar.gz", 6, 3) + _gzip_members_tar(src / "b.tar.gz", 4, 1)
+    dest = tmp_path / "s"
+    for staged in (False, True):  # from the source, and from the staged copy
+        if staged:
+            assert run_cli("stage-in", str(src), "--dest", str(dest), "--quiet").returncode == 0
+        loader = ShardedLoader(
+            src, batch_size=1, to_tuple=("__key__",), options=LoaderOptions(dest=str(dest))
+        )
+        assert sorted(k for (batch,) in loader for k in batch) == sorted(keys), staged
+
+
+def test_a_truncated_tar_gz_is_skipped_on_request_when_read_from_the_source(
+    tmp_path: Path,
+) -> None:
+    src = tmp_path / "ds"
+    src.mkdir()
+    good = _gzip_members_tar(src / "good.tar.gz", 5, 1)
+    _gzip_members_tar(src / "bad.tar.gz", 5, 1)
+    (src / "bad.tar.gz").write_bytes((src / "bad.tar.gz").read_bytes()[:3000])
+    none = LoaderOptions(dest=str(tmp_path / "none"))
+    with pytest.raises(IntegrityError, match="bad.tar.gz"):
+        ShardedLoader(src, batch_size=2, to_tuple=("__key__",), options=none)
+    skip = LoaderOptions(dest=str(tmp_path / "none"), on_error="skip")
+    loader = ShardedLoader(src, batch_size=1, to_tuple=("__key__",), options=skip)
+    assert loader.skipped_shards == ["bad.tar.gz"]
+    assert sorted(k for (batch,) in loader for k in batch) == good
