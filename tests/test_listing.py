@@ -4,6 +4,7 @@ FIFOs, unreadable directories)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import fsspec
@@ -136,3 +137,27 @@ def _one_shard(tmp_path: Path) -> bytes:
 
     write_synthetic_dataset(tmp_path / "one", SyntheticSpec(num_shards=1, samples_per_shard=2))
     return next((tmp_path / "one").glob("*.tar")).read_bytes()
+
+
+def test_an_unreadable_subdirectory_is_named_not_the_root(tmp_path: Path, monkeypatch) -> None:
+    """``ds/a/b`` without read permission was reported as "source not readable: ds", whose
+    mode was fine (root reads any directory, so the refusal is made by hand here)."""
+    (tmp_path / "ds" / "a" / "b").mkdir(parents=True)
+    (tmp_path / "ds" / "x.tar").write_bytes(b"\0" * 1024)
+    scandir = os.scandir
+    refused = str(tmp_path / "ds" / "a" / "b")
+
+    def guarded(path):
+        if os.fspath(path) == refused:
+            raise PermissionError(13, "Permission denied", refused)
+        return scandir(path)
+
+    monkeypatch.setattr(listing.os, "scandir", guarded)
+    with pytest.raises(SourceError) as caught:
+        resolve_source(str(tmp_path / "ds"))
+    message = str(caught.value)
+    assert message.startswith(f"source not readable: {refused} (under the source ")
+    assert "permission denied" in message
+    assert "source not found: s3://b/p;" in str(
+        listing.translate(FileNotFoundError(2, "x", "b/p"), "s3://b/p")
+    )

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from stager.errors import SourceError, UsageError
+from stager.errors import SourceError, UsageError, one_line
 from stager.layout import SHARD_SUFFIXES, is_shard_name_but_for_case
 from stager.storage.identity import local_version, remote_version
 from stager.storage.workers import map_in_threads
@@ -69,11 +69,20 @@ def display(fs: fsspec.AbstractFileSystem | None, path: str) -> str:
 
 
 def translate(exc: BaseException, url: str) -> SourceError:
+    """The one line for a failed listing of ``url``, naming the path that failed where it is
+    one below the root (a subdirectory without read permission was reported as the root)."""
+    failed = getattr(exc, "filename", None)
+    where = url
+    root = url.rstrip("/")
+    if isinstance(failed, str) and failed.rstrip("/") not in ("", root, root.split("://")[-1]):
+        where = f"{one_line(failed)} (under the source {url})"
     if isinstance(exc, FileNotFoundError):
-        return SourceError(f"source not found: {url}; check the path (is the filesystem mounted?)")
+        return SourceError(
+            f"source not found: {where}; check the path (is the filesystem mounted?)"
+        )
     if isinstance(exc, PermissionError):
         return SourceError(
-            f"source not readable: {url} (permission denied); check its mode and owner"
+            f"source not readable: {where} (permission denied); check its mode and owner"
         )
     return SourceError(f"cannot list source {url}: {exc}; check the URL and credentials")
 
