@@ -82,14 +82,29 @@ def is_shard_name_but_for_case(name: str) -> bool:
     return not is_shard_name(name) and is_shard_name(name.lower())
 
 
-def unmatched_case_message(unmatched: Sequence[str], done: str = "staged") -> str:
-    """The warning for files a walk did not take as shards for their suffix's case alone: a
-    source of ``a.tar`` and ``B.TAR`` staged only ``a.tar``, without a word."""
-    more = f" and {len(unmatched) - 1} more" if len(unmatched) > 1 else ""
-    return (
-        f"not {done}: {one_line(unmatched[0])!r}{more}, named like shards but for the case of "
-        "the suffix (suffixes are matched as written); rename them to lower case"
-    )
+def left_out_warnings(left_out: Sequence[str], done: str = "staged") -> list[str]:
+    """The warnings for what a walk saw but did not take (``SourceSet.left_out``): a source of
+    ``a.tar`` and ``B.TAR``, or with a subdirectory that is a symlink, staged only part of its
+    shards without a word. One line per kind, naming the first."""
+    files = sorted(p for p in left_out if not p.endswith("/"))
+    linked = sorted(p for p in left_out if p.endswith("/"))
+    lines = []
+    if files:
+        lines.append(
+            f"not {done}: {_first(files)}, named like shards but for the case of the suffix "
+            "(suffixes are matched as written); rename them to lower case"
+        )
+    if linked:
+        lines.append(
+            f"not {done}: {_first(linked)}, symlinks to directories, which a walk does not "
+            "follow; name their shards by a glob or a list, or give each as a source of its own"
+        )
+    return lines
+
+
+def _first(paths: Sequence[str]) -> str:
+    more = f" and {len(paths) - 1} more" if len(paths) > 1 else ""
+    return f"{one_line(paths[0])!r}{more}"
 
 
 def no_shards_message(spec: str, names: Iterable[str]) -> str:

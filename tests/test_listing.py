@@ -98,25 +98,34 @@ def test_a_source_of_upper_case_suffixes_is_refused_naming_one(tmp_path: Path) -
     assert "check the directory" in no_shards_message(str(src), listing.some_file_names(str(src)))
 
 
-def test_upper_case_suffixes_beside_shards_are_named_in_a_warning(tmp_path: Path) -> None:
-    """``a.tar`` beside ``B.TAR``: only ``a.tar`` is a shard, and every way of walking the
-    source says which files were left out (a subset staged without a word looked whole)."""
+def test_what_a_walk_leaves_out_is_named_in_a_warning(tmp_path: Path) -> None:
+    """``a.tar`` beside ``B.TAR``, and a subdirectory that is a symlink (not followed): only
+    ``a.tar`` is a shard, and every way of walking the source says what was left out (a subset
+    staged without a word looked whole)."""
     src = tmp_path / "src"
     (src / "sub").mkdir(parents=True)
     tar = _one_shard(tmp_path)
     for name in ("a.tar", "sub/B.TAR", "C.Tar.Gz"):
         (src / name).write_bytes(tar)
     (src / "notes.txt").write_text("x")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "d.tar").write_bytes(tar)
+    (src / "sub" / "linked").symlink_to(tmp_path / "elsewhere")
+    (src / "gone").symlink_to(tmp_path / "nowhere")  # a link to nothing is no data either way
     for spec in (str(src), f"file://{src}"):
         source = resolve_source(spec)
         assert [s.relpath for s in source.shards] == ["a.tar"]
-        assert [u.rsplit("/", 1)[-1] for u in source.unmatched] == ["C.Tar.Gz", "B.TAR"]
+        assert [u.split("/src/")[1] for u in source.left_out] == [
+            "C.Tar.Gz",
+            "sub/B.TAR",
+            "sub/linked/",
+        ]
     memory = fsspec.filesystem("memory")  # an fsspec walk (the remote branch)
     memory.pipe(f"/{tmp_path.name}/m/a.tar", tar)
     memory.pipe(f"/{tmp_path.name}/m/B.TAR", tar)
-    assert [
-        u.rsplit("/", 1)[-1] for u in resolve_source(f"memory://{tmp_path.name}").unmatched
-    ] == ["B.TAR"]
+    assert [u.rsplit("/", 1)[-1] for u in resolve_source(f"memory://{tmp_path.name}").left_out] == [
+        "B.TAR"
+    ]
     dest = tmp_path / "dst"
     runs = {
         "streamed first run": ("stage-in", str(src), "--dest", str(dest)),
@@ -127,8 +136,9 @@ def test_upper_case_suffixes_beside_shards_are_named_in_a_warning(tmp_path: Path
         done = run_cli(*argv)
         assert done.returncode == 0, (how, done.stderr)
         warnings = [line for line in done.stderr.splitlines() if "warning" in line]
-        assert len(warnings) == 1, (how, done.stderr)
+        assert len(warnings) == 2, (how, done.stderr)
         assert "C.Tar.Gz' and 1 more" in warnings[0] and "lower case" in warnings[0], how
+        assert "sub/linked/'," in warnings[1] and "symlinks to directories" in warnings[1], how
     assert sorted(p.name for p in (dest / "src").iterdir()) == [".stager", "a.tar"]
 
 

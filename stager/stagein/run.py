@@ -24,7 +24,7 @@ from typing import TextIO
 
 from stager.errors import ShardFailure, SourceError, one_line
 from stager.gcpause import collection_paused
-from stager.layout import StagedDataset, unmatched_case_message
+from stager.layout import StagedDataset, left_out_warnings
 from stager.shards.manifest import ManifestEntry
 from stager.shards.tarparse import load_scanner
 from stager.slurm import SlurmEnv
@@ -189,8 +189,8 @@ def prepare(
         aligned = None  # fill_sizes may have dropped some
     if skipped and not shards and options.subset == "all":
         raise SourceError(nothing_regular_message(source, skipped))
-    if source.unmatched:
-        warn(log, node, unmatched_case_message(source.unmatched))
+    for line in left_out_warnings(source.left_out):
+        warn(log, node, line)
     for url in skipped:
         warn(
             log,

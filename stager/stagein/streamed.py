@@ -36,8 +36,8 @@ from stager.layout import (
     StagedDataset,
     canonical_spec,
     dataset_name,
+    left_out_warnings,
     no_shards_message,
-    unmatched_case_message,
 )
 from stager.shards.manifest import find_manifest
 from stager.shards.tarparse import load_scanner
@@ -192,11 +192,11 @@ def _stream(
         copier.add([CopyItem(s, target + s.relpath, None, None, False) for s in shards])
 
     listing: list[str] = []
-    unmatched: list[str] = []
+    left_out: list[str] = []
 
     def walk() -> None:
         try:
-            listing.extend(walk_local(root, options.jobs, on_found=found, unmatched=unmatched))
+            listing.extend(walk_local(root, options.jobs, on_found=found, left_out=left_out))
         except BaseException as exc:  # noqa: BLE001 - raised by copier.run on the main thread
             listing_failed = isinstance(exc, OSError) and not isinstance(exc, StagerError)
             copier.abort(translate(exc, spec) if listing_failed else exc)
@@ -210,12 +210,8 @@ def _stream(
     walker.join()
     if not listing:
         raise SourceError(no_shards_message(spec, some_file_names(root)))
-    if unmatched:
-        print(
-            f"[{slurm.node_name}] warning: {unmatched_case_message(sorted(unmatched))}",
-            file=log,
-            flush=True,
-        )
+    for line in left_out_warnings(left_out):
+        print(f"[{slurm.node_name}] warning: {line}", file=log, flush=True)
     if len(copier.dropped) == len(listing):  # every one a FIFO, a device, a broken link...
         urls = [f"{root.rstrip('/')}/{relpath}" for relpath in copier.dropped]
         raise SourceError(nothing_regular_message(empty, urls))

@@ -95,7 +95,7 @@ def walk_local(
     root: str,
     jobs: int = 1,
     on_found: Callable[[list[str]], object] | None = None,
-    unmatched: list[str] | None = None,
+    left_out: list[str] | None = None,
 ) -> list[str]:
     """Shard file names under ``root``, sorted, from directory reads only (no stat per file).
 
@@ -111,8 +111,10 @@ def walk_local(
 
     ``on_found(paths)`` is called with each directory's shard paths as soon as they are read
     (in no particular order across directories), so copies can start while the walk goes on.
-    ``unmatched`` gets the files that would be shards but for their suffix's case
-    (:func:`~stager.layout.is_shard_name_but_for_case`), for the caller's warning.
+    ``left_out`` gets what the walk saw but did not take, for the caller's warning: files that
+    would be shards but for their suffix's case (:func:`~stager.layout.is_shard_name_but_for_case`)
+    and symlinks to directories (not followed: a loop, or a second path to the same shards),
+    with a trailing ``/``.
     """
     found: list[str] = []
     level = [root]
@@ -128,14 +130,30 @@ def walk_local(
             threads = max(1, jobs)
         directories = _in_threads(_is_directory, others, threads)
         level = [entry.path for entry, yes in zip(others, directories, strict=True) if yes]
-        if unmatched is not None:
-            unmatched += [
-                entry.path
-                for entry, yes in zip(others, directories, strict=True)
-                if not yes and is_shard_name_but_for_case(entry.name)
-            ]
+        if left_out is not None:
+            left_out += _left_out(others, directories)
     found.sort()
     return found
+
+
+def _left_out(others: list[os.DirEntry[str]], directories: list[bool]) -> list[str]:
+    """The entries of one level not walked into or taken that a user may have meant as data."""
+    found = []
+    for entry, is_directory in zip(others, directories, strict=True):
+        if is_directory:
+            continue
+        if is_shard_name_but_for_case(entry.name):
+            found.append(entry.path)
+        elif entry.is_symlink() and _is_linked_directory(entry):
+            found.append(entry.path + "/")
+    return found
+
+
+def _is_linked_directory(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_dir(follow_symlinks=True)
+    except OSError:
+        return False  # a link to nothing: not data either way
 
 
 def some_file_names(root: str, limit: int = 10_000) -> list[str]:

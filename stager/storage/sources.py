@@ -7,7 +7,7 @@ a character, not a separator). Two entries naming the same file collapse into on
 different files that would land on one relative path are refused before any byte moves,
 naming both. Entries that are not regular files (a FIFO named ``x.tar`` would block a reader
 forever) are skipped and listed in :attr:`SourceSet.skipped` for a warning, as are files named
-like shards but for their suffix's case (``x.TAR``) in :attr:`SourceSet.unmatched`.
+like shards but for their suffix's case (``x.TAR``) and linked directories in ``left_out``.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class SourceSet:
     remote_fs: fsspec.AbstractFileSystem | None = None  # None: a local path (NFS mounts too)
     spec: str = ""  # stager.layout.canonical_spec of what was asked for: same spec, same set
     skipped: tuple[str, ...] = ()  # entries that are not regular files (FIFOs, devices)
-    unmatched: tuple[str, ...] = ()  # walked files named like shards but for the suffix's case
+    left_out: tuple[str, ...] = ()  # seen by a walk, not taken (walk_local's left_out)
     walked: bool = False  # a whole directory: every shard under the root belongs to the set
     named: bool = False  # every shard named (a list, braces, one file): no other file joins it
 
@@ -255,9 +255,9 @@ def _walk(
     spec_id = canonical_spec(spec)
     if fs is None:
         # NFS answers each stat with a round trip: names from readdir (walk_local), then stats.
-        unmatched: list[str] = []
+        left_out: list[str] = []
         try:
-            names = walk_local(root, jobs, unmatched=unmatched)
+            names = walk_local(root, jobs, left_out=left_out)
         except OSError as exc:
             raise translate(exc, spec) from exc
         # The walk joins readdir names with "/" under root: the tail is already a canonical
@@ -265,8 +265,8 @@ def _walk(
         # (posixpath.relpath cost ~60 us a shard: a minute at 1M shards).
         cut = len(root.rstrip("/")) + 1
         walked = tuple(SourceShard(p, p, p[cut:], None) for p in names)
-        found_case = tuple(sorted(unmatched))
-        result = SourceSet(root, name, walked, spec=spec_id, walked=True, unmatched=found_case)
+        seen = tuple(sorted(left_out))
+        result = SourceSet(root, name, walked, spec=spec_id, walked=True, left_out=seen)
         if stat:
             others: list[str] = []
             kept = fill_sizes(result, walked, jobs, skipped=others)

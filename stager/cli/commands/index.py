@@ -7,7 +7,7 @@ import sys
 
 from stager.cli.argtypes import count, default_of, positive_count, seconds
 from stager.errors import UsageError, one_line
-from stager.layout import unmatched_case_message
+from stager.layout import left_out_warnings
 from stager.shards.build import IndexOptions
 from stager.storage.hashing import ALGORITHMS, DEFAULT_ALGORITHM
 
@@ -95,8 +95,7 @@ def run(args: argparse.Namespace) -> int:
             "nothing?)"
         )
         print(f"index: warning: {warning}", file=sys.stderr, flush=True)
-    if source.unmatched:
-        warning = unmatched_case_message(source.unmatched, "indexed")
+    for warning in left_out_warnings(source.left_out, "indexed"):
         print(f"index: warning: {warning}", file=sys.stderr, flush=True)
     options = IndexOptions(
         algorithm=args.hash,
