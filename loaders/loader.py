@@ -19,7 +19,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from stager.errors import ResumeMismatch, StagingStopped, UsageError
+from stager.errors import IntegrityError, ResumeMismatch, StagingStopped, UsageError
 from stager.gcpause import collection_paused
 from stager.plan.elastic import remaining_after
 from stager.plan.ranks import PlanOptions, WorldLayout, fingerprint
@@ -140,8 +140,16 @@ class ShardedLoader(DataLoader):
             self.reader: Reader = open_reader(
                 self.shards, options, pipeline, collate_fn, num_workers, self._to_tuple
             )
+        #: (the reader's list: a streaming reader adds to it as it reads)
         self.skipped_shards: list[str] = self.reader.skipped_shards
+        self.skipped_shards[:0] = self.shards.left_out  # found corrupt by stage-in
         self.shard_samples = self.reader.counts
+        if self.skipped_shards and not int(self.shard_samples.sum()):
+            raise IntegrityError(  # else a training loop of no steps, said only in a log line
+                f"every shard of {source} with samples was left out as corrupt "
+                f"({len(self.skipped_shards)}, first: {self.skipped_shards[0]}): nothing to "
+                "train on"
+            )
         self.fingerprint = fingerprint(self.shards.relpaths, self.shard_samples)
         self.plan_options = PlanOptions(
             batch_size=batch_size,

@@ -13,6 +13,7 @@ with a warning. A staged copy of another source under the same name is refused.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -83,6 +84,8 @@ class DatasetShards:
     # it is still being made (read by stager_loaders.staging.StagingReader)
     staging: PlanFacts | None = None
     growing: bool = False
+    # shards stage-in found corrupt, left out with on_error="skip" (the loader's skipped_shards)
+    left_out: tuple[str, ...] = ()
 
     @classmethod
     def from_refs(
@@ -267,9 +270,10 @@ def _merge_failures(
         )
     if corrupt:
         log.warning("leaving out %d shard(s) stage-in found corrupt: %s", len(corrupt), corrupt[:5])
+    prefix = root.removeprefix("file://").rstrip("/") + "/"
+    left_out = tuple(url.removeprefix(prefix) if root else url for url in corrupt)
     if subset == "all" and root:
         known = {r.relpath for r in refs}
-        prefix = root.removeprefix("file://").rstrip("/") + "/"
         for url in retry:  # failed after retries: still part of the dataset, read from the source
             relpath = url[len(prefix) :] if url.startswith(prefix) else None
             if relpath and relpath not in known:
@@ -286,7 +290,9 @@ def _merge_failures(
             root,
             dataset_dir,
         )
-    return DatasetShards.from_refs(refs, subset, dataset_dir)
+    return dataclasses.replace(
+        DatasetShards.from_refs(refs, subset, dataset_dir), left_out=left_out
+    )
 
 
 def resolve_dataset(

@@ -14,7 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from stager.errors import EXIT_DEST, EXIT_FULL, EXIT_INTEGRITY, EXIT_INTERRUPTED, EXIT_USAGE
+from stager.errors import (
+    EXIT_DEST,
+    EXIT_FULL,
+    EXIT_INTEGRITY,
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    IntegrityError,
+)
 from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 
 from .conftest import BIN, clean_env, mount_tmpfs, run_cli
@@ -177,6 +184,21 @@ def test_a_corrupt_shard_fails_the_run_with_exit_4_once_per_run(tmp_path: Path) 
             "train-000002.tar",
         ]
         assert not list(dest.rglob("*.partial"))
+    from stager_loaders import LoaderOptions, ShardedLoader
+
+    where = str(tmp_path / "s")
+    with pytest.raises(IntegrityError, match="train-000001.tar"):
+        ShardedLoader(src, batch_size=2, options=LoaderOptions(dest=where))
+    skip = LoaderOptions(dest=where, on_error="skip")
+    loader = ShardedLoader(src, batch_size=2, to_tuple=("__key__",), options=skip)
+    assert loader.skipped_shards == ["train-000001.tar"]
+    assert {k[:6] for (batch,) in loader for k in batch} == {"s00000", "s00002"}
+    for name in ("train-000000.tar", "train-000002.tar"):  # every shard corrupt: no empty loader
+        with open(src / name, "r+b") as handle:
+            handle.truncate(9000)
+    assert run_cli("stage-in", str(src), "--dest", where, *LOUD).returncode == EXIT_INTEGRITY
+    with pytest.raises(IntegrityError, match="every shard .* was left out as corrupt"):
+        ShardedLoader(src, batch_size=2, options=skip)
 
 
 def test_a_shard_that_is_a_symlink_to_nothing_is_warned_about(tmp_path: Path) -> None:
@@ -495,3 +517,25 @@ def test_a_source_shard_linked_to_its_own_staged_file_is_refused_not_deleted(
     assert result.returncode == EXIT_USAGE, result.stderr
     assert "is the staged file" in result.stderr
     assert only_copy.read_bytes() == before
+
+
+def test_a_shard_corrupted_after_a_manifest_without_hashes_fails_with_exit_4(
+    tmp_path: Path,
+) -> None:
+    """A source manifest may give sizes and sample counts without hashes: a shard whose header
+    was damaged since (same size) passed as staged, its count taken from the manifest."""
+    src = tmp_path / "ds"
+    write_synthetic_dataset(src, SyntheticSpec(num_shards=3, samples_per_shard=4))
+    shards = sorted(src.glob("*.tar"))
+    described = [{"path": p.name, "size": p.stat().st_size, "samples": 4} for p in shards]
+    manifest = {"format": "stager-manifest", "version": 1, "meta": {}, "shards": described}
+    (src / "stager-manifest.json").write_text(json.dumps(manifest))
+    with open(shards[1], "r+b") as handle:  # the second member's header, same size
+        handle.seek(1024)
+        handle.write(b"\xff" * 100)
+    result = run_cli("stage-in", str(src), "--dest", str(tmp_path / "s"), *LOUD)
+    assert result.returncode == EXIT_INTEGRITY, result.stderr
+    failed = [line for line in result.stderr.splitlines() if line.startswith("FAILED")]
+    assert len(failed) == 1 and shards[1].name in failed[0], result.stderr
+    staged = sorted(p.name for p in (tmp_path / "s" / "ds").glob("*.tar"))
+    assert staged == [shards[0].name, shards[2].name]

@@ -313,7 +313,7 @@ class Copier:
     ) -> None:
         relpath = item.shard.relpath
         samples = self._known_samples(item)
-        if counter is not None and counter.samples is not None:
+        if counter is not None:  # (one that found no tar too: the finish checks the copy)
             self.outcome.parsed[relpath] = counter  # arrays are built at the end, off this thread
             if samples is None:
                 samples = counter.samples

@@ -145,7 +145,10 @@ def _count_and_index(run: Staging) -> Indexes:
         index = counter.result()
         if index is not None and relpath in run.entries:
             indexes[relpath] = index
-    for relpath in sorted(run.unverified & run.entries.keys()):
+    # Fan-out's received shards, and those whose walk in flight found no tar: the samples a
+    # manifest gives are no proof that the bytes are a readable tar (it may carry no hash).
+    unreadable = {relpath for relpath in run.parsed if relpath not in indexes}
+    for relpath in sorted((run.unverified | unreadable) & run.entries.keys()):
         _verify_count(run, relpath, indexes)
     for relpath, entry in list(run.entries.items()):
         if entry.samples is not None:
