@@ -116,6 +116,10 @@ def _wait_for_copier(staged: StagedDataset) -> None:
         time.sleep(0.1)
 
 
+#: How a run ends when only shards failed (stager.errors): nothing else went wrong.
+_SHARD_FAILURES = frozenset({"ShardsFailed", "ShardsCorrupt"})
+
+
 def resolve_staging(
     staged: StagedDataset, spec: str | list[str] | None, on_error: str
 ) -> DatasetShards | None:
@@ -137,7 +141,11 @@ def resolve_staging(
         while outcome is None and lock_held(staged):
             time.sleep(0.2)
             outcome = read_outcome(staged, facts)
-    if (outcome is not None and outcome.ok or compressed) and staged.manifest_path.is_file():
+    # A run that ended with only shard failures wrote its manifest, and its result names them:
+    # resolved as after a plain stage-in, so on_error="skip" leaves the corrupt ones out of the
+    # plan, not in it to raise mid-epoch when their turn comes.
+    ended = outcome is not None and (outcome.ok or outcome.error_class in _SHARD_FAILURES)
+    if (ended or compressed) and staged.manifest_path.is_file():
         return dataclasses.replace(_from_staged(staged.dir, spec, on_error), staging=facts)
     prefix = str(staged.dir) + "/"
     count = len(columns.relpaths)

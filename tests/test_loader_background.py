@@ -169,3 +169,27 @@ def test_a_dead_copier_is_said_in_one_line_then_fails_or_reads_the_source(
     for shard in sorted(src.glob("*.tar")):
         assert (staged.dir / shard.name).read_bytes() == shard.read_bytes()
     assert not list(staged.dir.rglob("*.partial"))
+
+
+def test_a_background_run_that_ended_with_a_corrupt_shard_is_resolved_as_it_ended(
+    tmp_path: Path,
+) -> None:
+    """The copier ended (exit 4) before the loader started: with on_error="skip" the corrupt
+    shard is out of the plan from the start, where it stayed in it and raised mid-epoch."""
+    from stager.errors import EXIT_INTEGRITY, IntegrityError
+
+    src, dest = dataset(tmp_path), tmp_path / "scratch"
+    victim = sorted(src.glob("*.tar"))[1]
+    with open(victim, "r+b") as handle:  # damaged after `stager index`: its size is unchanged
+        handle.seek(1024)
+        handle.write(b"\xff" * 100)
+    copier = start_copier(src, dest)
+    _, err = copier.communicate(timeout=120)
+    assert copier.returncode == EXIT_INTEGRITY, err
+    with pytest.raises(IntegrityError, match=victim.name):
+        _loader(src, dest)
+    loader = _loader(src, dest, on_error="skip")
+    assert loader.skipped_shards == [victim.name]
+    keys = _keys(loader)
+    assert len(keys) == sum(COUNTS) - COUNTS[1]
+    assert not [k for k in keys if k.startswith("s00001-")]
