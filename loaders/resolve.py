@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from stager.errors import IntegrityError, SourceError, StagerError, UsageError
-from stager.layout import StagedDataset, canonical_root, dataset_name
+from stager.layout import CORRUPT_META, StagedDataset, canonical_root, dataset_name
 from stager.shards.indexkey import changed_ns
 from stager.shards.manifest import Manifest, find_manifest, read_columns
 from stager.shards.tarindex import any_compressed
@@ -143,6 +143,24 @@ def _failures(dataset_dir: Path) -> list[dict[str, str]]:
         return []
 
 
+def _recorded_corrupt(meta: dict[str, str], failures: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The shards the staged manifest records as corrupt (stager.stagein.finish.CORRUPT_META)
+    that the last result does not name: a later run that failed early rewrote the result."""
+    try:
+        relpaths = json.loads(meta.get(CORRUPT_META, "[]"))
+    except ValueError:
+        return []
+    root = meta.get("source", "").rstrip("/")
+    named = {f["url"] for f in failures}
+    urls = (
+        [f"{root}/{r}" for r in relpaths if isinstance(r, str)]
+        if isinstance(relpaths, list)
+        else []
+    )
+    reason = "found corrupt by an earlier stage-in"
+    return [{"url": u, "kind": "corrupt", "reason": reason} for u in urls if u not in named]
+
+
 def _source_refs(source: SourceSet, samples: dict[str, int | None]) -> dict[str, ShardRef]:
     local = source.is_local
     return {
@@ -219,6 +237,7 @@ def _from_staged(
     locations = PackedStrings.prefixed(prefix, columns.relpaths)
     mtimes, missing = _staged_mtimes(locations, columns.sizes)
     failures = _failures(dataset_dir)
+    failures += _recorded_corrupt(columns.meta, failures)
     if not missing and not failures:
         count = len(locations)
         return DatasetShards(

@@ -37,6 +37,7 @@ __all__ = [
     "META_DIR",
     "PARTIAL_SUFFIX",
     "SHARD_SUFFIXES",
+    "CORRUPT_META",
     "StagedDataset",
     "dataset_name",
     "canonical_spec",
@@ -68,6 +69,12 @@ STAGEOUT_STATE_DIR = ".stager-stageout"
 DOCTOR_PROBE_PREFIX = ".stager-doctor-"
 _RESERVED_PREFIX = ".stager"
 _GLOB_CHARS = "*?["
+
+
+#: The staged manifest's ``meta`` key recording the shards this node's last finished stage-in
+#: found corrupt (a JSON list of relpaths): the loader refuses or leaves them out even after a
+#: later run failed before its end and wrote a result without them (the result alone held it).
+CORRUPT_META = "corrupt"
 
 
 def is_shard_name(name: str) -> bool:

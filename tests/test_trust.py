@@ -319,6 +319,35 @@ def test_6_a_shard_that_failed_its_hash_is_not_read_from_the_source(tmp_path: Pa
     assert loader.shards.from_source == 0 and len(loader.shards.shards) == 2
 
 
+def test_6_a_corrupt_shard_stays_refused_after_a_later_run_fails_early(
+    tmp_path: Path, capsys
+) -> None:
+    """The record that a shard was corrupt lived only in the last result file: a run that then
+    failed before copying (scratch too full) rewrote it without the shard, and the loader
+    trained on the rest without a word."""
+    from stager_loaders import LoaderOptions, ShardedLoader
+
+    src = tmp_path / "ds"
+    write_synthetic_dataset(src, SyntheticSpec(num_shards=3, samples_per_shard=5))
+    with open(src / "train-000001.tar", "r+b") as handle:
+        handle.truncate(9000)
+    dest = tmp_path / "s"
+    stage = ["stage-in", str(src), "--dest", str(dest), *FAST]
+    assert run_main(capsys, *stage).returncode == EXIT_INTEGRITY
+    assert run_main(capsys, *stage, "--min-free", "100000T").returncode == EXIT_FULL
+    with pytest.raises(IntegrityError, match="train-000001.tar"):
+        ShardedLoader(str(src), batch_size=5, options=LoaderOptions(dest=str(dest)))
+    skip = LoaderOptions(dest=str(dest), on_error="skip")
+    loader = ShardedLoader(str(src), batch_size=5, to_tuple=("__key__",), options=skip)
+    assert loader.skipped_shards == ["train-000001.tar"] and loader.shards.from_source == 0
+    (src / "train-000001.tar").unlink()  # fixed at the source: the next run clears the record
+    write_synthetic_dataset(tmp_path / "fixed", SyntheticSpec(num_shards=3, samples_per_shard=5))
+    shutil.copy(tmp_path / "fixed" / "train-000001.tar", src / "train-000001.tar")
+    assert run_main(capsys, *stage).returncode == 0
+    loader = ShardedLoader(str(src), batch_size=5, options=LoaderOptions(dest=str(dest)))
+    assert loader.skipped_shards == [] and len(loader.shards.relpaths) == 3
+
+
 # -- 7. no hang ---------------------------------------------------------------------------------
 def test_7_a_fifo_named_like_a_shard_is_skipped_with_a_warning(tmp_path: Path) -> None:
     src = tmp_path / "ds"

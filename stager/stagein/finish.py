@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import json
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -33,7 +34,7 @@ from stager.errors import (
     one_line,
     shard_failures,
 )
-from stager.layout import StagedDataset, is_shard_name
+from stager.layout import CORRUPT_META, StagedDataset, is_shard_name
 from stager.shards import indexfile, tarindex
 from stager.shards.manifest import Manifest, ManifestEntry
 from stager.shards.tarindex import TarIndex
@@ -80,15 +81,18 @@ def finish(run: Staging) -> None:
     """Write what ``run`` staged and raise its error, if it has one (see the module doc)."""
     report = run.report
     indexes = _count_and_index(run) if run.options.count_samples else {}
+    meta = {
+        "source": run.source.root_url,
+        "spec": run.source.spec,
+        "subset": run.options.subset,
+        "node": report.node,
+        "job_id": report.job_id,
+    }
+    corrupt = _corrupt_relpaths(run)
+    if corrupt:  # kept with what was staged: a later run that fails early rewrites the result
+        meta[CORRUPT_META] = json.dumps(corrupt)
     manifest = Manifest(
-        tuple(run.entries[s.relpath] for s in run.shards if s.relpath in run.entries),
-        {
-            "source": run.source.root_url,
-            "spec": run.source.spec,
-            "subset": run.options.subset,
-            "node": report.node,
-            "job_id": report.job_id,
-        },
+        tuple(run.entries[s.relpath] for s in run.shards if s.relpath in run.entries), meta
     )
     try:
         # Rewritten when a shard was published in this run although the entries are the same
@@ -122,13 +126,19 @@ def finish(run: Staging) -> None:
         raise shard_failures(failures)
 
 
+def _corrupt_relpaths(run: Staging) -> list[str]:
+    prefix = run.source.root_url.rstrip("/") + "/"
+    urls = [f["url"] for f in run.report.failures if f.get("kind") == "corrupt"]
+    return sorted(url[len(prefix) :] for url in urls if url.startswith(prefix))
+
+
 def _unchanged(path: Path, manifest: Manifest) -> bool:
     """True when ``path`` already holds ``manifest``'s shards and source (job and node aside)."""
     try:
         before = Manifest.read(path)
     except (OSError, StagerError):
         return False
-    keys = ("source", "spec", "subset")
+    keys = ("source", "spec", "subset", CORRUPT_META)
     same_meta = all(before.meta.get(k) == manifest.meta.get(k) for k in keys)
     return same_meta and before.entries == manifest.entries
 
