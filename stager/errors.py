@@ -209,7 +209,7 @@ class ShardsFailed(_Failures, SourceError):
         super().__init__(
             message
             or f"{len(self.failures)} shard(s) failed after retries; "
-            "the rest are staged, rerun stage-in to retry only the failed ones"
+            "any others are staged, rerun stage-in to retry only the failed ones"
         )
 
 
@@ -236,11 +236,14 @@ class ShardsCorrupt(_Failures, IntegrityError):
 
     def __init__(self, failures: Iterable[ShardFailure] = (), message: str | None = None):
         self.failures = list(failures)
+        corrupt = sum(f.kind == "corrupt" for f in self.failures)
+        others = len(self.failures) - corrupt
+        also = f" and {others} other(s) failed after retries" if others else ""
         super().__init__(
             message
-            or f"{len(self.failures)} shard(s) differ from their manifest or are corrupt; the "
-            "rest are "
-            "staged. Fix the source (or re-run stager index if the change is intended) and rerun"
+            or f"{corrupt} shard(s) differ from their manifest or are corrupt{also}; any "
+            "others are staged. Fix the source (or re-run stager index if the change is "
+            "intended) and rerun"
         )
 
 

@@ -539,3 +539,16 @@ def test_a_shard_corrupted_after_a_manifest_without_hashes_fails_with_exit_4(
     assert len(failed) == 1 and shards[1].name in failed[0], result.stderr
     staged = sorted(p.name for p in (tmp_path / "s" / "ds").glob("*.tar"))
     assert staged == [shards[0].name, shards[2].name]
+
+
+def test_a_run_with_a_corrupt_and_a_missing_shard_counts_each_kind() -> None:
+    """Exit 4 wins (docs/stage-in.md), and the summary no longer calls both shards corrupt."""
+    from stager.errors import ShardFailure, shard_failures
+
+    error = shard_failures(
+        [ShardFailure("/d/a.tar", "truncated", "corrupt"), ShardFailure("/d/b.tar", "not found")]
+    )
+    assert error.exit_code == EXIT_INTEGRITY
+    assert str(error).startswith(
+        "1 shard(s) differ from their manifest or are corrupt and 1 other(s) failed after retries"
+    )
