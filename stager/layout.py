@@ -45,6 +45,7 @@ __all__ = [
     "source_root",
     "is_shard_name",
     "no_shards_message",
+    "not_regular_message",
     "is_bookkeeping",
     "RESTORED_DIR",
     "RESTORE_LOCK",
@@ -114,10 +115,24 @@ def _first(paths: Sequence[str]) -> str:
     return f"{one_line(paths[0])!r}{more}"
 
 
-def no_shards_message(spec: str, names: Iterable[str]) -> str:
+def not_regular_message(root: str, skipped: Sequence[str]) -> str:
+    """The error for a source whose every would-be shard is a FIFO, a device or a broken link."""
+    first = f"no shards to stage from {one_line(root)}: {one_line(min(skipped))!r}"
+    if len(skipped) == 1:
+        return f"{first} is not a regular file (a FIFO, a device or a symlink to nothing?)"
+    return (
+        f"{first} and {len(skipped) - 1} more are not regular files (FIFOs, devices or symlinks "
+        "to nothing?)"
+    )
+
+
+def no_shards_message(spec: str, names: Iterable[str], skipped: Sequence[str] = ()) -> str:
     """The one line for a source without shards. Where some of ``names`` (the files found)
     would be shards but for the case of their suffix (``SHARD-0.TAR``), it names one: shard
-    names are matched as written, and "check the directory" did not say what was wrong."""
+    names are matched as written, and "check the directory" did not say what was wrong. Where
+    the walk skipped some (``skipped``: not regular files), it names one of those instead."""
+    if skipped:
+        return not_regular_message(spec, skipped)
     for name in names:
         base = name.rsplit("/", 1)[-1]
         if is_shard_name_but_for_case(base):

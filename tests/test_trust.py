@@ -379,6 +379,7 @@ def test_7_a_source_of_only_fifos_and_broken_links_is_no_shards_not_success(
         "directory, streamed first run": [str(src)],
         "glob": [str(src / "*.tar")],
         "list": ["--from-list", str(listed)],
+        "directory, sized first (--subset node)": [str(src), "--subset", "node"],
         "directory, a staged copy there": [str(src)],  # listed before copying
     }
     for n, (how, spec) in enumerate(named.items()):
@@ -397,6 +398,11 @@ def test_7_a_source_of_only_fifos_and_broken_links_is_no_shards_not_success(
         assert "gone.tar" in errors[0] and "1 more are not regular files" in errors[0], how
         if how != "directory, a staged copy there":
             assert not list(dest.rglob("*.tar*")), how
+    (src / "gone.tar").unlink()
+    os.symlink(tmp_path / "nowhere.tar", src / "gone.tar")
+    indexed = run_cli("stager", "index", str(src), timeout=60)
+    assert indexed.returncode == EXIT_SOURCE, indexed.stderr
+    assert "gone.tar' and 1 more are not regular files" in indexed.stderr
 
 
 def test_7_a_hung_lock_holder_makes_waiters_exit_8(tmp_path: Path) -> None:

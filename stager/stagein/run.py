@@ -24,7 +24,7 @@ from typing import TextIO
 
 from stager.errors import ShardFailure, SourceError, one_line
 from stager.gcpause import collection_paused
-from stager.layout import StagedDataset, left_out_warnings
+from stager.layout import StagedDataset, left_out_warnings, not_regular_message
 from stager.shards.manifest import ManifestEntry
 from stager.shards.tarparse import load_scanner
 from stager.slurm import SlurmEnv
@@ -241,13 +241,7 @@ def prepare(
 def nothing_regular_message(source: SourceSet, skipped: Sequence[str]) -> str:
     """The error for a source whose every shard is a FIFO, a device or a broken link: staging
     nothing and exiting 0 would look like success (``stager index`` refuses the same source)."""
-    first = f"no shards to stage from {one_line(source.root_url)}: {one_line(min(skipped))!r}"
-    if len(skipped) == 1:
-        return f"{first} is not a regular file (a FIFO, a device or a symlink to nothing?)"
-    return (
-        f"{first} and {len(skipped) - 1} more are not regular files (FIFOs, devices or symlinks "
-        "to nothing?)"
-    )
+    return not_regular_message(source.root_url, skipped)
 
 
 def copy_per_node(

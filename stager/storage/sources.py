@@ -287,7 +287,7 @@ def _walk(
         )
     if not result.shards:
         listed = some_file_names(root) if fs is None else list(found)
-        raise SourceError(no_shards_message(spec, listed))
+        raise SourceError(no_shards_message(spec, listed, result.skipped))
     return result
 
 
