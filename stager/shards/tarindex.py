@@ -330,7 +330,17 @@ def count_samples_stream(stream: BinaryIO, name: str, *, compressed: bool = Fals
             _check_end(tail, name, tar.offset, last_name, compressed)
             while reader.read(1 << 20):
                 pass  # the padding, and for gzip the trailer whose CRC is checked on the way
-    except (tarfile.TarError, EOFError, UnicodeError, gzip.BadGzipFile, zlib.error) as exc:
+    except gzip.BadGzipFile as exc:
+        if reader.pos == 0:  # not gzip from its first bytes: a plain tar under a .tgz name?
+            raise IntegrityError(
+                f"{name}: not gzip-compressed ({exc}), though named so: if it is a plain tar, "
+                "name it *.tar (shards are read by their suffixes), else re-create this shard"
+            ) from exc
+        raise IntegrityError(
+            f"{name}: corrupt or truncated tar after member {last_name!r} ({exc}); "
+            "re-create this shard"
+        ) from exc
+    except (tarfile.TarError, EOFError, UnicodeError, zlib.error) as exc:
         raise IntegrityError(
             f"{name}: corrupt or truncated tar after member {last_name!r} ({exc}); "
             "re-create this shard"
