@@ -304,9 +304,7 @@ def test_a_counter_the_compiled_walk_refuses_reads_the_copy_back(tmp_path: Path,
 
 
 def test_a_plain_tar_under_a_gzip_name_says_to_rename_it(tmp_path: Path) -> None:
-    from stager.errors import IntegrityError
     from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
-    from stager.shards.tarindex import count_samples
 
     write_synthetic_dataset(tmp_path / "ds", SyntheticSpec(num_shards=1, samples_per_shard=2))
     plain = next((tmp_path / "ds").glob("*.tar"))
