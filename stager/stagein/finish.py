@@ -177,7 +177,7 @@ def _count_and_index(run: Staging) -> Indexes:
             # Corrupt at its source (the copy was checked against it): a failure, as `stager
             # index` makes it, not a warning under "0 failed" and exit 0 that let a job go on
             # to fail in its loader on the GPUs.
-            _unstage_corrupt(run, relpath, one_line(exc))
+            _unstage_corrupt(run, relpath, _without_path(exc, final))
             continue
         run.entries[relpath] = dataclasses.replace(entry, samples=samples)
     return indexes
@@ -197,7 +197,7 @@ def _verify_count(run: Staging, relpath: str, indexes: Indexes) -> None:
             indexes[relpath] = index
             counted = index.num_samples
     except IntegrityError as exc:
-        reason = one_line(exc)
+        reason = _without_path(exc, final)
     else:
         if counted == entry.samples:
             return
@@ -207,6 +207,12 @@ def _verify_count(run: Staging, relpath: str, indexes: Indexes) -> None:
         )
     indexes.pop(relpath, None)
     _unstage_corrupt(run, relpath, reason)
+
+
+def _without_path(exc: Exception, final: Path) -> str:
+    """The reason without the staged path it starts with: the FAILED line names the source
+    shard, and the staged copy is deleted."""
+    return one_line(exc).removeprefix(f"{final}: ")
 
 
 def _unstage_corrupt(run: Staging, relpath: str, reason: str) -> None:

@@ -180,7 +180,8 @@ def clean_partials(dataset_dir: Path) -> int:
 
 def count_samples_of(final: Path, warn: Callable[[str], None] | None = None) -> int | None:
     """Samples in a staged shard, or None when its tar cannot be read, said to ``warn``. The
-    copier and the plan pass none: the finish counts what is still uncounted and warns once."""
+    copier and the plan pass none: the finish counts what is still uncounted, and fails a shard
+    whose tar cannot be read (:mod:`stager.stagein.finish`)."""
     if not final.name.endswith((".tar", ".tgz", ".tar.gz")):
         return None
     try:
