@@ -180,8 +180,7 @@ def clean_partials(dataset_dir: Path) -> int:
 
 def count_samples_of(final: Path, warn: Callable[[str], None] | None = None) -> int | None:
     """Samples in a staged shard, or None when its tar cannot be read, said to ``warn``. The
-    copier and the plan pass none: the finish counts what is still uncounted, and fails a shard
-    whose tar cannot be read (:mod:`stager.stagein.finish`)."""
+    copier and the plan pass none: the finish counts the rest, and fails unreadable tars."""
     if not final.name.endswith((".tar", ".tgz", ".tar.gz")):
         return None
     try:
