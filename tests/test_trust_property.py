@@ -11,7 +11,9 @@ back (as ``cp -p`` or ``rsync -a`` leave them), replaced, removed, added, duplic
 * every staged file with its final name holds the current bytes of the source shard of that
   name, unless the run exited non-zero naming it;
 * a run that exited 0 staged exactly the source's shards;
-* a swapped source is refused (exit 2), and the staged copy stays the first source's, whole.
+* a swapped source is refused (exit 2), and the staged copy stays the first source's, whole;
+* a shard cut inside a member (no longer a readable tar) is never staged, and every run while
+  the source holds it fails naming it.
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ mutation = st.one_of(
     st.tuples(st.just("remove"), st.sampled_from(NAMES)),
     st.tuples(st.just("add"), st.sampled_from(NAMES), st.integers(1, 4)),
     st.tuples(st.just("swap")),
+    st.tuples(st.just("cut"), st.sampled_from(NAMES)),
     st.tuples(st.just("nothing")),
 )
 
@@ -147,10 +150,16 @@ def _run_sequence(
 
     code, err = stage(src)
     _check(src, dest / "ds", code, err, listed)
+    cut: set[str] = set()  # shards cut inside a member: no longer readable tars
     for step in steps:
         op, name = step[0], step[1] if len(step) > 1 else None
         target = src / name if name else None
-        if op == "rewrite" and target is not None and target.is_file():
+        if name is not None and op in ("replace", "add", "remove"):
+            cut.discard(name)
+        if op == "cut" and target is not None and target.is_file():
+            target.write_bytes(target.read_bytes()[:600])  # inside the first member's payload
+            cut.add(name)
+        elif op == "rewrite" and target is not None and target.is_file() and name not in cut:
             before = target.stat()
             data = bytearray(target.read_bytes())
             data[600] ^= 0xFF  # a payload byte: same size, other bytes, a valid tar still
@@ -163,6 +172,7 @@ def _run_sequence(
             target.unlink()
         if not _source_files(src):
             _write(src, "a.tar", 99, 1)  # an empty source is another test's business
+            cut.discard("a.tar")
         if op == "swap":
             before_swap = _staged_files(dest / "ds")
             code, err = stage(other)
@@ -172,6 +182,9 @@ def _run_sequence(
             continue
         code, err = stage(src)
         _check(src, dest / "ds", code, err, listed)
+        for name in cut:
+            assert code != 0 and name in err, (name, code, err)
+            assert not any(path.endswith(name) for path in _staged_files(dest / "ds")), err
 
 
 def _check(src: Path, dataset: Path, code: int, err: str, listed: bool) -> None:
