@@ -21,7 +21,7 @@ from stager.cache.keys import dataset_key, shard_key
 from stager.cache.locks import FileLock, lock_is_held
 from stager.cache.paths import CacheLayout
 from stager.cache.store import ShardCache
-from stager.errors import EXIT_USAGE, UnsafePath, UsageError
+from stager.errors import EXIT_INTEGRITY, EXIT_USAGE, UnsafePath, UsageError
 from stager.node.jobs import JobStates
 from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 
@@ -509,3 +509,27 @@ def test_a_cached_dataset_is_checked_with_a_stat_per_shard_not_a_record_read(
     )
     second = _stage(capsys, f"countfile://{src}", tmp_path / "job2", cache)
     assert second["files_from_cache"] == 6 and reads == []
+
+
+def test_a_corrupt_shard_served_from_the_cache_leaves_the_report_consistent(
+    capsys, tmp_path: Path
+) -> None:
+    """Unstaged as corrupt, a shard placed from the cache stayed in the report's "from the
+    cache" (3 from the cache beside 2 copied)."""
+    src = tmp_path / "nfs" / "ds"
+    write_synthetic_dataset(src, SPEC)
+    victim = sorted(src.glob("*.tar"))[1]
+    with open(victim, "r+b") as handle:
+        handle.truncate(9000)
+    cache = tmp_path / "cache"
+    reports = []
+    for job in ("job1", "job2"):  # filled by the first, served by the second
+        report = tmp_path / f"{job}.json"
+        argv = ["stage-in", str(src), "--dest", str(tmp_path / job), "--cache", str(cache)]
+        result = run_main(capsys, *argv, "--quiet", "--jitter-max", "0", "--report", str(report))
+        assert result.returncode == EXIT_INTEGRITY, result.stderr
+        reports.append(json.loads(report.read_text()))
+    served = reports[1]
+    assert served["files_failed"] == 1 and served["files_copied"] == SPEC.num_shards - 1
+    assert served["files_from_cache"] == served["files_copied"]
+    assert served["bytes_from_cache"] == served["bytes_copied"]

@@ -61,6 +61,7 @@ class Copier:
         self.source, self.plan, self.options = source, plan, options
         self.report, self.log = report, log
         self.served_samples: dict[str, int] = {}  # counts a cache hit brought
+        self.served: set[str] = set()  # relpaths placed from the node cache (report counts)
         self.journal = journal
         self.heartbeat = heartbeat  # tells tasks waiting on the node lock that we progress
         self.cache = cache  # the node cache (--cache): serves hits, is filled by misses
@@ -241,6 +242,7 @@ class Copier:
                 self._fail(item, one_line(exc), failure_kind(exc))
                 return
             if claim.served is not None:
+                self.served.add(item.shard.relpath)
                 if claim.samples is not None:
                     self.served_samples[item.shard.relpath] = claim.samples
                 self._staged(item, claim.served, None, True)

@@ -71,6 +71,8 @@ class Staging:
     rewrite_manifest: bool = False
     #: Staged before this run and kept (in the report's "skipped"), not copied in it
     kept: set[str] = field(default_factory=set)
+    #: Placed from the node cache in this run (in the report's "from the cache" too)
+    from_cache: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         if self.journal is None:
@@ -225,6 +227,9 @@ def _unstage_corrupt(run: Staging, relpath: str, reason: str) -> None:
     else:
         run.report.files_copied -= 1
         run.report.bytes_copied -= entry.size
+    if relpath in run.from_cache:
+        run.report.files_from_cache -= 1
+        run.report.bytes_from_cache -= entry.size
     discard(run.staged.dir / relpath)
     run.report.add_failure(
         ShardFailure(f"{run.source.root_url.rstrip('/')}/{relpath}", reason, "corrupt")

@@ -294,6 +294,7 @@ def copy_per_node(
                 cache=cache,
             )
             outcome = copier.run()
+            run.from_cache = copier.served
             if len(copier.dropped) == len(run.shards) and options.subset == "all":
                 # (sized before or while copying, every one proved not a shard)
                 raise SourceError(nothing_regular_message(source, [s.url for s in shards]))
