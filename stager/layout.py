@@ -46,6 +46,7 @@ __all__ = [
     "is_shard_name",
     "no_shards_message",
     "not_regular_message",
+    "skipped_message",
     "is_bookkeeping",
     "RESTORED_DIR",
     "RESTORE_LOCK",
@@ -113,6 +114,13 @@ def left_out_warnings(left_out: Sequence[str], done: str = "staged") -> list[str
 def _first(paths: Sequence[str]) -> str:
     more = f" and {len(paths) - 1} more" if len(paths) > 1 else ""
     return f"{one_line(paths[0])!r}{more}"
+
+
+def skipped_message(url: str) -> str:
+    """The warning for one would-be shard that is not a regular file, skipped unopened."""
+    return (
+        f"skipped {one_line(url)!r}: not a regular file (a FIFO, a device or a symlink to nothing?)"
+    )
 
 
 def not_regular_message(root: str, skipped: Sequence[str]) -> str:

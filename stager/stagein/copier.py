@@ -18,6 +18,7 @@ from operator import attrgetter
 from typing import TYPE_CHECKING, TextIO
 
 from stager.errors import HashMismatch, ShardFailure, SourceError, failure_kind, one_line
+from stager.layout import skipped_message
 from stager.shards.manifest import ManifestEntry
 from stager.shards.tarparse import TarSampleCounter
 from stager.stagein.feed import ItemFeed
@@ -356,12 +357,8 @@ class Copier:
         report.bytes_total += sizing.probed_bytes
         late = [item for item in self.plan.to_copy if item.shard.relpath in self.late]
         for index in sorted(sizing.probe.not_regular):
-            print(
-                f"[{report.node}] warning: skipped {one_line(late[index].shard.url)!r}: not a "
-                "regular file (a FIFO, a device or a symlink to nothing?)",
-                file=self.log,
-                flush=True,
-            )
+            message = skipped_message(late[index].shard.url)
+            print(f"[{report.node}] warning: {message}", file=self.log, flush=True)
         if not sizing.gate.passed:
             for relpath in self.held:
                 self._unstage(relpath)

@@ -22,9 +22,9 @@ from collections.abc import Callable, Mapping, Sequence
 from operator import attrgetter
 from typing import TextIO
 
-from stager.errors import ShardFailure, SourceError, one_line
+from stager.errors import ShardFailure, SourceError
 from stager.gcpause import collection_paused
-from stager.layout import StagedDataset, left_out_warnings, not_regular_message
+from stager.layout import StagedDataset, left_out_warnings, not_regular_message, skipped_message
 from stager.shards.manifest import ManifestEntry
 from stager.shards.tarparse import load_scanner
 from stager.slurm import SlurmEnv
@@ -56,7 +56,6 @@ __all__ = [
     "jitter_s",
     "new_report",
     "prepare",
-    "nothing_regular_message",
     "copy_per_node",
 ]
 
@@ -188,16 +187,11 @@ def prepare(
         shards = fill_sizes(source, shards, options.jobs, known=known, skipped=skipped)
         aligned = None  # fill_sizes may have dropped some
     if skipped and not shards and options.subset == "all":
-        raise SourceError(nothing_regular_message(source, skipped))
+        raise SourceError(not_regular_message(source.root_url, skipped))
     for line in left_out_warnings(source.left_out):
         warn(log, node, line)
     for url in skipped:
-        warn(
-            log,
-            node,
-            f"skipped {one_line(url)!r}: not a regular file "
-            "(a FIFO, a device or a symlink to nothing?)",
-        )
+        warn(log, node, skipped_message(url))
     if manifest is not None:
         unlisted = undescribed & {s.relpath for s in shards} if undescribed else set()
         if unlisted:
@@ -236,12 +230,6 @@ def prepare(
     run.entries.update(plan.kept)
     run.kept = set(plan.kept)
     return run, plan, expected
-
-
-def nothing_regular_message(source: SourceSet, skipped: Sequence[str]) -> str:
-    """The error for a source whose every shard is a FIFO, a device or a broken link: staging
-    nothing and exiting 0 would look like success (``stager index`` refuses the same source)."""
-    return not_regular_message(source.root_url, skipped)
 
 
 def copy_per_node(
@@ -297,7 +285,7 @@ def copy_per_node(
             run.from_cache = copier.served
             if len(copier.dropped) == len(run.shards) and options.subset == "all":
                 # (sized before or while copying, every one proved not a shard)
-                raise SourceError(nothing_regular_message(source, [s.url for s in shards]))
+                raise SourceError(not_regular_message(source.root_url, [s.url for s in shards]))
             run.entries.update(outcome.entries)
             run.parsed.update(outcome.parsed)
         if cache is not None:

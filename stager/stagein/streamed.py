@@ -38,6 +38,7 @@ from stager.layout import (
     dataset_name,
     left_out_warnings,
     no_shards_message,
+    not_regular_message,
 )
 from stager.shards.manifest import find_manifest
 from stager.shards.tarparse import load_scanner
@@ -58,7 +59,6 @@ from stager.stagein.run import (
     copy_per_node,
     jitter_s,
     new_report,
-    nothing_regular_message,
     stage_in,
     staged_dataset,
 )
@@ -214,7 +214,7 @@ def _stream(
         print(f"[{slurm.node_name}] warning: {line}", file=log, flush=True)
     if len(copier.dropped) == len(listing):  # every one a FIFO, a device, a broken link...
         urls = [f"{root.rstrip('/')}/{relpath}" for relpath in copier.dropped]
-        raise SourceError(nothing_regular_message(empty, urls))
+        raise SourceError(not_regular_message(root, urls))
     shards = tuple(SourceShard(p, p, p[cut:], None) for p in listing)
     run.source = dataclasses.replace(empty, shards=shards)
     run.shards = shards

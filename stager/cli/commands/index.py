@@ -6,8 +6,8 @@ import argparse
 import sys
 
 from stager.cli.argtypes import count, default_of, positive_count, seconds
-from stager.errors import UsageError, one_line
-from stager.layout import left_out_warnings
+from stager.errors import UsageError
+from stager.layout import left_out_warnings, skipped_message
 from stager.shards.build import IndexOptions
 from stager.storage.hashing import ALGORITHMS, DEFAULT_ALGORITHM
 
@@ -89,13 +89,11 @@ def run(args: argparse.Namespace) -> int:
     if args.retries < 0:
         raise UsageError("--retries must be >= 0")
     source = resolve_source(args.source, from_list=args.from_list, jobs=args.jobs)
-    for url in source.skipped:
-        warning = (
-            f"skipped {one_line(url)!r}: not a regular file (a FIFO, a device or a symlink to "
-            "nothing?)"
-        )
-        print(f"index: warning: {warning}", file=sys.stderr, flush=True)
-    for warning in left_out_warnings(source.left_out, "indexed"):
+    warnings = [
+        *map(skipped_message, source.skipped),
+        *left_out_warnings(source.left_out, "indexed"),
+    ]
+    for warning in warnings:
         print(f"index: warning: {warning}", file=sys.stderr, flush=True)
     options = IndexOptions(
         algorithm=args.hash,
