@@ -320,9 +320,11 @@ class Copier:
             self.outcome.parsed[relpath] = counter  # arrays are built at the end, off this thread
             if samples is None:
                 samples = counter.samples
-        late_count = samples is None and self.options.count_samples
+        # Compressed shards are counted here. A walk in flight that found no tar already ran
+        # the slower indexers: the finish reads that copy once more and fails it.
+        late_count = samples is None and counter is None and self.options.count_samples
         if late_count and published:
-            samples = count_samples_of(item.final)  # compressed, or odd for the parser
+            samples = count_samples_of(item.final)
         with self.lock:
             if not published:  # held as .partial until the verdict: counted after it, if need be
                 self.held.append(relpath)
