@@ -144,19 +144,17 @@ def _failures(dataset_dir: Path) -> list[dict[str, str]]:
 
 
 def _recorded_corrupt(meta: dict[str, str], failures: list[dict[str, str]]) -> list[dict[str, str]]:
-    """The shards the staged manifest records as corrupt (stager.stagein.finish.CORRUPT_META)
+    """The shards the staged manifest records as corrupt (:data:`stager.layout.CORRUPT_META`)
     that the last result does not name: a later run that failed early rewrote the result."""
     try:
         relpaths = json.loads(meta.get(CORRUPT_META, "[]"))
     except ValueError:
         return []
+    if not isinstance(relpaths, list):
+        return []
     root = meta.get("source", "").rstrip("/")
     named = {f["url"] for f in failures}
-    urls = (
-        [f"{root}/{r}" for r in relpaths if isinstance(r, str)]
-        if isinstance(relpaths, list)
-        else []
-    )
+    urls = [f"{root}/{relpath}" for relpath in relpaths if isinstance(relpath, str)]
     reason = "found corrupt by an earlier stage-in"
     return [{"url": u, "kind": "corrupt", "reason": reason} for u in urls if u not in named]
 
