@@ -31,7 +31,7 @@ from typing import Any
 from stager.shards import tarnative
 from stager.slurm import usable_cpus
 from stager.stagein.streams import DEFAULT_JOBS
-from stager.storage import statmany
+from stager.storage import bytepath, statmany
 from stager.storage.probe import ScratchProbe, SourceProbe, probe_scratch, probe_source
 from stager.storage.sources import SourceSet
 from stager.units import human_bytes
@@ -82,6 +82,9 @@ class Diagnosis:
     #: whether stage-in's size probe stats walked shards in runs without the interpreter lock
     #: (False: ``os.stat`` one at a time, where the install found no C compiler)
     compiled_stat_runs: bool = True
+    #: whether stage-in copies local shards with the compiled byte pump (False: in Python,
+    #: handing the interpreter lock over at every read, hash and write)
+    compiled_byte_pump: bool = True
     verdict: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -120,6 +123,8 @@ class Diagnosis:
         lines.append(f"  index    stage-in indexes shards with the {walk}")
         if not self.compiled_stat_runs:
             lines.append("  sizes    stage-in sizes walked shards with os.stat (no compiled runs)")
+        if not self.compiled_byte_pump:
+            lines.append("  copies   stage-in copies local shards in Python (no compiled pump)")
         lines.append("verdict:")
         lines.extend(f"  - {v}" for v in self.verdict)
         return "\n".join(lines)
@@ -310,6 +315,13 @@ def _verdict(diag: Diagnosis, *, epochs: int, nodes: int, target: float | None) 
             "shards from a fast source the copies then wait on the stats: reinstall with a C "
             "compiler, or give the dataset a manifest (stager index)"
         )
+    if not diag.compiled_byte_pump:
+        out.append(
+            "stage-in copies local shards in Python: the compiled byte pump was not built (no C "
+            "compiler at install, or STAGER_NATIVE_COPY=0); on many small shards from a fast "
+            "source its copy threads then take turns on the interpreter lock instead of the "
+            "cores: reinstall with a C compiler"
+        )
     if diag.scratch.free_bytes < diag.dataset_bytes:
         out.append(
             f"scratch has {human_bytes(diag.scratch.free_bytes)} free for a "
@@ -360,6 +372,7 @@ def diagnose(
         cpus=usable_cpus(),
         compiled_tar_walk=tarnative.available(),
         compiled_stat_runs=statmany.available(),
+        compiled_byte_pump=bytepath.available(),
     )
     diag.verdict = _verdict(diag, epochs=epochs, nodes=nodes, target=target)
     return diag

@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
 # The compiled helpers must have been built: without them the fallback paths would pass alone.
-export STAGER_NATIVE_TAR=1 STAGER_NATIVE_STAT=1
+export STAGER_NATIVE_TAR=1 STAGER_NATIVE_STAT=1 STAGER_NATIVE_COPY=1
 # Lint and types first (configured in pyproject.toml): seconds, and they fail with a file:line.
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .

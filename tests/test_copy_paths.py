@@ -1,7 +1,8 @@
-"""Both byte paths of copy_file for local sources (buffered; kernel copy + hashing through a
-mapping) keep every guarantee: whole and verified under the final name, the hash of the bytes,
-every byte handed to the inspector once and in order, ScratchFull on a full disk with no
-``.partial`` left, and the first/last-byte times the stream controller reads."""
+"""Every byte path of copy_file for local sources (buffered in Python; the compiled byte pump;
+kernel copy + hashing through a mapping) keeps every guarantee: whole and verified under the
+final name, the hash of the bytes, every byte handed to the inspector once and in order,
+ScratchFull on a full disk with no ``.partial`` left, and the first/last-byte times the stream
+controller reads."""
 
 from __future__ import annotations
 
@@ -15,30 +16,41 @@ import pytest
 import xxhash
 
 from stager.errors import ScratchFull
+from stager.shards._tarwalk import TarWalker
 from stager.storage import bytepath
 from stager.storage.bytepath import FIRST_READ_BYTES
 from stager.storage.copy import HashMismatch, copy_file
 from stager.storage.throttle import Throttle
 
 
-@pytest.fixture(params=["buffered", "kernel"])
+@pytest.fixture(params=["buffered", "kernel", "pumped"])
 def byte_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setattr(bytepath, "KERNEL_COPY", request.param == "kernel")
+    if request.param == "pumped":
+        assert bytepath.available(), "stager/storage/_bytepump.c was not built: pip install -e ."
+    else:
+        monkeypatch.setattr(bytepath, "_pump", None)
     return request.param
 
 
 class _Recorder:
-    """An inspector that keeps what it was fed, and what ``read_at`` returns afterwards."""
+    """An inspector that keeps what it was fed, and what ``read_at`` returns afterwards; on the
+    pumped path it offers a compiled walk, which the pump feeds in ``feed``'s place."""
 
-    def __init__(self) -> None:
+    def __init__(self, byte_path: str = "buffered") -> None:
         self.fed = bytearray()
         self.reread: bytes | None = None
+        self.walker = TarWalker() if byte_path == "pumped" else None
 
     def feed(self, chunk: memoryview) -> None:
         self.fed += chunk
 
     def finish(self, read_at: Callable[[int, int], bytes]) -> None:
-        self.reread = read_at(0, len(self.fed) + 10)
+        seen = self.walker.fed if self.walker is not None else len(self.fed)
+        self.reread = read_at(0, seen + 10)
+
+    def compiled_walk(self) -> object | None:
+        return self.walker
 
 
 def _data(nbytes: int) -> bytes:
@@ -51,7 +63,7 @@ def test_copies_hashes_and_inspects_every_byte_once(
 ) -> None:
     src = tmp_path / "src.bin"
     src.write_bytes(_data(nbytes))
-    seen = _Recorder()
+    seen = _Recorder(byte_path)
     final = tmp_path / "out" / "dst.bin"
     result = copy_file(None, str(src), final, inspect=seen, block_bytes=1 << 20)
     assert final.read_bytes() == src.read_bytes()
@@ -59,7 +71,11 @@ def test_copies_hashes_and_inspects_every_byte_once(
         result.size == nbytes
         and result.hash == f"xxh3_64:{xxhash.xxh3_64_hexdigest(src.read_bytes())}"
     )
-    assert bytes(seen.fed) == src.read_bytes() and seen.reread == src.read_bytes()
+    if seen.walker is not None:  # the pump fed the walk every byte, and feed() none
+        assert seen.walker.fed == nbytes and not seen.fed
+    else:
+        assert bytes(seen.fed) == src.read_bytes()
+    assert seen.reread == src.read_bytes()
     assert not list(tmp_path.rglob("*.partial"))
 
 
@@ -143,5 +159,5 @@ def test_full_scratch_is_scratch_full_and_leaves_no_partial(
     src = tmp_path / "big.bin"
     src.write_bytes(_data(3 << 20))
     with pytest.raises(ScratchFull, match="no space left"):
-        copy_file(None, str(src), small_tmpfs / "big.bin", inspect=_Recorder())
+        copy_file(None, str(src), small_tmpfs / "big.bin", inspect=_Recorder(byte_path))
     assert not list(small_tmpfs.iterdir())

@@ -1,7 +1,8 @@
 """The compiled helpers are optional at install time: without a C compiler the package still
 builds and installs, stage-in's indexing falls back to the numpy scanner (which
-tests/test_tarcount.py and tests/test_tarscan.py hold to tarfile's answer), and its size probe
-to ``os.stat`` (tests/test_statmany.py holds both to the same answers)."""
+tests/test_tarcount.py and tests/test_tarscan.py hold to tarfile's answer), its size probe
+to ``os.stat`` (tests/test_statmany.py holds both to the same answers), and its copies to the
+Python byte path (tests/test_copy_paths.py runs every path)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from stager.shards import tarnative
-from stager.storage import statmany
+from stager.storage import bytepath, statmany
 
 from .conftest import REPO, clean_env
 
@@ -22,6 +23,7 @@ _FALLBACK_CHECK = """
 import io, tarfile
 import stager.shards.tarnative as tarnative
 import stager.storage.statmany as statmany
+import stager.storage.bytepath as bytepath
 from stager.shards.tarparse import TarSampleCounter
 buf = io.BytesIO()
 with tarfile.open(fileobj=buf, mode="w") as tar:
@@ -34,7 +36,8 @@ counter = TarSampleCounter()
 counter.feed(data)
 counter.finish(lambda offset, nbytes: data[offset : offset + nbytes])
 rows, _ = statmany.stat_many([tarnative.__file__, tarnative.__file__ + "-gone"], 60.0)
-print(tarnative.__file__, tarnative.available(), counter.samples, statmany.available(), rows[1])
+print(tarnative.__file__, tarnative.available(), counter.samples, statmany.available(), rows[1],
+      bytepath.available())
 """
 
 
@@ -43,6 +46,7 @@ def test_the_compiled_helpers_are_built_here() -> None:
     STAGER_NATIVE_STAT=1)."""
     assert tarnative.available(), "stager/shards/_tarwalk.c was not built: pip install -e ."
     assert statmany.available(), "stager/storage/_statmany.c was not built: pip install -e ."
+    assert bytepath.available(), "stager/storage/_bytepump.c was not built: pip install -e ."
 
 
 @pytest.mark.timeout(600)
@@ -76,6 +80,6 @@ def test_without_a_c_compiler_the_package_builds_and_falls_back(tmp_path: Path) 
         timeout=120,
     )
     assert checked.returncode == 0, checked.stderr
-    where, available, samples, stat_available, gone = checked.stdout.split()
+    where, available, samples, stat_available, gone, pump = checked.stdout.split()
     assert Path(where).is_relative_to(tmp_path / "site")  # the wheel's, not this checkout's
-    assert (available, samples, stat_available, gone) == ("False", "2", "False", "2")
+    assert (available, samples, stat_available, gone, pump) == ("False", "2", "False", "2", "False")

@@ -28,12 +28,15 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
+
+#include "_tarwalk_api.h"
 
 #define BLOCK 512
 /* A PAX header larger than this is left to the slower indexers (it is held whole). */
@@ -490,23 +493,47 @@ oom:
     w->state = FAILED;
 }
 
-static PyObject *Walker_feed(Walker *w, PyObject *arg) {
-    Py_buffer view;
+/* The capsule's functions (_tarwalk_api.h); Walker_feed is claim, feed and release. */
+static int walker_claim(PyObject *obj) {
+    Walker *w = (Walker *)obj;
     if (w->busy) {
         PyErr_SetString(PyExc_RuntimeError, "TarWalker.feed called from two threads at once");
+        return -1;
+    }
+    w->busy = 1;
+    return 0;
+}
+
+static void walker_feed(PyObject *obj, const unsigned char *data, size_t len) {
+    Walker *w = (Walker *)obj;
+    if (w->state == RUNNING)
+        walk_chunk(w, data, len);
+    else
+        w->fed += (uint64_t)len;
+}
+
+static int walker_release(PyObject *obj) {
+    Walker *w = (Walker *)obj;
+    w->busy = 0;
+    if (w->out_of_memory) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *Walker_feed(Walker *w, PyObject *arg) {
+    Py_buffer view;
+    if (walker_claim((PyObject *)w) < 0) return NULL;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) {
+        w->busy = 0;
         return NULL;
     }
-    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
-    w->busy = 1;
-    if (w->state == RUNNING) {
-        Py_BEGIN_ALLOW_THREADS walk_chunk(w, (const unsigned char *)view.buf, (size_t)view.len);
-        Py_END_ALLOW_THREADS
-    } else {
-        w->fed += (uint64_t)view.len;
-    }
-    w->busy = 0;
+    Py_BEGIN_ALLOW_THREADS walker_feed((PyObject *)w, (const unsigned char *)view.buf,
+                                       (size_t)view.len);
+    Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
-    if (w->out_of_memory) return PyErr_NoMemory();
+    if (walker_release((PyObject *)w) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -610,6 +637,10 @@ static PyMethodDef Walker_methods[] = {
      "finish() -> dict | None: the index's parts, or None where the walk does not vouch."},
     {NULL, NULL, 0, NULL}};
 
+static PyMemberDef Walker_members[] = {
+    {"fed", T_ULONGLONG, offsetof(Walker, fed), READONLY, "bytes fed so far"},
+    {NULL, 0, 0, 0, NULL}};
+
 static PyTypeObject WalkerType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "stager.shards._tarwalk.TarWalker",
     .tp_basicsize = sizeof(Walker),
@@ -618,7 +649,10 @@ static PyTypeObject WalkerType = {
     .tp_new = Walker_new,
     .tp_dealloc = (destructor)Walker_dealloc,
     .tp_methods = Walker_methods,
+    .tp_members = Walker_members,
 };
+
+static TarWalkAPI walk_api = {&WalkerType, walker_claim, walker_feed, walker_release};
 
 
 /* ---- join_walks: the dataset index's columns from many walks, without numpy ----
@@ -860,6 +894,12 @@ PyMODINIT_FUNC PyInit__tarwalk(void) {
     Py_INCREF(&WalkerType);
     if (PyModule_AddObject(m, "TarWalker", (PyObject *)&WalkerType) < 0) {
         Py_DECREF(&WalkerType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyObject *api = PyCapsule_New(&walk_api, TARWALK_CAPSULE, NULL);
+    if (!api || PyModule_AddObject(m, "_C_API", api) < 0) {
+        Py_XDECREF(api);
         Py_DECREF(m);
         return NULL;
     }

@@ -38,6 +38,8 @@ __all__ = [
 class NativeWalk(Protocol):
     """What ``_tarwalk.TarWalker`` offers (typed here: the extension has no stubs)."""
 
+    fed: int  # bytes fed so far, by feed() or by the byte pump
+
     def feed(self, chunk: bytes | bytearray | memoryview) -> None: ...
     def finish(self) -> dict[str, Any] | None: ...
 

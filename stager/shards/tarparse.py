@@ -45,7 +45,7 @@ from stager.errors import IntegrityError
 from stager.shards.members import SampleGrouper
 from stager.shards.tarheader import BLOCK
 from stager.shards.tarindex import TarIndex, index_with_tarfile
-from stager.shards.tarnative import WalkResult, native_walk, to_index
+from stager.shards.tarnative import NativeWalk, WalkResult, native_walk, to_index
 from stager.shards.tarnative import available as native_walk_available
 from stager.shards.tarwalk import MAX_HEADERS, walk_members
 from stager.storage.bytepath import PRIVATE_MAPPING
@@ -174,7 +174,6 @@ class TarSampleCounter:
         """Look at the next bytes of the tar (not kept: the caller may reuse its buffer)."""
         if self._native is not None:
             self._native.feed(chunk)  # without the interpreter lock
-            self._fed += len(chunk)
             return
         if self._held is not None:
             if self._fed + len(chunk) <= _HOLD_BYTES:
@@ -186,6 +185,11 @@ class TarSampleCounter:
             self._scan(held)
         self._scan(chunk)
         self._fed += len(chunk)
+
+    def compiled_walk(self) -> NativeWalk | None:
+        """The compiled walk, which a copy may feed from C (``stager/storage/_bytepump.c``)
+        instead of calling :meth:`feed`; None where it is not built, or after :meth:`finish`."""
+        return self._native
 
     def _scan(self, chunk: bytes | bytearray | memoryview) -> None:
         if self._scanner is None and not self._late:
@@ -202,6 +206,7 @@ class TarSampleCounter:
         """
         native, self._native = self._native, None
         if native is not None:
+            self._fed = native.fed  # fed here, or by the byte pump (compiled_walk)
             self._walk_parts = native.finish()
             if self._walk_parts is not None:
                 return

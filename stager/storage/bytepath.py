@@ -1,5 +1,6 @@
-"""How the bytes of one copy move: through a reused buffer, hashed and inspected on the way, or
-in the kernel (``copy_file_range``/``sendfile``) and then hashed from the page cache.
+"""How the bytes of one copy move: through a reused buffer, hashed and inspected on the way
+(by the compiled byte pump where it was built, else in Python), or in the kernel
+(``copy_file_range``/``sendfile``) and then hashed from the page cache.
 
 :func:`stager.storage.copy.copy_file` opens, verifies and publishes; this module only moves
 bytes between the descriptors it opened, keeping the first- and last-byte times the stream
@@ -15,6 +16,7 @@ import threading
 import time
 from typing import Any
 
+from stager.native import load_optional
 from stager.storage.throttle import Throttle
 
 __all__ = [
@@ -23,6 +25,9 @@ __all__ = [
     "Progress",
     "copy_buffered",
     "copy_kernel",
+    "available",
+    "copy_pumped",
+    "new_pump",
     "KERNEL_COPY",
 ]
 
@@ -81,9 +86,10 @@ class Progress:
         self.copied = 0
         self.first_byte_s = self.last_byte_s = 0.0
 
-    def read(self, nbytes: int) -> None:
-        """A read (or kernel copy) returned ``nbytes`` (0: the end of the file)."""
-        now = time.perf_counter() - self.started
+    def read(self, nbytes: int, lag_s: float = 0.0) -> None:
+        """A read (or kernel copy) returned ``nbytes`` (0: the end of the file), ``lag_s``
+        seconds ago (the byte pump reports the time it spent after its last read)."""
+        now = time.perf_counter() - self.started - lag_s
         if not self.first_byte_s:
             self.first_byte_s = now
         if nbytes:
@@ -117,6 +123,46 @@ def copy_buffered(src, dst: Any, hasher, inspect, block_bytes: int, progress: Pr
         while written < n:
             written += dst.write(chunk[written : written + _WRITE_BYTES])
         progress.done(n)
+
+
+def copy_pumped(src: Any, dst: Any, pump: Any, block_bytes: int, progress: Progress) -> None:
+    """:func:`copy_buffered` in one compiled call per block (``stager/storage/_bytepump.c``):
+    read, hash, walk and write with the interpreter lock released once per block, not at every
+    step. ``pump`` (from :func:`new_pump`) is the hasher: its ``hexdigest`` is the copy's."""
+    view = _buffer(block_bytes)
+    limit = min(FIRST_READ_BYTES, block_bytes)  # one read alone: the first-byte time
+    while True:
+        moved, ended, lag_s = pump.move(src.fd, dst.fd, view, limit, _WRITE_BYTES)
+        progress.read(moved, lag_s)
+        if moved:
+            progress.done(moved)
+        if ended:
+            return
+        limit = block_bytes
+
+
+def new_pump(algorithm: str, inspect: Any) -> Any:
+    """A compiled byte pump for one copy, or None where :func:`copy_buffered` must run: the
+    extension not built (or ``STAGER_NATIVE_COPY=0``), a hash other than xxh3_64, or an
+    inspector without a compiled walk to feed (``inspect.compiled_walk()``)."""
+    if _pump is None or algorithm != "xxh3_64":
+        return None
+    walker = None
+    if inspect is not None:
+        compiled_walk = getattr(inspect, "compiled_walk", None)
+        walker = compiled_walk() if compiled_walk is not None else None
+        if walker is None or not _pump.WALKS:
+            return None
+    return _pump.BytePump(walker)
+
+
+#: The compiled byte pump (``stager/storage/_bytepump.c``), where it was built.
+_pump: Any = load_optional("stager.storage._bytepump", "STAGER_NATIVE_COPY")
+
+
+def available() -> bool:
+    """Whether the compiled byte pump is built and enabled."""
+    return _pump is not None
 
 
 #: The most one ``write`` hands the kernel. A 4 MiB write into ext4's page cache (kernel 6.18,

@@ -23,6 +23,8 @@ from stager.storage.bytepath import (
     ReadBack,
     copy_buffered,
     copy_kernel,
+    copy_pumped,
+    new_pump,
 )
 from stager.storage.hashing import DEFAULT_ALGORITHM, new_hasher, split_digest
 from stager.storage.identity import is_regular, local_identity, local_version
@@ -161,7 +163,9 @@ class Inspector(Protocol):
 
     ``feed`` gets every chunk once, in order, while it is in the CPU cache; it must not keep
     the view. ``finish`` runs after the last byte, before publication, with ``read_at(offset,
-    nbytes)`` to re-read a few bytes of the copy.
+    nbytes)`` to re-read a few bytes of the copy. An inspector may also offer
+    ``compiled_walk()``: a compiled walk (``stager.shards._tarwalk.TarWalker``) that the byte
+    pump then feeds from C instead of calling ``feed`` (:func:`~stager.storage.bytepath.new_pump`).
     """
 
     def feed(self, chunk: memoryview, /) -> None: ...
@@ -210,8 +214,12 @@ def copy_file(
     try:
         with _open_source(fs, src_path, url, block_bytes) as src, _open_partial(partial) as dst:
             opened = _opened_stat(src, url)
+            pump = new_pump(algorithm, inspect) if isinstance(src, _Fd) else None
             if isinstance(src, _Fd) and bytepath.KERNEL_COPY:
                 copy_kernel(src, dst, hasher, inspect, block_bytes, progress)
+            elif pump is not None:
+                copy_pumped(src, dst, pump, block_bytes, progress)
+                hasher = pump
             else:
                 copy_buffered(src, dst, hasher, inspect, block_bytes, progress)
             if opened is not None:
