@@ -79,13 +79,15 @@ def test_moves_hashes_and_walks_as_the_python_path(
     try:
         want = first
         while True:
-            moved, ended, lag_s = pump.move(src_fd, dst_fd, buffer, want, piece)
+            moved, ended, lag_s, end = pump.move(src_fd, dst_fd, buffer, want, piece)
             calls += 1
             assert 0 <= moved <= want and lag_s >= 0.0
             moved_total += moved
             if ended:
+                st = os.stat(src)
+                assert end == (st.st_ino, st.st_mtime_ns, st.st_ctime_ns, len(data))
                 break
-            assert moved == want  # a call stops short only at the end of the file
+            assert moved == want and end is None  # a call stops short only at the end
             want = limit
     finally:
         os.close(src_fd)
@@ -149,3 +151,57 @@ def test_copy_file_indexes_a_shard_through_the_pump_as_through_feed(
     assert [x.tolist() for x in (a.member_start, a.offsets, a.sizes)] == [
         x.tolist() for x in (b.member_start, b.offsets, b.sizes)
     ]
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_begin_opens_both_files_and_moves_the_first_block(tmp_path: Path) -> None:
+    src, partial = tmp_path / "src", tmp_path / "out.partial"
+    src.write_bytes(b"y" * 5000)
+    before = _open_fds()
+    pump = _pump()
+    src_fd, dst_fd, opened, (moved, ended, _, end) = pump.begin(
+        str(src), str(partial), mmap.mmap(-1, 4096), 1000, 4096
+    )
+    st = os.stat(src)
+    assert opened == (st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+    assert (moved, ended, end) == (1000, False, None)
+    assert pump.move(src_fd, dst_fd, mmap.mmap(-1, 4096), 10_000, 4096)[:2] == (4000, True)
+    os.close(src_fd)
+    os.close(dst_fd)
+    assert partial.read_bytes() == src.read_bytes() and _open_fds() == before
+    assert pump.hexdigest() == xxhash.xxh3_64_hexdigest(src.read_bytes())
+
+
+def test_begin_refuses_with_nothing_open_where_an_open_or_the_check_fails(tmp_path: Path) -> None:
+    """The caller then opens the slow way, which names the problem (tests/test_trust.py and
+    tests/test_hostile_stage_in.py hold those messages)."""
+    good = tmp_path / "good"
+    good.write_bytes(b"z" * 100)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    read_only.chmod(0o500)
+    cases = [
+        (tmp_path / "missing", tmp_path / "a.partial"),
+        (fifo, tmp_path / "b.partial"),  # not regular: must not hang, must not be copied
+        (tmp_path, tmp_path / "c.partial"),  # a directory
+        (good, tmp_path / "no-such-dir" / "d.partial"),
+        (good, tmp_path),  # the partial's name is a directory
+    ]
+    if os.geteuid() != 0:  # (root writes anywhere)
+        cases.append((good, read_only / "e.partial"))
+    before = _open_fds()
+    walker = TarWalker()
+    pump = _pump(walker)
+    for src, partial in cases:
+        assert pump.begin(str(src), str(partial), mmap.mmap(-1, 4096), 100, 4096) is None
+    assert _open_fds() == before
+    assert not list(tmp_path.glob("*.partial")) and walker.fed == 0
+    begun = pump.begin(str(good), str(tmp_path / "f.partial"), mmap.mmap(-1, 4096), 100, 4096)
+    assert begun is not None and begun[3][:2] == (100, False)  # the pump is still usable
+    os.close(begun[0])
+    os.close(begun[1])

@@ -19,7 +19,7 @@ from stager.errors import ScratchFull
 from stager.shards._tarwalk import TarWalker
 from stager.storage import bytepath
 from stager.storage.bytepath import FIRST_READ_BYTES
-from stager.storage.copy import HashMismatch, copy_file
+from stager.storage.copy import HashMismatch, SizeMismatch, copy_file
 from stager.storage.throttle import Throttle
 
 
@@ -161,3 +161,31 @@ def test_full_scratch_is_scratch_full_and_leaves_no_partial(
     with pytest.raises(ScratchFull, match="no space left"):
         copy_file(None, str(src), small_tmpfs / "big.bin", inspect=_Recorder(byte_path))
     assert not list(small_tmpfs.iterdir())
+
+
+@pytest.mark.parametrize("change", ["append", "same size"])
+def test_a_source_changed_during_the_copy_is_never_published(
+    tmp_path: Path, byte_path: str, change: str
+) -> None:
+    """Rewritten after its first block: the copy fails (a retryable SizeMismatch) and leaves
+    neither the final name nor a partial, whichever path copied it."""
+    src = tmp_path / "src.bin"
+    src.write_bytes(_data(3 * FIRST_READ_BYTES))
+    final = tmp_path / "out.bin"
+
+    rewritten: list[int] = []
+
+    def rewrite(nbytes: int) -> None:
+        if rewritten:
+            return
+        rewritten.append(nbytes)
+        if change == "append":
+            with open(src, "ab") as handle:
+                handle.write(b"more")
+        else:
+            with open(src, "r+b") as handle:
+                handle.write(b"X" * 10)
+
+    with pytest.raises(SizeMismatch, match="changed while it was copied"):
+        copy_file(None, str(src), final, on_bytes=rewrite, inspect=_Recorder(byte_path))
+    assert not final.exists() and not list(tmp_path.glob("*.partial"))

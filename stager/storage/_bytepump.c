@@ -15,6 +15,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <time.h>
@@ -67,78 +69,177 @@ static int write_all(int fd, const char *data, size_t len, size_t piece, PyThrea
     return 0;
 }
 
-/* move(src_fd, dst_fd, buffer, limit, piece) -> (moved, ended, lag_s)
- *
- * Read `src_fd` into `buffer` until `limit` bytes have passed or it ends; hash each read, feed
- * it to the walker and write it to `dst_fd` in pieces of at most `piece` bytes. `ended`: a read
- * returned nothing. `lag_s`: seconds from the return of the last read that returned bytes to the
- * return of this call (the caller's last-byte time is its own clock minus this). An I/O error
- * raises OSError with its errno; the bytes moved before it are hashed and written, and the copy
- * is then discarded by the caller. */
-static PyObject *Pump_move(Pump *p, PyObject *args) {
-    int src, dst;
-    Py_buffer view;
-    Py_ssize_t limit, piece;
-    if (!PyArg_ParseTuple(args, "iiw*nn", &src, &dst, &view, &limit, &piece)) return NULL;
-    if (limit <= 0 || piece <= 0 || view.len <= 0) {
-        PyBuffer_Release(&view);
-        PyErr_SetString(PyExc_ValueError, "limit, piece and the buffer must be positive");
-        return NULL;
-    }
-    if (p->busy) {
-        PyBuffer_Release(&view);
-        PyErr_SetString(PyExc_RuntimeError, "BytePump.move called from two threads at once");
-        return NULL;
-    }
-    if (p->walker && walk_api->claim(p->walker) < 0) {
-        PyBuffer_Release(&view);
-        return NULL;
-    }
-    p->busy = 1;
-    char *buf = (char *)view.buf;
-    size_t capacity = (size_t)view.len, moved = 0, want_total = (size_t)limit;
-    int ended = 0, failure = 0; /* failure: an errno, or -1 where a signal handler raised */
+/* What a move reports: the bytes moved, whether the file ended, the lag since the last read
+ * that returned bytes, and the source's fstat at its end. */
+typedef struct {
+    size_t moved;
+    int ended, failure; /* failure: an errno, or -1 where a signal handler raised */
+    double lag_s;
+    struct stat end;
+} Moved;
+
+/* The loop of move(), without the interpreter lock (released by the caller into *saved). */
+static void move_released(Pump *p, int src, int dst, char *buf, size_t capacity, size_t limit,
+                          size_t piece, Moved *out, PyThreadState **saved) {
     double last_read = 0.0;
-    PyThreadState *saved = PyEval_SaveThread();
-    while (moved < want_total) {
-        size_t want = want_total - moved;
+    out->moved = 0;
+    out->ended = out->failure = 0;
+    while (out->moved < limit) {
+        size_t want = limit - out->moved;
         if (want > capacity) want = capacity;
         ssize_t n = read(src, buf, want);
         if (n < 0) {
             if (errno != EINTR) {
-                failure = errno;
-                break;
+                out->failure = errno;
+                return;
             }
-            if (handle_signals(&saved) < 0) {
-                failure = -1;
-                break;
+            if (handle_signals(saved) < 0) {
+                out->failure = -1;
+                return;
             }
             continue;
         }
         if (n == 0) {
-            ended = 1;
+            out->ended = 1;
             break;
         }
         last_read = now_s();
         XXH3_64bits_update(p->state, buf, (size_t)n);
         if (p->walker) walk_api->feed(p->walker, (const unsigned char *)buf, (size_t)n);
-        moved += (size_t)n;
-        failure = write_all(dst, buf, (size_t)n, (size_t)piece, &saved);
-        if (failure) break;
+        out->moved += (size_t)n;
+        out->failure = write_all(dst, buf, (size_t)n, piece, saved);
+        if (out->failure) return;
     }
-    double returned = now_s();
-    PyEval_RestoreThread(saved);
+    /* At the end, the source as it is now: the caller compares it with the open's fstat, so
+     * a file rewritten during the copy is never published (stager/storage/copy.py). */
+    if (out->ended && fstat(src, &out->end) < 0) out->failure = errno;
+    out->lag_s = out->moved ? now_s() - last_read : 0.0;
+}
+
+/* Claim the pump (and its walker) and the buffer for a move; 0, or -1 with an exception. */
+static int claim(Pump *p, Py_buffer *view, Py_ssize_t limit, Py_ssize_t piece) {
+    if (limit <= 0 || piece <= 0 || view->len <= 0) {
+        PyErr_SetString(PyExc_ValueError, "limit, piece and the buffer must be positive");
+        return -1;
+    }
+    if (p->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "BytePump used from two threads at once");
+        return -1;
+    }
+    if (p->walker && walk_api->claim(p->walker) < 0) return -1;
+    p->busy = 1;
+    return 0;
+}
+
+/* Give the pump and walker back; the result of the move, or NULL with its exception. */
+static PyObject *moved_result(Pump *p, const Moved *m) {
     p->busy = 0;
-    PyBuffer_Release(&view);
     int walk_failed = p->walker ? walk_api->release(p->walker) : 0;
-    if (failure > 0) {
+    if (m->failure > 0) {
         PyErr_Clear(); /* the I/O error says more than a walk that ran out of memory */
-        errno = failure;
+        errno = m->failure;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
-    if (failure < 0 || walk_failed < 0) return NULL;
-    return Py_BuildValue("(nOd)", (Py_ssize_t)moved, ended ? Py_True : Py_False,
-                         moved ? returned - last_read : 0.0);
+    if (m->failure < 0 || walk_failed < 0) return NULL;
+    if (!m->ended)
+        return Py_BuildValue("(nOdO)", (Py_ssize_t)m->moved, Py_False, m->lag_s, Py_None);
+    return Py_BuildValue("(nOd(KLLL))", (Py_ssize_t)m->moved, Py_True, m->lag_s,
+                         (unsigned long long)m->end.st_ino,
+                         (long long)m->end.st_mtim.tv_sec * 1000000000LL + m->end.st_mtim.tv_nsec,
+                         (long long)m->end.st_ctim.tv_sec * 1000000000LL + m->end.st_ctim.tv_nsec,
+                         (long long)m->end.st_size);
+}
+
+/* move(src_fd, dst_fd, buffer, limit, piece) -> (moved, ended, lag_s, end)
+ *
+ * Read `src_fd` into `buffer` until `limit` bytes have passed or it ends; hash each read, feed
+ * it to the walker and write it to `dst_fd` in pieces of at most `piece` bytes. `ended`: a read
+ * returned nothing. `lag_s`: seconds from the return of the last read that returned bytes to the
+ * return of this call (the caller's last-byte time is its own clock minus this). `end`: where
+ * the file ended, the source's (inode, mtime_ns, ctime_ns, size) then; else None. An I/O error
+ * raises OSError with its errno; the copy is then discarded by the caller. */
+static PyObject *Pump_move(Pump *p, PyObject *args) {
+    int src, dst;
+    Py_buffer view;
+    Py_ssize_t limit, piece;
+    if (!PyArg_ParseTuple(args, "iiw*nn", &src, &dst, &view, &limit, &piece)) return NULL;
+    if (claim(p, &view, limit, piece) < 0) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    Moved m;
+    PyThreadState *saved = PyEval_SaveThread();
+    move_released(p, src, dst, (char *)view.buf, (size_t)view.len, (size_t)limit, (size_t)piece,
+                  &m, &saved);
+    PyEval_RestoreThread(saved);
+    PyBuffer_Release(&view);
+    return moved_result(p, &m);
+}
+
+/* begin(src_path, partial_path, buffer, limit, piece)
+ *     -> None | (src_fd, dst_fd, (inode, mtime_ns, ctime_ns), moved, ended, lag_s, end)
+ *
+ * Open the source (read-only, non-blocking: a FIFO must not hang the open) and check it is a
+ * regular file, create or truncate the partial, and move() the first `limit` bytes: what a
+ * small shard's copy does before its checks, in one release of the interpreter lock where the
+ * Python steps took six (each open, fstat and read a hand-over, and with a few copy threads
+ * on a few cores the hand-overs were most of the cost). None, with nothing left open, where
+ * an open or the check failed: the caller then opens the slow way, which says what is wrong
+ * (or makes the partial's missing directory). */
+static PyObject *Pump_begin(Pump *p, PyObject *args) {
+    PyObject *src_path = NULL, *dst_path = NULL;
+    Py_buffer view;
+    Py_ssize_t limit, piece;
+    if (!PyArg_ParseTuple(args, "O&O&w*nn", PyUnicode_FSConverter, &src_path,
+                          PyUnicode_FSConverter, &dst_path, &view, &limit, &piece)) {
+        Py_XDECREF(src_path);
+        Py_XDECREF(dst_path);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (claim(p, &view, limit, piece) < 0) goto done;
+    const char *src_name = PyBytes_AS_STRING(src_path), *dst_name = PyBytes_AS_STRING(dst_path);
+    int src = -1, dst = -1, opened = 0;
+    struct stat st;
+    Moved m;
+    PyThreadState *saved = PyEval_SaveThread();
+    src = open(src_name, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (src >= 0 && fstat(src, &st) == 0 && S_ISREG(st.st_mode))
+        dst = open(dst_name, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+    if (dst >= 0) {
+        opened = 1;
+        move_released(p, src, dst, (char *)view.buf, (size_t)view.len, (size_t)limit,
+                      (size_t)piece, &m, &saved);
+    } else if (src >= 0) {
+        close(src);
+    }
+    PyEval_RestoreThread(saved);
+    if (!opened) {
+        p->busy = 0;
+        if (p->walker) walk_api->release(p->walker);
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    PyObject *moved = moved_result(p, &m);
+    if (!moved) { /* the caller never saw the descriptors: close them (it deletes the partial) */
+        close(src);
+        close(dst);
+        goto done;
+    }
+    result = Py_BuildValue("(ii(KLL)O)", src, dst, (unsigned long long)st.st_ino,
+                           (long long)st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec,
+                           (long long)st.st_ctim.tv_sec * 1000000000LL + st.st_ctim.tv_nsec,
+                           moved);
+    Py_DECREF(moved);
+    if (!result) {
+        close(src);
+        close(dst);
+    }
+done:
+    PyBuffer_Release(&view);
+    Py_XDECREF(src_path);
+    Py_XDECREF(dst_path);
+    return result;
 }
 
 /* The digest as xxhash.xxh3_64().hexdigest() writes it: 16 hex digits, big-endian. */
@@ -183,8 +284,11 @@ static void Pump_dealloc(Pump *p) {
 
 static PyMethodDef Pump_methods[] = {
     {"move", (PyCFunction)Pump_move, METH_VARARGS,
-     "move(src_fd, dst_fd, buffer, limit, piece) -> (moved, ended, lag_s): copy up to limit "
-     "bytes, hashed and walked on the way."},
+     "move(src_fd, dst_fd, buffer, limit, piece) -> (moved, ended, lag_s, end): copy up to "
+     "limit bytes, hashed and walked on the way."},
+    {"begin", (PyCFunction)Pump_begin, METH_VARARGS,
+     "begin(src_path, partial_path, buffer, limit, piece) -> None | (src_fd, dst_fd, opened, "
+     "(moved, ended, lag_s, end)): open both files and make the first move."},
     {"hexdigest", (PyCFunction)Pump_hexdigest, METH_NOARGS,
      "hexdigest() -> str: the xxh3_64 of every byte moved, as xxhash writes it."},
     {NULL, NULL, 0, NULL}};

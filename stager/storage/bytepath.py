@@ -28,6 +28,7 @@ __all__ = [
     "available",
     "copy_pumped",
     "new_pump",
+    "open_pumped",
     "KERNEL_COPY",
 ]
 
@@ -130,15 +131,53 @@ def copy_pumped(src: Any, dst: Any, pump: Any, block_bytes: int, progress: Progr
     read, hash, walk and write with the interpreter lock released once per block, not at every
     step. ``pump`` (from :func:`new_pump`) is the hasher: its ``hexdigest`` is the copy's."""
     view = _buffer(block_bytes)
+    first = pump.move(src.fd, dst.fd, view, min(FIRST_READ_BYTES, block_bytes), _WRITE_BYTES)
+    _pump_rest(pump, src.fd, dst.fd, view, block_bytes, progress, first)
+
+
+#: What the pump reports of a source at its end: ``(inode, mtime_ns, ctime_ns, size)``.
+EndStat = tuple[int, int, int, int]
+
+
+def open_pumped(
+    pump: Any, src_path: str, partial: str, block_bytes: int, progress: Progress
+) -> tuple[int, int, tuple[int, int, int], EndStat] | None:
+    """Open ``src_path`` and create ``partial`` and copy all of it with ``pump``: a small file's
+    opens, checks and first block cost one release of the interpreter lock (``begin``).
+
+    Returns ``(src_fd, dst_fd, identity at open, identity at the end)``, both descriptors still
+    open for the caller's checks (it closes them), or None where an open or the regular-file
+    check failed, with nothing opened or moved: the caller then opens the slow way, which
+    raises the error that says why, or makes the partial's missing directory.
+    """
+    view = _buffer(block_bytes)
     limit = min(FIRST_READ_BYTES, block_bytes)  # one read alone: the first-byte time
+    begun = pump.begin(src_path, partial, view, limit, _WRITE_BYTES)
+    if begun is None:
+        return None
+    src_fd, dst_fd, opened, first = begun
+    try:
+        end = _pump_rest(pump, src_fd, dst_fd, view, block_bytes, progress, first)
+    except BaseException:
+        os.close(src_fd)
+        os.close(dst_fd)
+        raise
+    return src_fd, dst_fd, opened, end
+
+
+def _pump_rest(
+    pump: Any, src_fd: int, dst_fd: int, view: memoryview, block_bytes: int, progress, moved
+) -> EndStat:
+    """Account for a move (``moved``: its result) and make the rest, a block per call; the
+    source's identity where it ended."""
     while True:
-        moved, ended, lag_s = pump.move(src.fd, dst.fd, view, limit, _WRITE_BYTES)
-        progress.read(moved, lag_s)
-        if moved:
-            progress.done(moved)
+        nbytes, ended, lag_s, end = moved
+        progress.read(nbytes, lag_s)
+        if nbytes:
+            progress.done(nbytes)  # (the throttle, and a stop requested meanwhile, act here)
         if ended:
-            return
-        limit = block_bytes
+            return end
+        moved = pump.move(src_fd, dst_fd, view, block_bytes, _WRITE_BYTES)
 
 
 def new_pump(algorithm: str, inspect: Any) -> Any:

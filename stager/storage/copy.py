@@ -25,9 +25,10 @@ from stager.storage.bytepath import (
     copy_kernel,
     copy_pumped,
     new_pump,
+    open_pumped,
 )
 from stager.storage.hashing import DEFAULT_ALGORITHM, new_hasher, split_digest
-from stager.storage.identity import is_regular, local_identity, local_version
+from stager.storage.identity import is_regular, local_identity, local_version, version_of
 from stager.storage.paths import PARTIAL_SUFFIX, discard
 from stager.storage.sources import protocol_of
 from stager.storage.throttle import Throttle
@@ -88,6 +89,13 @@ class _Fd:
     def __init__(self, path: str | os.PathLike[str], flags: int, url: str = ""):
         self.fd = os.open(path, flags | os.O_CLOEXEC, 0o666)  # as open(): the umask decides
         self.url = url
+
+    @classmethod
+    def adopt(cls, fd: int, url: str = "") -> _Fd:
+        """An already open descriptor (the byte pump's), closed by ``with`` like the others."""
+        adopted = cls.__new__(cls)
+        adopted.fd, adopted.url = fd, url
+        return adopted
 
     def readinto(self, view: memoryview) -> int:
         try:
@@ -211,23 +219,33 @@ def copy_file(
     partial = os.fspath(final) + PARTIAL_SUFFIX  # a str: pathlib costs microseconds per call
     started, cpu_started = time.perf_counter(), time.process_time()
     progress = Progress(started, throttle, on_bytes)
+    local = fs is None or protocol_of(fs) == "file"
+    pump = new_pump(algorithm, inspect) if local and not bytepath.KERNEL_COPY else None
+    version: str | None = None
     try:
-        with _open_source(fs, src_path, url, block_bytes) as src, _open_partial(partial) as dst:
-            opened = _opened_stat(src, url)
-            pump = new_pump(algorithm, inspect) if isinstance(src, _Fd) else None
-            if isinstance(src, _Fd) and bytepath.KERNEL_COPY:
-                copy_kernel(src, dst, hasher, inspect, block_bytes, progress)
-            elif pump is not None:
-                copy_pumped(src, dst, pump, block_bytes, progress)
-                hasher = pump
-            else:
-                copy_buffered(src, dst, hasher, inspect, block_bytes, progress)
-            if opened is not None:
-                _check_unchanged(src, opened, progress.copied, url)
-            if inspect is not None:
-                inspect.finish(ReadBack(dst.fd))
-            if fsync:
-                os.fsync(dst.fileno())
+        pumped = open_pumped(pump, src_path, partial, block_bytes, progress) if pump else None
+        if pumped is not None:  # the compiled path: opened, checked and copied in C
+            src_fd, dst_fd, opened_identity, end = pumped
+            with _Fd.adopt(src_fd), _Fd.adopt(dst_fd):
+                _check_unchanged(opened_identity, end, progress.copied, url)
+                _finish_copy(dst_fd, inspect, fsync)
+            version = version_of(*opened_identity)
+        else:
+            with _open_source(fs, src_path, url, block_bytes) as src, _open_partial(partial) as dst:
+                opened = _opened_stat(src, url)
+                if isinstance(src, _Fd) and bytepath.KERNEL_COPY:
+                    copy_kernel(src, dst, hasher, inspect, block_bytes, progress)
+                elif pump is not None:
+                    copy_pumped(src, dst, pump, block_bytes, progress)
+                else:
+                    copy_buffered(src, dst, hasher, inspect, block_bytes, progress)
+                if opened is not None:
+                    now = os.fstat(src.fd)
+                    end = (*local_identity(now), now.st_size)
+                    _check_unchanged(local_identity(opened), end, progress.copied, url)
+                    version = local_version(opened)
+                _finish_copy(dst.fd, inspect, fsync)
+        hasher = pump or hasher
         copied = progress.copied
         if expected_size is not None and copied != expected_size:
             if size_from_manifest:  # the source changed since `stager index`: retrying cannot help
@@ -267,7 +285,7 @@ def copy_file(
         first_byte_s=progress.first_byte_s,
         seconds=time.perf_counter() - started,
         last_byte_s=progress.last_byte_s or progress.first_byte_s,
-        version=local_version(opened) if opened is not None else None,
+        version=version,
         process_cpu_s=time.process_time() - cpu_started,
     )
 
@@ -284,15 +302,26 @@ def _opened_stat(src: object, url: str) -> os.stat_result | None:
     return st
 
 
-def _check_unchanged(src: _Fd, opened: os.stat_result, copied: int, url: str) -> None:
-    """Raise a retryable error if the source changed while it was read (same size or not).
+def _check_unchanged(
+    opened: tuple[int, int, int], end: tuple[int, int, int, int], copied: int, url: str
+) -> None:
+    """Raise a retryable error if the source changed while it was read (same size or not):
+    ``opened`` is its ``(inode, mtime_ns, ctime_ns)`` at the open, ``end`` the same and its
+    size after the last read.
 
     Without this a file rewritten during the copy could be published as a mix of old and new
     bytes: its size may match and no manifest hash may exist to tell.
     """
-    now = os.fstat(src.fd)
-    if local_identity(now) != local_identity(opened) or now.st_size != copied:
+    if end[:3] != opened or end[3] != copied:
         raise SizeMismatch(
             f"{url}: the source changed while it was copied ({copied} bytes read, now "
-            f"{now.st_size}); is something still writing it?"
+            f"{end[3]}); is something still writing it?"
         )
+
+
+def _finish_copy(dst_fd: int, inspect: Inspector | None, fsync: bool) -> None:
+    """The inspector's end (it may read the copy back), and the ``fsync`` asked for."""
+    if inspect is not None:
+        inspect.finish(ReadBack(dst_fd))
+    if fsync:
+        os.fsync(dst_fd)
