@@ -162,14 +162,21 @@ def test_begin_opens_both_files_and_moves_the_first_block(tmp_path: Path) -> Non
     src.write_bytes(b"y" * 5000)
     before = _open_fds()
     pump = _pump()
-    src_fd, dst_fd, opened, (moved, ended, _, end) = pump.begin(
-        str(src), str(partial), mmap.mmap(-1, 4096), 1000, 4096
+    src_fd, dst_fd, opened, first_lag_s, (moved, ended, lag_s, end) = pump.begin(
+        str(src), str(partial), mmap.mmap(-1, 4096), 1000, 3000, 4096
     )
     st = os.stat(src)
     assert opened == (st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
-    assert (moved, ended, end) == (1000, False, None)
-    assert pump.move(src_fd, dst_fd, mmap.mmap(-1, 4096), 10_000, 4096)[:2] == (4000, True)
+    assert (moved, ended, end) == (3000, False, None) and first_lag_s >= lag_s >= 0
+    assert pump.move(src_fd, dst_fd, mmap.mmap(-1, 4096), 10_000, 4096)[:2] == (2000, True)
     os.close(src_fd)
+    os.close(dst_fd)
+    # a file that ends within the call: its source is closed there (-1), the partial is not
+    partial.unlink()
+    src_fd, dst_fd, _, _, (moved, ended, _, end) = _pump().begin(
+        str(src), str(partial), mmap.mmap(-1, 8192), 1000, 8192, 4096
+    )
+    assert (src_fd, moved, ended) == (-1, 5000, True) and end[3] == 5000
     os.close(dst_fd)
     assert partial.read_bytes() == src.read_bytes() and _open_fds() == before
     assert pump.hexdigest() == xxhash.xxh3_64_hexdigest(src.read_bytes())
@@ -198,10 +205,10 @@ def test_begin_refuses_with_nothing_open_where_an_open_or_the_check_fails(tmp_pa
     walker = TarWalker()
     pump = _pump(walker)
     for src, partial in cases:
-        assert pump.begin(str(src), str(partial), mmap.mmap(-1, 4096), 100, 4096) is None
+        assert pump.begin(str(src), str(partial), mmap.mmap(-1, 4096), 50, 100, 4096) is None
     assert _open_fds() == before
     assert not list(tmp_path.glob("*.partial")) and walker.fed == 0
-    begun = pump.begin(str(good), str(tmp_path / "f.partial"), mmap.mmap(-1, 4096), 100, 4096)
-    assert begun is not None and begun[3][:2] == (100, False)  # the pump is still usable
+    begun = pump.begin(str(good), str(tmp_path / "f.partial"), mmap.mmap(-1, 4096), 50, 100, 4096)
+    assert begun is not None and begun[4][:2] == (100, False)  # the pump is still usable
     os.close(begun[0])
     os.close(begun[1])

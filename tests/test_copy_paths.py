@@ -187,5 +187,12 @@ def test_a_source_changed_during_the_copy_is_never_published(
                 handle.write(b"X" * 10)
 
     with pytest.raises(SizeMismatch, match="changed while it was copied"):
-        copy_file(None, str(src), final, on_bytes=rewrite, inspect=_Recorder(byte_path))
+        copy_file(
+            None,
+            str(src),
+            final,
+            on_bytes=rewrite,
+            inspect=_Recorder(byte_path),
+            block_bytes=1 << 16,
+        )
     assert not final.exists() and not list(tmp_path.glob("*.partial"))

@@ -74,19 +74,20 @@ static int write_all(int fd, const char *data, size_t len, size_t piece, PyThrea
 typedef struct {
     size_t moved;
     int ended, failure; /* failure: an errno, or -1 where a signal handler raised */
-    double lag_s;
+    double lag_s, first_lag_s; /* since the last read that returned bytes; since the first */
     struct stat end;
 } Moved;
 
 /* The loop of move(), without the interpreter lock (released by the caller into *saved). */
-static void move_released(Pump *p, int src, int dst, char *buf, size_t capacity, size_t limit,
-                          size_t piece, Moved *out, PyThreadState **saved) {
-    double last_read = 0.0;
+static void move_released(Pump *p, int src, int dst, char *buf, size_t capacity, size_t first,
+                          size_t limit, size_t piece, Moved *out, PyThreadState **saved) {
+    double last_read = 0.0, first_read = 0.0;
     out->moved = 0;
     out->ended = out->failure = 0;
     while (out->moved < limit) {
         size_t want = limit - out->moved;
         if (want > capacity) want = capacity;
+        if (first_read == 0.0 && want > first) want = first; /* alone: the first-byte time */
         ssize_t n = read(src, buf, want);
         if (n < 0) {
             if (errno != EINTR) {
@@ -104,6 +105,7 @@ static void move_released(Pump *p, int src, int dst, char *buf, size_t capacity,
             break;
         }
         last_read = now_s();
+        if (first_read == 0.0) first_read = last_read;
         XXH3_64bits_update(p->state, buf, (size_t)n);
         if (p->walker) walk_api->feed(p->walker, (const unsigned char *)buf, (size_t)n);
         out->moved += (size_t)n;
@@ -113,7 +115,9 @@ static void move_released(Pump *p, int src, int dst, char *buf, size_t capacity,
     /* At the end, the source as it is now: the caller compares it with the open's fstat, so
      * a file rewritten during the copy is never published (stager/storage/copy.py). */
     if (out->ended && fstat(src, &out->end) < 0) out->failure = errno;
-    out->lag_s = out->moved ? now_s() - last_read : 0.0;
+    double returned = now_s();
+    out->lag_s = out->moved ? returned - last_read : 0.0;
+    out->first_lag_s = out->moved ? returned - first_read : 0.0;
 }
 
 /* Claim the pump (and its walker) and the buffer for a move; 0, or -1 with an exception. */
@@ -169,34 +173,41 @@ static PyObject *Pump_move(Pump *p, PyObject *args) {
     }
     Moved m;
     PyThreadState *saved = PyEval_SaveThread();
-    move_released(p, src, dst, (char *)view.buf, (size_t)view.len, (size_t)limit, (size_t)piece,
-                  &m, &saved);
+    move_released(p, src, dst, (char *)view.buf, (size_t)view.len, (size_t)limit, (size_t)limit,
+                  (size_t)piece, &m, &saved);
     PyEval_RestoreThread(saved);
     PyBuffer_Release(&view);
     return moved_result(p, &m);
 }
 
-/* begin(src_path, partial_path, buffer, limit, piece)
- *     -> None | (src_fd, dst_fd, (inode, mtime_ns, ctime_ns), moved, ended, lag_s, end)
+/* begin(src_path, partial_path, buffer, first, limit, piece)
+ *     -> None | (src_fd, dst_fd, (inode, mtime_ns, ctime_ns), first_lag_s, moved)
  *
  * Open the source (read-only, non-blocking: a FIFO must not hang the open) and check it is a
- * regular file, create or truncate the partial, and move() the first `limit` bytes: what a
- * small shard's copy does before its checks, in one release of the interpreter lock where the
- * Python steps took six (each open, fstat and read a hand-over, and with a few copy threads
- * on a few cores the hand-overs were most of the cost). None, with nothing left open, where
- * an open or the check failed: the caller then opens the slow way, which says what is wrong
- * (or makes the partial's missing directory). */
+ * regular file, create or truncate the partial, and move() up to `limit` bytes, the first read
+ * of at most `first` bytes alone (`first_lag_s`: seconds since it returned, for the first-byte
+ * time); `moved` is what move() returns. A source read to its end is closed here, and its
+ * descriptor returned as -1 (each close from Python is one more hand-over). That is all of a small shard's copy before its
+ * checks, in one release of the interpreter lock where the Python steps took eight (each open,
+ * fstat, read and write a hand-over, and with a few copy threads on a few cores the hand-overs
+ * were most of the cost). None, with nothing left open, where an open or the check failed:
+ * the caller then opens the slow way, which says what is wrong (or makes the partial's missing
+ * directory). */
 static PyObject *Pump_begin(Pump *p, PyObject *args) {
     PyObject *src_path = NULL, *dst_path = NULL;
     Py_buffer view;
-    Py_ssize_t limit, piece;
-    if (!PyArg_ParseTuple(args, "O&O&w*nn", PyUnicode_FSConverter, &src_path,
-                          PyUnicode_FSConverter, &dst_path, &view, &limit, &piece)) {
+    Py_ssize_t first, limit, piece;
+    if (!PyArg_ParseTuple(args, "O&O&w*nnn", PyUnicode_FSConverter, &src_path,
+                          PyUnicode_FSConverter, &dst_path, &view, &first, &limit, &piece)) {
         Py_XDECREF(src_path);
         Py_XDECREF(dst_path);
         return NULL;
     }
     PyObject *result = NULL;
+    if (first <= 0) {
+        PyErr_SetString(PyExc_ValueError, "first must be positive");
+        goto done;
+    }
     if (claim(p, &view, limit, piece) < 0) goto done;
     const char *src_name = PyBytes_AS_STRING(src_path), *dst_name = PyBytes_AS_STRING(dst_path);
     int src = -1, dst = -1, opened = 0;
@@ -208,8 +219,12 @@ static PyObject *Pump_begin(Pump *p, PyObject *args) {
         dst = open(dst_name, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
     if (dst >= 0) {
         opened = 1;
-        move_released(p, src, dst, (char *)view.buf, (size_t)view.len, (size_t)limit,
-                      (size_t)piece, &m, &saved);
+        move_released(p, src, dst, (char *)view.buf, (size_t)view.len, (size_t)first,
+                      (size_t)limit, (size_t)piece, &m, &saved);
+        if (m.ended && !m.failure) { /* read to its end and fstat'ed: not needed any more */
+            close(src);
+            src = -1;
+        }
     } else if (src >= 0) {
         close(src);
     }
@@ -222,17 +237,17 @@ static PyObject *Pump_begin(Pump *p, PyObject *args) {
     }
     PyObject *moved = moved_result(p, &m);
     if (!moved) { /* the caller never saw the descriptors: close them (it deletes the partial) */
-        close(src);
+        if (src >= 0) close(src);
         close(dst);
         goto done;
     }
-    result = Py_BuildValue("(ii(KLL)O)", src, dst, (unsigned long long)st.st_ino,
+    result = Py_BuildValue("(ii(KLL)dO)", src, dst, (unsigned long long)st.st_ino,
                            (long long)st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec,
                            (long long)st.st_ctim.tv_sec * 1000000000LL + st.st_ctim.tv_nsec,
-                           moved);
+                           m.first_lag_s, moved);
     Py_DECREF(moved);
     if (!result) {
-        close(src);
+        if (src >= 0) close(src);
         close(dst);
     }
 done:
@@ -287,8 +302,9 @@ static PyMethodDef Pump_methods[] = {
      "move(src_fd, dst_fd, buffer, limit, piece) -> (moved, ended, lag_s, end): copy up to "
      "limit bytes, hashed and walked on the way."},
     {"begin", (PyCFunction)Pump_begin, METH_VARARGS,
-     "begin(src_path, partial_path, buffer, limit, piece) -> None | (src_fd, dst_fd, opened, "
-     "(moved, ended, lag_s, end)): open both files and make the first move."},
+     "begin(src_path, partial_path, buffer, first, limit, piece) -> None | (src_fd, dst_fd, "
+     "opened, first_lag_s, (moved, ended, lag_s, end)): open both files and make the first "
+     "move."},
     {"hexdigest", (PyCFunction)Pump_hexdigest, METH_NOARGS,
      "hexdigest() -> str: the xxh3_64 of every byte moved, as xxhash writes it."},
     {NULL, NULL, 0, NULL}};

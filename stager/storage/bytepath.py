@@ -143,23 +143,27 @@ def open_pumped(
     pump: Any, src_path: str, partial: str, block_bytes: int, progress: Progress
 ) -> tuple[int, int, tuple[int, int, int], EndStat] | None:
     """Open ``src_path`` and create ``partial`` and copy all of it with ``pump``: a small file's
-    opens, checks and first block cost one release of the interpreter lock (``begin``).
+    opens, checks and whole copy (up to a block) cost one release of the interpreter lock
+    (``begin``).
 
-    Returns ``(src_fd, dst_fd, identity at open, identity at the end)``, both descriptors still
-    open for the caller's checks (it closes them), or None where an open or the regular-file
+    Returns ``(src_fd, dst_fd, identity at open, identity at the end)``, the descriptors still
+    open for the caller's checks (it closes them; ``src_fd`` is -1 where ``begin`` read the
+    source to its end and closed it), or None where an open or the regular-file
     check failed, with nothing opened or moved: the caller then opens the slow way, which
     raises the error that says why, or makes the partial's missing directory.
     """
     view = _buffer(block_bytes)
-    limit = min(FIRST_READ_BYTES, block_bytes)  # one read alone: the first-byte time
-    begun = pump.begin(src_path, partial, view, limit, _WRITE_BYTES)
+    first_read = min(FIRST_READ_BYTES, block_bytes)  # alone: the first-byte time
+    begun = pump.begin(src_path, partial, view, first_read, block_bytes, _WRITE_BYTES)
     if begun is None:
         return None
-    src_fd, dst_fd, opened, first = begun
+    src_fd, dst_fd, opened, first_lag_s, moved = begun
+    progress.read(0, first_lag_s)  # (the first byte's time; the bytes are counted below)
     try:
-        end = _pump_rest(pump, src_fd, dst_fd, view, block_bytes, progress, first)
+        end = _pump_rest(pump, src_fd, dst_fd, view, block_bytes, progress, moved)
     except BaseException:
-        os.close(src_fd)
+        if src_fd >= 0:
+            os.close(src_fd)
         os.close(dst_fd)
         raise
     return src_fd, dst_fd, opened, end

@@ -113,7 +113,8 @@ class _Fd:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        os.close(self.fd)
+        if self.fd >= 0:  # (-1: adopted from the byte pump, which closed it already)
+            os.close(self.fd)
 
 
 def _open_source(fs: fsspec.AbstractFileSystem | None, path: str, url: str, block_bytes: int):
