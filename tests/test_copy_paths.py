@@ -196,3 +196,13 @@ def test_a_source_changed_during_the_copy_is_never_published(
             block_bytes=1 << 16,
         )
     assert not final.exists() and not list(tmp_path.glob("*.partial"))
+
+
+def test_a_file_read_in_one_read_has_no_transfer_time(tmp_path: Path, byte_path: str) -> None:
+    """The stream controller takes ``last_byte_s - first_byte_s`` for the transfer: for a shard
+    that one read returns whole it must be nothing, not the Python between two clock readings
+    (which made the controller take 20 KB shards for latency-bound and run too many streams)."""
+    src = tmp_path / "src.bin"
+    src.write_bytes(_data(20_000))
+    result = copy_file(None, str(src), tmp_path / "d.bin", inspect=_Recorder(byte_path))
+    assert 0 < result.first_byte_s == result.last_byte_s
