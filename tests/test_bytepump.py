@@ -4,7 +4,6 @@ destination's bytes, over random files, tars and block sizes; and its errors."""
 
 from __future__ import annotations
 
-import io
 import mmap
 import os
 import tarfile
@@ -20,6 +19,8 @@ from stager.shards.tarparse import TarSampleCounter
 from stager.storage import bytepath
 from stager.storage.copy import copy_file
 
+from .trees import tar_bytes
+
 pytestmark = pytest.mark.skipif(
     not bytepath.available(), reason="the byte pump was not built (no C compiler)"
 )
@@ -31,13 +32,7 @@ def _pump(walker: TarWalker | None = None):
 
 
 def _tar(members: list[tuple[str, bytes]]) -> bytes:
-    out = io.BytesIO()
-    with tarfile.open(fileobj=out, mode="w", format=tarfile.GNU_FORMAT) as tar:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return out.getvalue()
+    return tar_bytes(members, tarfile.GNU_FORMAT)
 
 
 _members = st.lists(

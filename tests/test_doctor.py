@@ -135,21 +135,25 @@ def test_a_missing_compiled_tar_walk_is_said_and_a_built_one_is_not() -> None:
     assert "numpy scanner (no compiled walk)" in missing.render()
 
 
-def test_missing_compiled_stat_runs_are_said_and_built_ones_are_not() -> None:
+@pytest.mark.parametrize(
+    ("field", "topic", "switch", "rendered"),
+    [
+        ("compiled_stat_runs", "os.stat", "STAGER_NATIVE_STAT=0", "os.stat (no compiled runs)"),
+        (
+            "compiled_byte_pump",
+            "byte pump",
+            "STAGER_NATIVE_COPY=0",
+            "copies local shards in Python (no compiled pump)",
+        ),
+    ],
+)
+def test_a_missing_compiled_helper_is_said_and_a_built_one_is_not(
+    field: str, topic: str, switch: str, rendered: str
+) -> None:
     built = _diagnosis(500.0, 20_000.0)
-    assert not [v for v in _verdict(built, epochs=1, nodes=1, target=None) if "os.stat" in v]
-    assert "sizes" not in built.render()
-    missing = dataclasses.replace(built, compiled_stat_runs=False)
-    (line,) = [v for v in _verdict(missing, epochs=1, nodes=1, target=None) if "os.stat" in v]
-    assert "STAGER_NATIVE_STAT=0" in line and "C compiler" in line
-    assert "os.stat (no compiled runs)" in missing.render()
-
-
-def test_a_missing_byte_pump_is_said_and_a_built_one_is_not() -> None:
-    built = _diagnosis(500.0, 20_000.0)
-    assert not [v for v in _verdict(built, epochs=1, nodes=1, target=None) if "byte pump" in v]
-    assert "copies" not in built.render()
-    missing = dataclasses.replace(built, compiled_byte_pump=False)
-    (line,) = [v for v in _verdict(missing, epochs=1, nodes=1, target=None) if "byte pump" in v]
-    assert "STAGER_NATIVE_COPY=0" in line and "C compiler" in line
-    assert "copies local shards in Python (no compiled pump)" in missing.render()
+    assert not [v for v in _verdict(built, epochs=1, nodes=1, target=None) if topic in v]
+    assert rendered not in built.render()
+    missing = dataclasses.replace(built, **{field: False})
+    (line,) = [v for v in _verdict(missing, epochs=1, nodes=1, target=None) if topic in v]
+    assert switch in line and "C compiler" in line
+    assert rendered in missing.render()

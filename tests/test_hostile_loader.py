@@ -6,9 +6,7 @@ were not lower-cased as webdataset groups them; ``world_size=0`` and ``to_tuple=
 from __future__ import annotations
 
 import gzip
-import io
 import os
-import tarfile
 from pathlib import Path
 
 import pytest
@@ -16,15 +14,12 @@ import pytest
 from stager.errors import IntegrityError, ResumeMismatch, UsageError
 from stager_loaders import LoaderOptions, ShardedLoader
 
+from .trees import tar_bytes
+
 
 def _write_tar(path: Path, members: list[tuple[str, bytes]], gz: bool = False) -> None:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    path.write_bytes(gzip.compress(buffer.getvalue()) if gz else buffer.getvalue())
+    data = tar_bytes(members)
+    path.write_bytes(gzip.compress(data) if gz else data)
 
 
 def _dataset(root: Path, gz: bool = False, shards: int = 6, per_shard: int = 22) -> Path:

@@ -4,8 +4,21 @@ outside the tree and names that are not UTF-8."""
 
 from __future__ import annotations
 
+import io
 import os
+import tarfile
 from pathlib import Path
+
+
+def tar_bytes(members: list[tuple[str, bytes]], tar_format: int = tarfile.USTAR_FORMAT) -> bytes:
+    """A tar of ``(name, data)`` regular files, in order."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tar_format) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return out.getvalue()
 
 
 def build_tree(
