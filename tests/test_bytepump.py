@@ -31,6 +31,12 @@ def _pump(walker: TarWalker | None = None):
     return type(pump)(walker)
 
 
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    """What the pump reports of a file: its inode, then mtime and ctime in seconds and
+    nanoseconds apart."""
+    return (st.st_ino, *divmod(st.st_mtime_ns, 10**9), *divmod(st.st_ctime_ns, 10**9))
+
+
 def _tar(members: list[tuple[str, bytes]]) -> bytes:
     return tar_bytes(members, tarfile.GNU_FORMAT)
 
@@ -79,8 +85,7 @@ def test_moves_hashes_and_walks_as_the_python_path(
             assert 0 <= moved <= want and lag_s >= 0.0
             moved_total += moved
             if ended:
-                st = os.stat(src)
-                assert end == (st.st_ino, st.st_mtime_ns, st.st_ctime_ns, len(data))
+                assert end == (*_identity(os.stat(src)), len(data))
                 break
             assert moved == want and end is None  # a call stops short only at the end
             want = limit
@@ -97,6 +102,8 @@ def test_a_reset_pump_hashes_from_the_start() -> None:
     pump = _pump()
     pump.__init__()
     assert pump.hexdigest() == xxhash.xxh3_64_hexdigest(b"")
+    bare = type(pump).__new__(type(pump))  # (without __init__: still usable, not a crash)
+    assert bare.hexdigest() == xxhash.xxh3_64_hexdigest(b"")
 
 
 def test_read_and_write_errors_raise_oserror_with_their_errno(tmp_path: Path) -> None:
@@ -160,8 +167,7 @@ def test_begin_opens_both_files_and_moves_the_first_block(tmp_path: Path) -> Non
     src_fd, dst_fd, opened, first_lag_s, (moved, ended, lag_s, end) = pump.begin(
         str(src), str(partial), mmap.mmap(-1, 4096), 1000, 3000, 4096
     )
-    st = os.stat(src)
-    assert opened == (st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+    assert opened == _identity(os.stat(src))
     assert (moved, ended, end) == (3000, False, None) and first_lag_s >= lag_s >= 0
     assert pump.move(src_fd, dst_fd, mmap.mmap(-1, 4096), 10_000, 4096)[:2] == (2000, True)
     os.close(src_fd)
@@ -171,7 +177,7 @@ def test_begin_opens_both_files_and_moves_the_first_block(tmp_path: Path) -> Non
     src_fd, dst_fd, _, _, (moved, ended, _, end) = _pump().begin(
         str(src), str(partial), mmap.mmap(-1, 8192), 1000, 8192, 4096
     )
-    assert (src_fd, moved, ended) == (-1, 5000, True) and end[3] == 5000
+    assert (src_fd, moved, ended) == (-1, 5000, True) and end[-1] == 5000
     os.close(dst_fd)
     assert partial.read_bytes() == src.read_bytes() and _open_fds() == before
     assert pump.hexdigest() == xxhash.xxh3_64_hexdigest(src.read_bytes())
@@ -189,8 +195,6 @@ def test_begin_refuses_with_nothing_open_where_an_open_or_the_check_fails(tmp_pa
     read_only.chmod(0o500)
     cases = [
         (tmp_path / "missing", tmp_path / "a.partial"),
-        (fifo, tmp_path / "b.partial"),  # not regular: must not hang, must not be copied
-        (tmp_path, tmp_path / "c.partial"),  # a directory
         (good, tmp_path / "no-such-dir" / "d.partial"),
         (good, tmp_path),  # the partial's name is a directory
     ]
@@ -201,6 +205,12 @@ def test_begin_refuses_with_nothing_open_where_an_open_or_the_check_fails(tmp_pa
     pump = _pump(walker)
     for src, partial in cases:
         assert pump.begin(str(src), str(partial), mmap.mmap(-1, 4096), 50, 100, 4096) is None
+    # not regular: False, so that the caller refuses it without opening it again
+    for src in (fifo, tmp_path, Path("/dev/null")):
+        assert (
+            pump.begin(str(src), str(tmp_path / "b.partial"), mmap.mmap(-1, 4096), 50, 100, 4096)
+            is False
+        )
     assert _open_fds() == before
     assert not list(tmp_path.glob("*.partial")) and walker.fed == 0
     begun = pump.begin(str(good), str(tmp_path / "f.partial"), mmap.mmap(-1, 4096), 50, 100, 4096)

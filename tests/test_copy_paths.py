@@ -20,6 +20,7 @@ from stager.shards._tarwalk import TarWalker
 from stager.storage import bytepath
 from stager.storage.bytepath import FIRST_READ_BYTES
 from stager.storage.copy import HashMismatch, SizeMismatch, copy_file
+from stager.storage.identity import local_version
 from stager.storage.throttle import Throttle
 
 
@@ -206,3 +207,19 @@ def test_a_file_read_in_one_read_has_no_transfer_time(tmp_path: Path, byte_path:
     src.write_bytes(_data(20_000))
     result = copy_file(None, str(src), tmp_path / "d.bin", inspect=_Recorder(byte_path))
     assert 0 < result.first_byte_s == result.last_byte_s
+
+
+def test_the_version_recorded_is_the_sources_even_past_the_year_2262(
+    tmp_path: Path, byte_path: str
+) -> None:
+    """mtime and ctime in nanoseconds overflow 64 bits after 2262-04-11 (ext4 keeps times to
+    2446): a wrong version would make every later run copy the shard again, or trust a stale
+    one."""
+    src = tmp_path / "src.bin"
+    src.write_bytes(_data(100_000))
+    late = 10_413_792_000 * 1_000_000_000 + 123_456_789  # 2300-01-01, past 2**63 ns
+    os.utime(src, ns=(late, late))
+    if os.stat(src).st_mtime_ns != late:
+        pytest.skip("this filesystem does not keep times past 2262")
+    result = copy_file(None, str(src), tmp_path / "d.bin", inspect=_Recorder(byte_path))
+    assert result.version == local_version(os.stat(src))

@@ -138,20 +138,26 @@ static int claim(Pump *p, Py_buffer *view, Py_ssize_t limit, Py_ssize_t piece) {
 /* Give the pump and walker back; the result of the move, or NULL with its exception. */
 static PyObject *moved_result(Pump *p, const Moved *m) {
     p->busy = 0;
+    if (m->failure < 0) { /* a signal handler raised: its exception wins over the walk's */
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
+        if (p->walker && walk_api->release(p->walker) < 0) PyErr_Clear();
+        PyErr_Restore(type, value, traceback);
+        return NULL;
+    }
     int walk_failed = p->walker ? walk_api->release(p->walker) : 0;
     if (m->failure > 0) {
         PyErr_Clear(); /* the I/O error says more than a walk that ran out of memory */
         errno = m->failure;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
-    if (m->failure < 0 || walk_failed < 0) return NULL;
+    if (walk_failed < 0) return NULL;
     if (!m->ended)
         return Py_BuildValue("(nOdO)", (Py_ssize_t)m->moved, Py_False, m->lag_s, Py_None);
-    return Py_BuildValue("(nOd(KLLL))", (Py_ssize_t)m->moved, Py_True, m->lag_s,
-                         (unsigned long long)m->end.st_ino,
-                         (long long)m->end.st_mtim.tv_sec * 1000000000LL + m->end.st_mtim.tv_nsec,
-                         (long long)m->end.st_ctim.tv_sec * 1000000000LL + m->end.st_ctim.tv_nsec,
-                         (long long)m->end.st_size);
+    return Py_BuildValue("(nOd(KLlLlL))", (Py_ssize_t)m->moved, Py_True, m->lag_s,
+                         (unsigned long long)m->end.st_ino, (long long)m->end.st_mtim.tv_sec,
+                         (long)m->end.st_mtim.tv_nsec, (long long)m->end.st_ctim.tv_sec,
+                         (long)m->end.st_ctim.tv_nsec, (long long)m->end.st_size);
 }
 
 /* move(src_fd, dst_fd, buffer, limit, piece) -> (moved, ended, lag_s, end)
@@ -160,7 +166,8 @@ static PyObject *moved_result(Pump *p, const Moved *m) {
  * it to the walker and write it to `dst_fd` in pieces of at most `piece` bytes. `ended`: a read
  * returned nothing. `lag_s`: seconds from the return of the last read that returned bytes to the
  * return of this call (the caller's last-byte time is its own clock minus this). `end`: where
- * the file ended, the source's (inode, mtime_ns, ctime_ns, size) then; else None. An I/O error
+ * the file ended, the source's (inode, mtime_s, mtime_ns, ctime_s, ctime_ns, size) then; else
+ * None. An I/O error
  * raises OSError with its errno; the copy is then discarded by the caller. */
 static PyObject *Pump_move(Pump *p, PyObject *args) {
     int src, dst;
@@ -181,16 +188,20 @@ static PyObject *Pump_move(Pump *p, PyObject *args) {
 }
 
 /* begin(src_path, partial_path, buffer, first, limit, piece)
- *     -> None | (src_fd, dst_fd, (inode, mtime_ns, ctime_ns), first_lag_s, moved)
+ *     -> None | False | (src_fd, dst_fd, opened, first_lag_s, moved)
  *
  * Open the source (read-only, non-blocking: a FIFO must not hang the open) and check it is a
- * regular file, create or truncate the partial, and move() up to `limit` bytes, the first read
+ * regular file, create or truncate the partial, and move() up to `limit` bytes (`opened`: the
+ * source's (inode, mtime_s, mtime_ns, ctime_s, ctime_ns) at the open, and move()'s `end` the
+ * same and its size: seconds and nanoseconds apart, as a product in 64 bits overflows past
+ * the year 2262, which ext4 allows), the first read
  * of at most `first` bytes alone (`first_lag_s`: seconds since it returned, for the first-byte
  * time); `moved` is what move() returns. A source read to its end is closed here, and its
  * descriptor returned as -1 (each close from Python is one more hand-over). That is all of a small shard's copy before its
  * checks, in one release of the interpreter lock where the Python steps took eight (each open,
  * fstat, read and write a hand-over, and with a few copy threads on a few cores the hand-overs
- * were most of the cost). None, with nothing left open, where an open or the check failed:
+ * were most of the cost). False where the source is not a regular file (a FIFO, a device, a
+ * directory: opened once, never read); None, with nothing left open, where an open failed:
  * the caller then opens the slow way, which says what is wrong (or makes the partial's missing
  * directory). */
 static PyObject *Pump_begin(Pump *p, PyObject *args) {
@@ -213,10 +224,15 @@ static PyObject *Pump_begin(Pump *p, PyObject *args) {
     int src = -1, dst = -1, opened = 0;
     struct stat st;
     Moved m;
+    int irregular = 0;
     PyThreadState *saved = PyEval_SaveThread();
     src = open(src_name, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-    if (src >= 0 && fstat(src, &st) == 0 && S_ISREG(st.st_mode))
-        dst = open(dst_name, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+    if (src >= 0 && fstat(src, &st) == 0) {
+        if (S_ISREG(st.st_mode))
+            dst = open(dst_name, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+        else
+            irregular = 1;
+    }
     if (dst >= 0) {
         opened = 1;
         move_released(p, src, dst, (char *)view.buf, (size_t)view.len, (size_t)first,
@@ -231,8 +247,8 @@ static PyObject *Pump_begin(Pump *p, PyObject *args) {
     PyEval_RestoreThread(saved);
     if (!opened) {
         p->busy = 0;
-        if (p->walker) walk_api->release(p->walker);
-        result = Py_NewRef(Py_None);
+        if (p->walker && walk_api->release(p->walker) < 0) goto done;
+        result = Py_NewRef(irregular ? Py_False : Py_None);
         goto done;
     }
     PyObject *moved = moved_result(p, &m);
@@ -241,9 +257,9 @@ static PyObject *Pump_begin(Pump *p, PyObject *args) {
         close(dst);
         goto done;
     }
-    result = Py_BuildValue("(ii(KLL)dO)", src, dst, (unsigned long long)st.st_ino,
-                           (long long)st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec,
-                           (long long)st.st_ctim.tv_sec * 1000000000LL + st.st_ctim.tv_nsec,
+    result = Py_BuildValue("(ii(KLlLl)dO)", src, dst, (unsigned long long)st.st_ino,
+                           (long long)st.st_mtim.tv_sec, (long)st.st_mtim.tv_nsec,
+                           (long long)st.st_ctim.tv_sec, (long)st.st_ctim.tv_nsec,
                            m.first_lag_s, moved);
     Py_DECREF(moved);
     if (!result) {
@@ -282,13 +298,21 @@ static int Pump_init(Pump *p, PyObject *args, PyObject *kwds) {
             return -1;
         }
     }
-    if (!p->state && !(p->state = XXH3_createState())) {
-        PyErr_NoMemory();
-        return -1;
-    }
     XXH3_64bits_reset(p->state);
     Py_XSETREF(p->walker, walker == Py_None ? NULL : Py_NewRef(walker));
     return 0;
+}
+
+/* The hash state is made here, not in __init__: a pump made by __new__ alone is usable. */
+static PyObject *Pump_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    Pump *p = (Pump *)type->tp_alloc(type, 0);
+    if (!p) return NULL;
+    if (!(p->state = XXH3_createState())) {
+        Py_DECREF(p);
+        return PyErr_NoMemory();
+    }
+    XXH3_64bits_reset(p->state);
+    return (PyObject *)p;
 }
 
 static void Pump_dealloc(Pump *p) {
@@ -315,7 +339,7 @@ static PyTypeObject PumpType = {
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "BytePump(walker=None): copies a file a block per call, hashing (xxh3_64) and "
               "walking its bytes on the way, without the interpreter lock.",
-    .tp_new = PyType_GenericNew,
+    .tp_new = Pump_new,
     .tp_init = (initproc)Pump_init,
     .tp_dealloc = (destructor)Pump_dealloc,
     .tp_methods = Pump_methods,

@@ -14,7 +14,7 @@ import mmap
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Literal
 
 from stager.native import load_optional
 from stager.storage.throttle import Throttle
@@ -148,23 +148,25 @@ EndStat = tuple[int, int, int, int]
 
 def open_pumped(
     pump: Any, src_path: str, partial: str, block_bytes: int, progress: Progress
-) -> tuple[int, int, tuple[int, int, int], EndStat] | None:
+) -> tuple[int, int, tuple[int, int, int], EndStat] | Literal[False] | None:
     """Open ``src_path`` and create ``partial`` and copy all of it with ``pump``: a small file's
     opens, checks and whole copy (up to a block) cost one release of the interpreter lock
     (``begin``).
 
     Returns ``(src_fd, dst_fd, identity at open, identity at the end)``, the descriptors still
     open for the caller's checks (it closes them; ``src_fd`` is -1 where ``begin`` read the
-    source to its end and closed it), or None where an open or the regular-file
-    check failed, with nothing opened or moved: the caller then opens the slow way, which
-    raises the error that says why, or makes the partial's missing directory.
+    source to its end and closed it), or None where an open failed, with nothing opened or
+    moved: the caller then opens the slow way, which raises the error that says why, or makes
+    the partial's missing directory. False where the source is not a regular file (a FIFO, a
+    device): opened once and never read, as opening it again could block or act.
     """
     view = _buffer(block_bytes)
     first_read = min(FIRST_READ_BYTES, block_bytes)  # alone: the first-byte time
     begun = pump.begin(src_path, partial, view, first_read, block_bytes, _WRITE_BYTES)
-    if begun is None:
-        return None
-    src_fd, dst_fd, opened, first_lag_s, moved = begun
+    if not begun:  # None, or False: not a regular file (opened once, never read)
+        return begun
+    src_fd, dst_fd, (inode, mtime_s, mtime_ns, ctime_s, ctime_ns), first_lag_s, moved = begun
+    opened = (inode, _ns(mtime_s, mtime_ns), _ns(ctime_s, ctime_ns))
     try:
         end = _pump_rest(pump, src_fd, dst_fd, view, block_bytes, progress, moved, first_lag_s)
     except BaseException:
@@ -182,7 +184,7 @@ def _pump_rest(
     view: memoryview,
     block_bytes: int,
     progress: Progress,
-    moved: tuple[int, bool, float, EndStat | None],
+    moved: tuple[int, bool, float, tuple[int, ...] | None],
     first_lag_s: float | None = None,
 ) -> EndStat:
     """Account for a move (``moved``: its result; ``first_lag_s``: see :meth:`Progress.read`)
@@ -195,8 +197,15 @@ def _pump_rest(
             progress.done(nbytes)  # (the throttle, and a stop requested meanwhile, act here)
         if ended:
             assert end is not None  # (the pump stats the source where it ends)
-            return end
+            inode, mtime_s, mtime_ns, ctime_s, ctime_ns, size = end
+            return inode, _ns(mtime_s, mtime_ns), _ns(ctime_s, ctime_ns), size
         moved = pump.move(src_fd, dst_fd, view, block_bytes, _WRITE_BYTES)
+
+
+def _ns(seconds: int, nanoseconds: int) -> int:
+    """A timestamp in nanoseconds, as ``os.stat``'s ``st_mtime_ns`` (the pump reports seconds
+    and nanoseconds apart: their product overflows 64 bits past the year 2262)."""
+    return seconds * 1_000_000_000 + nanoseconds
 
 
 def new_pump(algorithm: str, inspect: Any) -> Any:

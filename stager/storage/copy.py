@@ -225,6 +225,8 @@ def copy_file(
     version: str | None = None
     try:
         pumped = open_pumped(pump, src_path, partial, block_bytes, progress) if pump else None
+        if pumped is False:
+            raise _not_regular(url)
         if pumped is not None:  # the compiled path: opened, checked and copied in C
             src_fd, dst_fd, opened_identity, end = pumped
             with _Fd.adopt(src_fd), _Fd.adopt(dst_fd):
@@ -297,10 +299,14 @@ def _opened_stat(src: object, url: str) -> os.stat_result | None:
         return None
     st = os.fstat(src.fd)
     if not is_regular(st):
-        raise SourceError(
-            f"source shard is not a regular file (a FIFO, a device or a symlink to nothing?): {url}"
-        )
+        raise _not_regular(url)
     return st
+
+
+def _not_regular(url: str) -> SourceError:
+    return SourceError(
+        f"source shard is not a regular file (a FIFO, a device or a symlink to nothing?): {url}"
+    )
 
 
 def _check_unchanged(
