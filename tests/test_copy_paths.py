@@ -159,9 +159,11 @@ def test_full_scratch_is_scratch_full_and_leaves_no_partial(
 ) -> None:
     src = tmp_path / "big.bin"
     src.write_bytes(_data(3 << 20))
-    with pytest.raises(ScratchFull, match="no space left"):
+    with pytest.raises(ScratchFull, match="no space left") as full:
         copy_file(None, str(src), small_tmpfs / "big.bin", inspect=_Recorder(byte_path))
     assert not list(small_tmpfs.iterdir())
+    written = int(str(full.value).split("(")[1].split(" bytes written")[0])
+    assert 0 < written <= 1 << 20  # what reached the 1 MiB disk, not 0 and not the source's size
 
 
 @pytest.mark.parametrize("change", ["append", "same size"])

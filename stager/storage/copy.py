@@ -269,12 +269,14 @@ def copy_file(
             )
         (publish or os.replace)(partial, os.fspath(final))
     except OSError as exc:
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        written = _size_of(partial, progress.copied) if full else 0
         discard(partial)
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        if full:
             where, name = os.path.split(os.fspath(final))
             raise ScratchFull(
                 f"no space left on {where} while writing {name} from {url} "
-                f"({progress.copied} bytes written); free space or pass --dest elsewhere",
+                f"({written} bytes written); free space or pass --dest elsewhere",
                 where=where,
             ) from exc
         raise
@@ -301,6 +303,15 @@ def _opened_stat(src: object, url: str) -> os.stat_result | None:
     if not is_regular(st):
         raise _not_regular(url)
     return st
+
+
+def _size_of(partial: str, counted: int) -> int:
+    """How much of the copy reached the disk: the partial's size (the byte pump counts a
+    block only once it is written whole, so a block cut by a full disk is not in ``counted``)."""
+    try:
+        return os.stat(partial).st_size
+    except OSError:
+        return counted
 
 
 def _not_regular(url: str) -> SourceError:
