@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import sys
 import tarfile
 from pathlib import Path
 
@@ -217,3 +218,24 @@ def test_begin_refuses_with_nothing_open_where_an_open_or_the_check_fails(tmp_pa
     assert begun is not None and begun[4][:2] == (100, False)  # the pump is still usable
     os.close(begun[0])
     os.close(begun[1])
+
+
+def test_begin_raises_the_open_audit_events_os_open_raises(tmp_path: Path) -> None:
+    """Audit hooks (a site's, or a test's that watches which files a process reads) see the
+    pump's opens as they saw the Python path's."""
+    src, partial = tmp_path / "src", tmp_path / "out.partial"
+    src.write_bytes(b"a" * 100)
+    seen: list[bytes] = []
+    watching = [True]
+
+    def hook(event: str, args: tuple) -> None:
+        if watching[0] and event == "open" and isinstance(args[0], (str, bytes)):
+            seen.append(os.fsencode(args[0]))
+
+    sys.addaudithook(hook)  # (cannot be removed: it stops recording below)
+    try:
+        begun = _pump().begin(str(src), str(partial), mmap.mmap(-1, 4096), 50, 4096, 4096)
+    finally:
+        watching[0] = False
+    os.close(begun[1])
+    assert os.fsencode(src) in seen and os.fsencode(partial) in seen

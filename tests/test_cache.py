@@ -533,3 +533,28 @@ def test_a_corrupt_shard_served_from_the_cache_leaves_the_report_consistent(
     assert served["files_failed"] == 1 and served["files_copied"] == SPEC.num_shards - 1
     assert served["files_from_cache"] == served["files_copied"]
     assert served["bytes_from_cache"] == served["bytes_copied"]
+
+
+def test_jobs_opening_a_new_cache_together_do_not_refuse_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another job wrote the tag (and its first directories) between this job's look for the
+    tag and its look at the root: the root is a cache now, not a foreign directory. (CI caught
+    this under load: one of four concurrent jobs refused the cache the others had just made.)"""
+    from stager.cache.paths import CacheLayout
+
+    root = tmp_path / "cache"
+    real_is_file = Path.is_file
+    looks: list[Path] = []
+
+    def first_look_misses(self: Path) -> bool:
+        if self.name == "CACHEDIR.TAG" and not looks:
+            looks.append(self)
+            ShardCache.open(root)  # the other job, in between
+            return False
+        return real_is_file(self)
+
+    monkeypatch.setattr(Path, "is_file", first_look_misses)
+    root.mkdir(mode=0o700)
+    ShardCache.open(root)  # must not raise "not empty and not a stager cache"
+    assert looks and CacheLayout(root).objects_dir.is_dir()

@@ -96,8 +96,11 @@ class CacheLayout:
 
     @staticmethod
     def _refuse_foreign(root: Path) -> None:
+        """Refuse a root that holds anything, unless another job made it a cache meanwhile:
+        jobs opening a new cache together each saw no tag, then the first job's tag, and all
+        but that one refused a cache that was theirs."""
         with os.scandir(root) as entries:
-            if next(entries, None) is not None:
+            if next(entries, None) is not None and not (root / "CACHEDIR.TAG").is_file():
                 raise UsageError(
                     f"--cache {root} is not empty and not a stager cache; give the cache a "
                     "directory of its own, e.g. /local/$USER/stager-cache"

@@ -219,6 +219,11 @@ static PyObject *Pump_begin(Pump *p, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "first must be positive");
         goto done;
     }
+    /* The "open" audit events os.open raises: a site's audit hooks see the pump's opens as
+     * they saw the Python path's (and a hook may refuse them). */
+    if (PySys_Audit("open", "OOi", src_path, Py_None, O_RDONLY | O_NONBLOCK | O_CLOEXEC) < 0 ||
+        PySys_Audit("open", "OOi", dst_path, Py_None, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC) < 0)
+        goto done;
     if (claim(p, &view, limit, piece) < 0) goto done;
     const char *src_name = PyBytes_AS_STRING(src_path), *dst_name = PyBytes_AS_STRING(dst_path);
     int src = -1, dst = -1, opened = 0;
