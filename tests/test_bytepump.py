@@ -86,7 +86,7 @@ def test_moves_hashes_and_walks_as_the_python_path(
             assert 0 <= moved <= want and lag_s >= 0.0
             moved_total += moved
             if ended:
-                assert end == (*_identity(os.stat(src)), len(data))
+                assert end == (_identity(os.stat(src)), len(data))
                 break
             assert moved == want and end is None  # a call stops short only at the end
             want = limit

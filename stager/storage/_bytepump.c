@@ -135,6 +135,15 @@ static int claim(Pump *p, Py_buffer *view, Py_ssize_t limit, Py_ssize_t piece) {
     return 0;
 }
 
+/* What identifies the file's bytes (stager/storage/identity.py): (inode, mtime_s, mtime_ns,
+ * ctime_s, ctime_ns), seconds and nanoseconds apart: as one product in 64 bits they overflow
+ * past the year 2262, which ext4 allows. */
+static PyObject *identity_of(const struct stat *st) {
+    return Py_BuildValue("(KLlLl)", (unsigned long long)st->st_ino, (long long)st->st_mtim.tv_sec,
+                         (long)st->st_mtim.tv_nsec, (long long)st->st_ctim.tv_sec,
+                         (long)st->st_ctim.tv_nsec);
+}
+
 /* Give the pump and walker back; the result of the move, or NULL with its exception. */
 static PyObject *moved_result(Pump *p, const Moved *m) {
     p->busy = 0;
@@ -154,10 +163,8 @@ static PyObject *moved_result(Pump *p, const Moved *m) {
     if (walk_failed < 0) return NULL;
     if (!m->ended)
         return Py_BuildValue("(nOdO)", (Py_ssize_t)m->moved, Py_False, m->lag_s, Py_None);
-    return Py_BuildValue("(nOd(KLlLlL))", (Py_ssize_t)m->moved, Py_True, m->lag_s,
-                         (unsigned long long)m->end.st_ino, (long long)m->end.st_mtim.tv_sec,
-                         (long)m->end.st_mtim.tv_nsec, (long long)m->end.st_ctim.tv_sec,
-                         (long)m->end.st_ctim.tv_nsec, (long long)m->end.st_size);
+    return Py_BuildValue("(nOd(NL))", (Py_ssize_t)m->moved, Py_True, m->lag_s,
+                         identity_of(&m->end), (long long)m->end.st_size);
 }
 
 /* move(src_fd, dst_fd, buffer, limit, piece) -> (moved, ended, lag_s, end)
@@ -166,9 +173,8 @@ static PyObject *moved_result(Pump *p, const Moved *m) {
  * it to the walker and write it to `dst_fd` in pieces of at most `piece` bytes. `ended`: a read
  * returned nothing. `lag_s`: seconds from the return of the last read that returned bytes to the
  * return of this call (the caller's last-byte time is its own clock minus this). `end`: where
- * the file ended, the source's (inode, mtime_s, mtime_ns, ctime_s, ctime_ns, size) then; else
- * None. An I/O error
- * raises OSError with its errno; the copy is then discarded by the caller. */
+ * the file ended, the source's (identity_of, size) then; else None. An I/O error raises
+ * OSError with its errno; the copy is then discarded by the caller. */
 static PyObject *Pump_move(Pump *p, PyObject *args) {
     int src, dst;
     Py_buffer view;
@@ -191,16 +197,14 @@ static PyObject *Pump_move(Pump *p, PyObject *args) {
  *     -> None | False | (src_fd, dst_fd, opened, first_lag_s, moved)
  *
  * Open the source (read-only, non-blocking: a FIFO must not hang the open) and check it is a
- * regular file, create or truncate the partial, and move() up to `limit` bytes (`opened`: the
- * source's (inode, mtime_s, mtime_ns, ctime_s, ctime_ns) at the open, and move()'s `end` the
- * same and its size: seconds and nanoseconds apart, as a product in 64 bits overflows past
- * the year 2262, which ext4 allows), the first read
+ * regular file, create or truncate the partial, and move() up to `limit` bytes, the first read
  * of at most `first` bytes alone (`first_lag_s`: seconds since it returned, for the first-byte
- * time); `moved` is what move() returns. A source read to its end is closed here, and its
- * descriptor returned as -1 (each close from Python is one more hand-over). That is all of a small shard's copy before its
- * checks, in one release of the interpreter lock where the Python steps took eight (each open,
- * fstat, read and write a hand-over, and with a few copy threads on a few cores the hand-overs
- * were most of the cost). False where the source is not a regular file (a FIFO, a device, a
+ * time). `opened`: the source's identity_of at the open; `moved`: what move() returns. A
+ * source read to its end is closed here, and its descriptor returned as -1 (each close from
+ * Python is one more hand-over). That is all of a small shard's copy before its checks, in one
+ * release of the interpreter lock where the Python steps took eight (each open, fstat, read
+ * and write a hand-over, and with a few copy threads on a few cores the hand-overs were most
+ * of the cost). False where the source is not a regular file (a FIFO, a device, a
  * directory: opened once, never read); None, with nothing left open, where an open failed:
  * the caller then opens the slow way, which says what is wrong (or makes the partial's missing
  * directory). */
@@ -262,10 +266,7 @@ static PyObject *Pump_begin(Pump *p, PyObject *args) {
         close(dst);
         goto done;
     }
-    result = Py_BuildValue("(ii(KLlLl)dO)", src, dst, (unsigned long long)st.st_ino,
-                           (long long)st.st_mtim.tv_sec, (long)st.st_mtim.tv_nsec,
-                           (long long)st.st_ctim.tv_sec, (long)st.st_ctim.tv_nsec,
-                           m.first_lag_s, moved);
+    result = Py_BuildValue("(iiNdO)", src, dst, identity_of(&st), m.first_lag_s, moved);
     Py_DECREF(moved);
     if (!result) {
         if (src >= 0) close(src);
@@ -309,7 +310,8 @@ static int Pump_init(Pump *p, PyObject *args, PyObject *kwds) {
 }
 
 /* The hash state is made here, not in __init__: a pump made by __new__ alone is usable. */
-static PyObject *Pump_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+static PyObject *Pump_new(PyTypeObject *type, PyObject *Py_UNUSED(args),
+                          PyObject *Py_UNUSED(kwds)) {
     Pump *p = (Pump *)type->tp_alloc(type, 0);
     if (!p) return NULL;
     if (!(p->state = XXH3_createState())) {

@@ -165,8 +165,7 @@ def open_pumped(
     begun = pump.begin(src_path, partial, view, first_read, block_bytes, _WRITE_BYTES)
     if not begun:  # None, or False: not a regular file (opened once, never read)
         return begun
-    src_fd, dst_fd, (inode, mtime_s, mtime_ns, ctime_s, ctime_ns), first_lag_s, moved = begun
-    opened = (inode, _ns(mtime_s, mtime_ns), _ns(ctime_s, ctime_ns))
+    src_fd, dst_fd, opened, first_lag_s, moved = begun
     try:
         end = _pump_rest(pump, src_fd, dst_fd, view, block_bytes, progress, moved, first_lag_s)
     except BaseException:
@@ -174,7 +173,7 @@ def open_pumped(
             os.close(src_fd)
         os.close(dst_fd)
         raise
-    return src_fd, dst_fd, opened, end
+    return src_fd, dst_fd, _identity(opened), end
 
 
 def _pump_rest(
@@ -184,7 +183,7 @@ def _pump_rest(
     view: memoryview,
     block_bytes: int,
     progress: Progress,
-    moved: tuple[int, bool, float, tuple[int, ...] | None],
+    moved: tuple[int, bool, float, tuple[tuple[int, ...], int] | None],
     first_lag_s: float | None = None,
 ) -> EndStat:
     """Account for a move (``moved``: its result; ``first_lag_s``: see :meth:`Progress.read`)
@@ -197,15 +196,17 @@ def _pump_rest(
             progress.done(nbytes)  # (the throttle, and a stop requested meanwhile, act here)
         if ended:
             assert end is not None  # (the pump stats the source where it ends)
-            inode, mtime_s, mtime_ns, ctime_s, ctime_ns, size = end
-            return inode, _ns(mtime_s, mtime_ns), _ns(ctime_s, ctime_ns), size
+            identity, size = end
+            return (*_identity(identity), size)
         moved = pump.move(src_fd, dst_fd, view, block_bytes, _WRITE_BYTES)
 
 
-def _ns(seconds: int, nanoseconds: int) -> int:
-    """A timestamp in nanoseconds, as ``os.stat``'s ``st_mtime_ns`` (the pump reports seconds
-    and nanoseconds apart: their product overflows 64 bits past the year 2262)."""
-    return seconds * 1_000_000_000 + nanoseconds
+def _identity(reported: tuple[int, ...]) -> tuple[int, int, int]:
+    """:func:`stager.storage.identity.local_identity` from the pump's ``(inode, mtime_s,
+    mtime_ns, ctime_s, ctime_ns)``: seconds and nanoseconds come apart because their product
+    overflows 64 bits past the year 2262."""
+    inode, mtime_s, mtime_ns, ctime_s, ctime_ns = reported
+    return inode, mtime_s * 1_000_000_000 + mtime_ns, ctime_s * 1_000_000_000 + ctime_ns
 
 
 def new_pump(algorithm: str, inspect: Any) -> Any:

@@ -91,10 +91,10 @@ class _Fd:
         self.url = url
 
     @classmethod
-    def adopt(cls, fd: int, url: str = "") -> _Fd:
+    def adopt(cls, fd: int) -> _Fd:
         """An already open descriptor (the byte pump's), closed by ``with`` like the others."""
         adopted = cls.__new__(cls)
-        adopted.fd, adopted.url = fd, url
+        adopted.fd, adopted.url = fd, ""
         return adopted
 
     def readinto(self, view: memoryview) -> int:
