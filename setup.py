@@ -20,8 +20,12 @@ setup(
         ),
         Extension(
             "stager.storage._bytepump",
-            ["stager/storage/_bytepump.c"],
-            depends=["stager/storage/vendor/xxhash.h", "stager/shards/_tarwalk_api.h"],
+            ["stager/storage/_bytepump.c", "stager/storage/_copyrun.c"],
+            depends=[
+                "stager/storage/_bytepump.h",
+                "stager/storage/vendor/xxhash.h",
+                "stager/shards/_tarwalk_api.h",
+            ],
             optional=True,
         ),
         Extension(

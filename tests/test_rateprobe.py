@@ -77,6 +77,18 @@ def test_a_window_needs_both_time_and_files() -> None:
     assert probe.limit == 16  # the first judgement: try fewer
 
 
+def test_a_run_of_files_counts_as_that_many() -> None:
+    """A copy thread reports a run of small shards once (stager/stagein/smallruns.py): the
+    window counts its files, not one."""
+    probe = RateProbe(64, window_s=0.5, min_files=32)
+    probe.start(64)
+    probe.completed(0.0)
+    probe.completed(0.6, files=31)
+    assert probe.limit == 64  # 31 files: not yet a window
+    probe.completed(0.7, files=1)
+    assert probe.limit == 16
+
+
 def test_looks_that_change_nothing_come_ever_more_rarely() -> None:
     """On a steady latency-bound source each look below the ceiling costs a slow window; the
     wait between looks doubles, so over a long run almost every file runs at the ceiling."""

@@ -95,6 +95,32 @@ def test_gate_refused_deletes_held_and_later_copies(tmp_path: Path) -> None:
     assert gate.pass_() == [] and gate.refused  # the verdict is final
 
 
+@pytest.mark.parametrize("verdict", [None, "passed", "refused"])
+def test_gate_publishes_a_run_as_it_publishes_one_copy(tmp_path: Path, verdict: str | None) -> None:
+    """A run's copies (stager/stagein/smallruns.py): held before the verdict, renamed after a
+    pass (a failed rename reported, its partial gone), deleted after a refusal."""
+    gate = PublishGate()
+    if verdict == "passed":
+        gate.pass_()
+    elif verdict == "refused":
+        gate.refuse()
+    pairs = [_partial(tmp_path, f"{name}.tar") for name in "abc"]
+    Path(pairs[1][1]).mkdir()
+    (Path(pairs[1][1]) / "x").write_bytes(b"")  # b.tar's name is taken by a directory
+    renamed, errors = gate.publish_run(pairs)
+    assert renamed is (verdict == "passed")
+    exists = [(os.path.exists(p), os.path.isfile(f)) for p, f in pairs]
+    if verdict is None:
+        assert exists == [(True, False)] * 3 and errors == [None] * 3
+        assert [f for f, _ in gate.pass_()] == [pairs[1][1]]  # renamed at the pass
+        assert os.path.isfile(pairs[0][1]) and os.path.isfile(pairs[2][1])
+    elif verdict == "passed":
+        assert exists == [(False, True), (False, False), (False, True)]
+        assert errors[0] is None and errors[2] is None and isinstance(errors[1], OSError)
+    else:
+        assert exists == [(False, False)] * 3 and errors == [None] * 3
+
+
 def test_deferred_preflight_passes_when_the_sizes_fit(tmp_path: Path) -> None:
     paths = _files(tmp_path / "src", [100, 200, 300])
     totals: list[tuple[int, int]] = []

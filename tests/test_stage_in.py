@@ -561,3 +561,10 @@ def test_journal_lines_are_json_and_read_back_as_recorded(
     line = path.read_bytes()
     assert line == json.dumps([relpath, size, digest, samples, version]).encode() + b"\n"
     assert journal.read() == {relpath: entry}
+    # a run's entries: one write, the same lines, read back with the last of a name winning
+    other = ManifestEntry(relpath + "x", size + 1, digest, None, version)
+    again = ManifestEntry(relpath, size + 2, digest, samples, None)
+    journal.record_all([other, again])
+    journal.record_all([])
+    assert path.read_bytes().count(b"\n") == 3
+    assert journal.read() == {relpath: again, relpath + "x": other}

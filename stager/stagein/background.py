@@ -48,6 +48,7 @@ from stager.stagein.pacing import CopierStopped, OrderedThrottle
 from stager.stagein.plan import CopyItem, LocalPlan, clean_partials
 from stager.stagein.report import StageInReport
 from stager.stagein.run import jitter_s, new_report, prepare, staged_dataset
+from stager.stagein.smallruns import RunLength
 from stager.stagein.status import PlanFacts, discard_plan, write_plan
 from stager.storage.paths import discard
 from stager.storage.sources import SourceSet, SourceShard
@@ -73,13 +74,15 @@ class _OrderedCopier(Copier):
         self.throttle = self.pacing
         self.halt = self.pacing.halt  # a retry's back-off ends on the stop too
         self.priority = priority
+        self.small_runs = None  # every shard paced on its own (the throttle is set only now)
+        self.run_length = RunLength(most=1)
 
-    def _copy_one(self, item: CopyItem) -> None:
+    def copy_prepared(self, item: CopyItem) -> None:
         self.slots.give_back()  # no slot kept across the wait for this item's turn
         self.pacing.check()
         self.pacing.begin(self.priority[item.shard.relpath])
         try:
-            super()._copy_one(item)
+            super().copy_prepared(item)
         finally:
             self.pacing.end()
 

@@ -10,28 +10,28 @@ stay ``.partial`` until the free-space check on those sizes has passed.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 from collections.abc import Callable
 from operator import attrgetter
 from typing import TYPE_CHECKING, TextIO
 
-from stager.errors import HashMismatch, ShardFailure, SourceError, failure_kind, one_line
-from stager.layout import skipped_message
+from stager.errors import HashMismatch, ShardFailure, failure_kind, one_line
 from stager.shards.manifest import ManifestEntry
 from stager.shards.tarparse import TarSampleCounter
 from stager.stagein.feed import ItemFeed
-from stager.stagein.guards import space_error
 from stager.stagein.journal import Journal
 from stager.stagein.options import StageInOptions
 from stager.stagein.pacing import Halt
 from stager.stagein.plan import CopyItem, CopyOutcome, LocalPlan, count_samples_of
 from stager.stagein.progress import Progress
 from stager.stagein.report import StageInReport
+from stager.stagein.settle import settle_sized_later
 from stager.stagein.sizing import DROPPED, UNKNOWN, DeferredPreflight
+from stager.stagein.smallruns import MAX_RUN, RunLength, SmallRuns
 from stager.stagein.streams import KeptSlots, StreamController
 from stager.storage.copy import CopyResult, copy_file
+from stager.storage.copyrun import publish_run
 from stager.storage.retry import call_with_retries
 from stager.storage.sources import SourceSet
 from stager.storage.throttle import Throttle
@@ -109,6 +109,10 @@ class Copier:
         self.streams = StreamController(ceiling, floor=options.min_jobs, adaptive=options.adaptive)
         self.slots = KeptSlots(self.streams)
         self.feed = ItemFeed(plan.to_copy, closed=not streamed, on_wait=self.slots.give_back)
+        # Small local shards are copied in runs (smallruns.py): a take of the feed is then
+        # run_length() items; else one.
+        self.small_runs = SmallRuns.of(self)
+        self.run_length = RunLength(most=MAX_RUN if self.small_runs is not None else 1)
 
     def run(self) -> CopyOutcome:
         """Copy every planned shard; failures are in the report, the staged ones in the outcome."""
@@ -116,8 +120,8 @@ class Copier:
             self.sizing.start()
         try:
             run_in_threads(
-                self._copy_one,
-                self.feed,
+                self._copy_take,
+                self.feed.runs(self.run_length),
                 self.streams.ceiling,
                 name="stage-in",
                 on_exit=self.slots.give_back,
@@ -131,7 +135,7 @@ class Copier:
             self.progress.close()
             self.report.streams = self.streams.peak
         if self.sizing is not None:
-            self._settle_sized_later(self.sizing)
+            settle_sized_later(self, self.sizing)
         return self.outcome
 
     # -- a streamed listing feeds it ------------------------------------------------------
@@ -182,12 +186,12 @@ class Copier:
                 self.journal.record(entry)
 
     # -- one shard, on a copy thread -------------------------------------------------------
-    def _fail(self, item: CopyItem, reason: str, kind: str = "source") -> None:
+    def fail(self, item: CopyItem, reason: str, kind: str = "source") -> None:
         reason = reason.removeprefix(f"{item.shard.url}: ")  # the FAILED line names it already
         with self.lock:
             self.report.add_failure(ShardFailure(item.shard.url, reason, kind))
 
-    def _on_bytes(self, n: int) -> None:
+    def on_bytes(self, n: int) -> None:
         self.halt.check()  # CopierStopped unwinds copy_file, which deletes its .partial
         with self.lock:
             self.report.bytes_read_source += n
@@ -209,7 +213,7 @@ class Copier:
                 self.dropped.append(item.shard.relpath)
             return None
         if size == UNKNOWN:
-            self._fail(item, self.sizing.probe.error(index))
+            self.fail(item, self.sizing.probe.error(index))
             return None
         return item.sized(size, self.sizing.probe.versions[index])
 
@@ -218,7 +222,24 @@ class Copier:
         while the walk has nothing to hand out: a slot held waiting would hold up a copy."""
         self.slots.give_back() if self.feed.starved else self.slots.take()
 
-    def _copy_one(self, item: CopyItem) -> None:
+    def _copy_take(self, take: list[CopyItem]) -> None:
+        """Copy a take of the feed: its small local shards in runs (smallruns.py), the others
+        one by one."""
+        small = []
+        for item in take:
+            ready = self._prepare(item)
+            if ready is None:
+                continue
+            if self.small_runs is not None and self.small_runs.fits(ready):
+                small.append(ready)
+            else:
+                self.copy_prepared(ready)
+        if small:
+            assert self.small_runs is not None
+            self.small_runs.copy(small)
+
+    def _prepare(self, item: CopyItem) -> CopyItem | None:
+        """``item`` sized, or None where it is not to be copied (not a shard, failed, refused)."""
         sizing = self.sizing
         late = sizing is not None and item.shard.relpath in self.late
         if self.cache is not None or (
@@ -228,25 +249,29 @@ class Copier:
         if late:
             sized = self._late_size(item)
             if sized is None:
-                return
+                return None
             item = sized
         if self.sizing is not None and self.sizing.refused:
-            return  # the refusal raised at the end says it for all of them
+            return None  # the refusal raised at the end says it for all of them
         if self.full.is_set():
-            self._fail(item, "not attempted: the destination is full or not writable", "full")
-            return
+            self.fail(item, "not attempted: the destination is full or not writable", "full")
+            return None
+        return item
+
+    def copy_prepared(self, item: CopyItem) -> None:
+        """Copy one shard (:meth:`_prepare`'d) with :func:`copy_file`, retried where it may help."""
         claim: Claim | None = None
         if self.cache is not None:
             try:
                 claim = self.cache.claim(item)  # may wait while another job fills the shard
             except Exception as exc:  # noqa: BLE001 - one report line, as for a copy
-                self._fail(item, one_line(exc), failure_kind(exc))
+                self.fail(item, one_line(exc), failure_kind(exc))
                 return
             if claim.served is not None:
                 self.served.add(item.shard.relpath)
                 if claim.samples is not None:
                     self.served_samples[item.shard.relpath] = claim.samples
-                self._staged(item, claim.served, None, True)
+                self.book_run([(item, claim.served, None)], True)
                 return
         target = claim.target if claim is not None else item.target
         published = [True]
@@ -254,14 +279,12 @@ class Copier:
         counters: list[TarSampleCounter] = []
         sizing = self.sizing
 
-        want_samples = self._known_samples(item)
-
         def publish(partial: str, final_path: str) -> None:
-            counted = counters[0].samples if counters else None
-            if want_samples is not None and counted is not None and counted != want_samples:
+            if not self.samples_agree(item, counters[0] if counters else None):
+                counted, want = counters[0].samples, self._known_samples(item)
                 raise HashMismatch(  # before the rename: nothing is published under this name
                     f"{item.shard.url}: holds {counted} samples but the manifest says "
-                    f"{want_samples}; the manifest is stale or wrong: re-run stager index"
+                    f"{want}; the manifest is stale or wrong: re-run stager index"
                 )
             if sizing is not None:
                 published[0] = sizing.gate.publish(partial, final_path)
@@ -279,7 +302,7 @@ class Copier:
                 expected_hash=item.want_hash,
                 block_bytes=self.options.block_bytes,
                 throttle=self.throttle,
-                on_bytes=self._on_bytes,
+                on_bytes=self.on_bytes,
                 inspect=counters[0] if counters else None,
                 fsync=self.options.fsync,
                 size_from_manifest=item.from_manifest,
@@ -297,99 +320,75 @@ class Copier:
             kind = failure_kind(exc)
             if kind in ("full", "dest"):
                 self.full.set()  # no later copy can land either
-            self._fail(item, one_line(exc), kind)
+            self.fail(item, one_line(exc), kind)
             return
         finally:
             timing = (result.first_byte_s, result.last_byte_s, result.cores_used) if result else ()
             self.slots.finished(*timing)
             if claim is not None:
                 claim.release()
-        self._staged(item, result, counters[0] if counters else None, published[0])
+        self.run_length.timed(result.seconds)
+        self.book_run([(item, result, counters[0] if counters else None)], published[0])
+
+    def samples_agree(self, item: CopyItem, counter: TarSampleCounter | None) -> bool:
+        """False where the walk counted other samples than the manifest (or cache) says."""
+        want, counted = self._known_samples(item), counter.samples if counter else None
+        return want is None or counted is None or counted == want
+
+    def publish_run(self, pairs: list[tuple[str, str]]) -> tuple[bool, list[OSError | None]]:
+        """Rename a run's copies into place, or hold them for the free-space verdict:
+        whether renamed, and each rename's error (see :meth:`PublishGate.publish_run`)."""
+        if self.sizing is not None:
+            return self.sizing.gate.publish_run(pairs)
+        return True, publish_run(pairs)
 
     def _known_samples(self, item: CopyItem) -> int | None:
         """The manifest's count, or the cache's for a shard it served."""
         served = self.served_samples.get(item.shard.relpath)
         return served if served is not None else item.want_samples
 
-    def _staged(
-        self, item: CopyItem, result: CopyResult, counter: TarSampleCounter | None, published: bool
+    def book_run(
+        self,
+        copies: list[tuple[CopyItem, CopyResult, TarSampleCounter | None]],
+        published: bool,
     ) -> None:
-        relpath = item.shard.relpath
-        samples = self._known_samples(item)
-        if counter is not None:  # (one that found no tar too: the finish checks the copy)
-            self.outcome.parsed[relpath] = counter  # arrays are built at the end, off this thread
-            if samples is None:
-                samples = counter.samples
-        # Compressed shards are counted here. A walk in flight that found no tar already ran
-        # the slower indexers: the finish reads that copy once more and fails it.
-        late_count = samples is None and counter is None and self.options.count_samples
-        if late_count and published:
-            samples = count_samples_of(item.final)
-        with self.lock:
-            if not published:  # held as .partial until the verdict: counted after it, if need be
-                self.held.append(relpath)
-                if late_count:
-                    self.count_later.append(relpath)
+        """Enter staged copies (one, or a run's) in the outcome, report, journal and progress,
+        under the lock once."""
+        booked = []
+        for item, result, counter in copies:
+            relpath = item.shard.relpath
+            samples = self._known_samples(item)
+            if counter is not None:  # (one that found no tar too: the finish checks the copy)
+                self.outcome.parsed[relpath] = counter  # arrays are built at the end
+                if samples is None:
+                    samples = counter.samples
+            # Compressed shards are counted here. A walk in flight that found no tar already ran
+            # the slower indexers: the finish reads that copy once more and fails it.
+            late_count = samples is None and counter is None and self.options.count_samples
+            if late_count and published:
+                samples = count_samples_of(item.final)
             version = result.version or item.shard.version  # at open, else as listed
             entry = ManifestEntry(relpath, result.size, result.hash, samples, version)
-            self.outcome.entries[relpath] = entry
-            self.report.files_copied += 1
-            self.report.bytes_copied += result.size
+            booked.append((entry, late_count))
+        with self.lock:
+            for entry, late_count in booked:
+                if not published:  # held as .partial until the verdict: counted after, if need be
+                    self.held.append(entry.relpath)
+                    if late_count:
+                        self.count_later.append(entry.relpath)
+                self.outcome.entries[entry.relpath] = entry
+                self.report.files_copied += 1
+                self.report.bytes_copied += entry.size
         if published and self.journal is not None:
-            self.journal.record(entry)
+            self.journal.record_all([entry for entry, _ in booked])
         self.heartbeat()
-        self.progress.file_done()
+        self.progress.file_done(len(booked))
 
     # -- after the copies -------------------------------------------------------------------
-    def _unstage(self, relpath: str) -> None:
+    def unstage(self, relpath: str) -> None:
+        """Take a copy out of the outcome and the report (it is not staged after all)."""
         entry = self.outcome.entries.pop(relpath, None)
         self.outcome.parsed.pop(relpath, None)
         if entry is not None:
             self.report.files_copied -= 1
             self.report.bytes_copied -= entry.size
-
-    def _settle_sized_later(self, sizing: DeferredPreflight) -> None:
-        """Account for the shards sized during the copy, or raise the verdict against them.
-
-        On a refusal (or a probe that broke) the held copies were deleted: they leave the report
-        and the staged manifest before the error is raised, so neither claims a file not staged.
-        """
-        report = self.report
-        report.files_total -= len(self.dropped)
-        report.bytes_total += sizing.probed_bytes
-        late = [item for item in self.plan.to_copy if item.shard.relpath in self.late]
-        for index in sorted(sizing.probe.not_regular):
-            message = skipped_message(late[index].shard.url)
-            print(f"[{report.node}] warning: {message}", file=self.log, flush=True)
-        if not sizing.gate.passed:
-            for relpath in self.held:
-                self._unstage(relpath)
-            if self.stopped_by is not None:
-                raise self.stopped_by
-            if sizing.probe.failure is not None:
-                raise SourceError(
-                    f"[{report.node}] sizing the source's shards failed: "
-                    f"{one_line(sizing.probe.failure)}; nothing was copied"
-                ) from sizing.probe.failure
-            reserve = self.options.min_free_bytes
-            raise space_error(
-                *(report.dataset_dir, sizing.needed_bytes + reserve, sizing.free_bytes),
-                *(report.node, reserve),
-            )
-        # (a dict per shard only when needed: a Path per shard cost 0.5 s at 10,000 shards)
-        item_of = {i.target: i for i in self.plan.to_copy} if sizing.failed_renames else {}
-        for final_path, exc in sizing.failed_renames:
-            item = item_of[final_path]
-            self._unstage(item.shard.relpath)
-            self._fail(item, f"copied but not renamed into place: {exc.strerror or exc}")
-        later = set(self.count_later)  # held copies counted only now that they are renamed
-        final_of = {i.shard.relpath: i.final for i in self.plan.to_copy} if later else {}
-        for index, relpath in enumerate(self.held):  # journal those _journal_passed did not
-            entry = self.outcome.entries.get(relpath)
-            if entry is None or (index < self.held_journaled and relpath not in later):
-                continue
-            if relpath in later:
-                samples = count_samples_of(final_of[relpath])
-                entry = self.outcome.entries[relpath] = dataclasses.replace(entry, samples=samples)
-            if self.journal is not None:
-                self.journal.record(entry)

@@ -32,14 +32,21 @@ class Journal:
 
     def record(self, entry: ManifestEntry) -> None:
         """Append ``entry`` (best effort: without it the shard is only copied again)."""
-        line = _line(entry)
+        self.record_all([entry])
+
+    def record_all(self, entries: list[ManifestEntry]) -> None:
+        """Append ``entries`` in one ``write`` (a run's: :mod:`stager.storage.copyrun`). A kill
+        that cuts it loses the lines after the cut: those shards are copied again."""
+        if not entries:
+            return
+        lines = b"".join(_line(entry) + b"\n" for entry in entries)
         with self._lock:
             try:
                 if self._fd is None:
                     self.path.parent.mkdir(parents=True, exist_ok=True)
                     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
                     self._fd = os.open(self.path, flags, 0o600)
-                os.write(self._fd, line + b"\n")  # O_APPEND: whole lines from every thread
+                os.write(self._fd, lines)  # O_APPEND: whole lines from every thread
             except OSError:
                 pass
 

@@ -75,9 +75,9 @@ class Progress:
                 self._bar.total = self.total_bytes
                 self._bar.refresh()
 
-    def file_done(self) -> None:
+    def file_done(self, files: int = 1) -> None:
         with self._lock:
-            self.files_done += 1
+            self.files_done += files
             if self._bar is not None:
                 self._bar.set_postfix_str(
                     f"files {self.files_done}/{self.total_files}", refresh=False

@@ -61,12 +61,12 @@ class RateProbe:
         self._step = self._last_step = -1
         self._held, self._patience, self._looked_from = 0, self.hold_windows, None
 
-    def completed(self, now: float) -> int:
-        """Count one finished file at time ``now``; returns the limit to run at."""
+    def completed(self, now: float, files: int = 1) -> int:
+        """Count ``files`` finished at time ``now``; returns the limit to run at."""
         if self._window_start is None:
             self._window_start = now  # the first file only opens the window
             return self.limit
-        self._files += 1
+        self._files += files
         elapsed = now - self._window_start
         if elapsed >= self.window_s and self._files >= self.min_files:
             self._judge(self._files / elapsed)

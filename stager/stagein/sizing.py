@@ -20,6 +20,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 
 from stager.stagein.feed import ItemFeed
+from stager.storage.copyrun import publish_run
 from stager.storage.identity import version_of
 from stager.storage.paths import discard
 from stager.storage.statmany import StatRow, stat_many
@@ -286,6 +287,20 @@ class PublishGate:
             return True
         discard(partial)
         return False
+
+    def publish_run(self, pairs: Sequence[tuple[str, str]]) -> tuple[bool, list[OSError | None]]:
+        """:meth:`publish` for a run of copies (:mod:`stager.storage.copyrun`): (True, each
+        rename's error or None) where renamed now, (False, no errors) where held or deleted."""
+        if self._verdict is not True:
+            with self._lock:
+                if self._verdict is None:
+                    self._held.extend(pairs)
+                    return False, [None] * len(pairs)
+            if not self._verdict:
+                for partial, _ in pairs:
+                    discard(partial)
+                return False, [None] * len(pairs)
+        return True, publish_run(pairs)
 
     def pass_(self) -> list[tuple[str, OSError]]:
         """Rename the copies held so far; returns the finals that could not be renamed."""

@@ -129,16 +129,19 @@ class StreamController:
         first_byte_s: float | None = None,
         last_byte_s: float | None = None,
         cores_used: float | None = None,
+        *,
+        files: int = 1,
     ) -> bool:
         """Report a finished file as :meth:`release` does, but keep the slot for the caller's
         next file while the limit allows it: True when kept (then :meth:`release` it once the
-        caller has no next file), False when given back.
+        caller has no next file), False when given back. ``files``: a run of that many small
+        files copied by one call (:mod:`stager.storage.copyrun`), its timings per file.
 
         Why: handing the slot to a parked thread costs two thread switches per file, and from
         a memory-speed source those were most of a small shard's copy time.
         """
         with self._cond:
-            self._record(first_byte_s, last_byte_s, cores_used, self._active)
+            self._record(first_byte_s, last_byte_s, cores_used, self._active, files)
             keep = self._active <= self.limit
             if not keep:
                 self._active -= 1
@@ -162,6 +165,7 @@ class StreamController:
         last_byte_s: float | None,
         cores_used: float | None = None,
         running: int = 1,
+        files: int = 1,
     ) -> None:
         """``running``: the copies in flight as this one ended (itself included)."""
         if self.adaptive and first_byte_s is not None and last_byte_s is not None:
@@ -170,7 +174,7 @@ class StreamController:
             self._cores_used.append(cores_used or 0.0)
             # The share of a core each running copy kept busy (at most one core each).
             self._core_share.append((cores_used or 0.0) / max(1, min(running, self.cores)))
-            self.limit = self._next_limit()
+            self.limit = self._next_limit(files)
             self.peak = max(self.peak, self.limit)
 
     def _wake(self) -> None:
@@ -181,7 +185,7 @@ class StreamController:
         if free > 0:
             self._cond.notify(free)
 
-    def _next_limit(self) -> int:
+    def _next_limit(self, files: int = 1) -> int:
         """The model's target, or while the window's files were too small to time, the rate
         search's limit (started from the model's target)."""
         if _median(self._transfer_s) > 0:
@@ -190,7 +194,7 @@ class StreamController:
         if self._probe is None:
             self._probe = RateProbe(self.ceiling)
             self._probe.start(self.target())
-        return self._probe.completed(time.monotonic())
+        return self._probe.completed(time.monotonic(), files)
 
     def target(self) -> int:
         """The stream count the current window of timings asks for."""
@@ -249,6 +253,7 @@ class KeptSlots:
             self._local.held = False
             self.streams.release()
 
-    def finished(self, *timing: float) -> None:
-        """This thread's file ended (its timing: see :meth:`StreamController.finished`)."""
-        self._local.held = self.streams.finished(*timing)
+    def finished(self, *timing: float, files: int = 1) -> None:
+        """This thread's file, or run of ``files``, ended (its timing: see
+        :meth:`StreamController.finished`)."""
+        self._local.held = self.streams.finished(*timing, files=files)

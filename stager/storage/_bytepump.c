@@ -26,9 +26,9 @@
 #define XXH_STATIC_LINKING_ONLY
 #include "vendor/xxhash.h"
 
-#include "../shards/_tarwalk_api.h"
+#include "_bytepump.h"
 
-static TarWalkAPI *walk_api; /* NULL where the tar walk was not built */
+TarWalkAPI *pump_walk_api;
 
 typedef struct {
     PyObject_HEAD
@@ -37,7 +37,7 @@ typedef struct {
     int busy;
 } Pump;
 
-static double now_s(void) {
+double pump_now_s(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
@@ -45,7 +45,7 @@ static double now_s(void) {
 
 /* An interrupted system call: take the lock back and run Python's signal handlers (Ctrl-C,
  * the stager's SIGTERM handler) as os.read would; -1 where one raised. */
-static int handle_signals(PyThreadState **saved) {
+int pump_handle_signals(PyThreadState **saved) {
     PyEval_RestoreThread(*saved);
     int failed = PyErr_CheckSignals();
     *saved = PyEval_SaveThread();
@@ -54,12 +54,12 @@ static int handle_signals(PyThreadState **saved) {
 
 /* Write all `len` bytes, in pieces of at most `piece` (see _WRITE_BYTES in bytepath.py);
  * 0, or the errno of the failed write (-1: a signal handler raised). */
-static int write_all(int fd, const char *data, size_t len, size_t piece, PyThreadState **saved) {
+int pump_write_all(int fd, const char *data, size_t len, size_t piece, PyThreadState **saved) {
     while (len) {
         ssize_t n = write(fd, data, len < piece ? len : piece);
         if (n < 0) {
             if (errno != EINTR) return errno;
-            if (handle_signals(saved) < 0) return -1;
+            if (pump_handle_signals(saved) < 0) return -1;
             continue;
         }
         if (n == 0) return EIO; /* a regular file never takes nothing; do not spin */
@@ -94,7 +94,7 @@ static void move_released(Pump *p, int src, int dst, char *buf, size_t capacity,
                 out->failure = errno;
                 return;
             }
-            if (handle_signals(saved) < 0) {
+            if (pump_handle_signals(saved) < 0) {
                 out->failure = -1;
                 return;
             }
@@ -104,18 +104,18 @@ static void move_released(Pump *p, int src, int dst, char *buf, size_t capacity,
             out->ended = 1;
             break;
         }
-        last_read = now_s();
+        last_read = pump_now_s();
         if (first_read == 0.0) first_read = last_read;
         XXH3_64bits_update(p->state, buf, (size_t)n);
-        if (p->walker) walk_api->feed(p->walker, (const unsigned char *)buf, (size_t)n);
+        if (p->walker) pump_walk_api->feed(p->walker, (const unsigned char *)buf, (size_t)n);
         out->moved += (size_t)n;
-        out->failure = write_all(dst, buf, (size_t)n, piece, saved);
+        out->failure = pump_write_all(dst, buf, (size_t)n, piece, saved);
         if (out->failure) return;
     }
     /* At the end, the source as it is now: the caller compares it with the open's fstat, so
      * a file rewritten during the copy is never published (stager/storage/copy.py). */
     if (out->ended && fstat(src, &out->end) < 0) out->failure = errno;
-    double returned = now_s();
+    double returned = pump_now_s();
     out->lag_s = out->moved ? returned - last_read : 0.0;
     out->first_lag_s = out->moved ? returned - first_read : 0.0;
 }
@@ -130,7 +130,7 @@ static int claim(Pump *p, Py_buffer *view, Py_ssize_t limit, Py_ssize_t piece) {
         PyErr_SetString(PyExc_RuntimeError, "BytePump used from two threads at once");
         return -1;
     }
-    if (p->walker && walk_api->claim(p->walker) < 0) return -1;
+    if (p->walker && pump_walk_api->claim(p->walker) < 0) return -1;
     p->busy = 1;
     return 0;
 }
@@ -138,7 +138,7 @@ static int claim(Pump *p, Py_buffer *view, Py_ssize_t limit, Py_ssize_t piece) {
 /* What identifies the file's bytes (stager/storage/identity.py): (inode, mtime_s, mtime_ns,
  * ctime_s, ctime_ns), seconds and nanoseconds apart: as one product in 64 bits they overflow
  * past the year 2262, which ext4 allows. */
-static PyObject *identity_of(const struct stat *st) {
+PyObject *pump_identity_of(const struct stat *st) {
     return Py_BuildValue("(KLlLl)", (unsigned long long)st->st_ino, (long long)st->st_mtim.tv_sec,
                          (long)st->st_mtim.tv_nsec, (long long)st->st_ctim.tv_sec,
                          (long)st->st_ctim.tv_nsec);
@@ -150,11 +150,11 @@ static PyObject *moved_result(Pump *p, const Moved *m) {
     if (m->failure < 0) { /* a signal handler raised: its exception wins over the walk's */
         PyObject *type, *value, *traceback;
         PyErr_Fetch(&type, &value, &traceback);
-        if (p->walker && walk_api->release(p->walker) < 0) PyErr_Clear();
+        if (p->walker && pump_walk_api->release(p->walker) < 0) PyErr_Clear();
         PyErr_Restore(type, value, traceback);
         return NULL;
     }
-    int walk_failed = p->walker ? walk_api->release(p->walker) : 0;
+    int walk_failed = p->walker ? pump_walk_api->release(p->walker) : 0;
     if (m->failure > 0) {
         PyErr_Clear(); /* the I/O error says more than a walk that ran out of memory */
         errno = m->failure;
@@ -164,7 +164,7 @@ static PyObject *moved_result(Pump *p, const Moved *m) {
     if (!m->ended)
         return Py_BuildValue("(nOdO)", (Py_ssize_t)m->moved, Py_False, m->lag_s, Py_None);
     return Py_BuildValue("(nOd(NL))", (Py_ssize_t)m->moved, Py_True, m->lag_s,
-                         identity_of(&m->end), (long long)m->end.st_size);
+                         pump_identity_of(&m->end), (long long)m->end.st_size);
 }
 
 /* move(src_fd, dst_fd, buffer, limit, piece) -> (moved, ended, lag_s, end)
@@ -256,7 +256,7 @@ static PyObject *Pump_begin(Pump *p, PyObject *args) {
     PyEval_RestoreThread(saved);
     if (!opened) {
         p->busy = 0;
-        if (p->walker && walk_api->release(p->walker) < 0) goto done;
+        if (p->walker && pump_walk_api->release(p->walker) < 0) goto done;
         result = Py_NewRef(irregular ? Py_False : Py_None);
         goto done;
     }
@@ -266,7 +266,7 @@ static PyObject *Pump_begin(Pump *p, PyObject *args) {
         close(dst);
         goto done;
     }
-    result = Py_BuildValue("(iiNdO)", src, dst, identity_of(&st), m.first_lag_s, moved);
+    result = Py_BuildValue("(iiNdO)", src, dst, pump_identity_of(&st), m.first_lag_s, moved);
     Py_DECREF(moved);
     if (!result) {
         if (src >= 0) close(src);
@@ -299,7 +299,7 @@ static int Pump_init(Pump *p, PyObject *args, PyObject *kwds) {
         return -1;
     }
     if (walker != Py_None) {
-        if (!walk_api || !PyObject_TypeCheck(walker, walk_api->walker_type)) {
+        if (!pump_walk_api || !PyObject_TypeCheck(walker, pump_walk_api->walker_type)) {
             PyErr_SetString(PyExc_TypeError, "walker must be a stager.shards._tarwalk.TarWalker");
             return -1;
         }
@@ -352,17 +352,30 @@ static PyTypeObject PumpType = {
     .tp_methods = Pump_methods,
 };
 
+static PyMethodDef module_methods[] = {
+    {"copy_run", pump_copy_run, METH_VARARGS,
+     "copy_run(jobs, buffer, piece, fsync, budget_s) -> (results, failed): copy a run of small "
+     "files whole, each to its partial, hashed and walked, in one release of the lock."},
+    {"rename_run", pump_rename_run, METH_O,
+     "rename_run(pairs) -> [errno or 0]: rename each (partial, final) in one release of the "
+     "lock."},
+    {NULL, NULL, 0, NULL}};
+
 static struct PyModuleDef bytepump_module = {
-    PyModuleDef_HEAD_INIT, "_bytepump",
-    "The compiled byte pump (see stager/storage/bytepath.py).", -1, NULL};
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_bytepump",
+    .m_doc = "The compiled byte pump (see stager/storage/bytepath.py and copyrun.py).",
+    .m_size = -1,
+    .m_methods = module_methods,
+};
 
 PyMODINIT_FUNC PyInit__bytepump(void) {
     if (PyType_Ready(&PumpType) < 0) return NULL;
     /* The walk is optional: without it the pump still copies and hashes. */
     PyObject *walk_module = PyImport_ImportModule("stager.shards._tarwalk");
-    walk_api = walk_module ? (TarWalkAPI *)PyCapsule_Import(TARWALK_CAPSULE, 0) : NULL;
+    pump_walk_api = walk_module ? (TarWalkAPI *)PyCapsule_Import(TARWALK_CAPSULE, 0) : NULL;
     Py_XDECREF(walk_module);
-    if (!walk_api) PyErr_Clear();
+    if (!pump_walk_api) PyErr_Clear();
     PyObject *m = PyModule_Create(&bytepump_module);
     if (!m) return NULL;
     Py_INCREF(&PumpType);
@@ -371,7 +384,7 @@ PyMODINIT_FUNC PyInit__bytepump(void) {
         Py_DECREF(m);
         return NULL;
     }
-    if (PyModule_AddIntConstant(m, "WALKS", walk_api != NULL) < 0) {
+    if (PyModule_AddIntConstant(m, "WALKS", pump_walk_api != NULL) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -1,0 +1,282 @@
+/* A run of small local shards copied in one call, with the interpreter lock released once for
+ * the whole run: each source opened, read whole into the buffer, checked unchanged, hashed
+ * (xxh3_64), shown to its tar walker and written to its partial, which is closed unrenamed.
+ *
+ * Why: copied one by one, a shard of 20 KB costs ~85 us of Python around its one compiled call
+ * (the call itself ~25 us), and one interpreter runs that Python one thread at a time, so from a
+ * memory-speed source stage-in ran at a quarter of `cp -r` whatever the cores. Here a run pays
+ * the Python once (stager/storage/copyrun.py checks and renames the run, the copier books it).
+ *
+ * Only what the run's caller can check in bulk is done here. A shard that fails in any way (an
+ * open, a read, a write, a change during the copy, a file larger than the buffer) ends the run:
+ * its partial is removed and `failed` says so; the caller copies it the one-by-one way, whose
+ * errors say what is wrong, and starts a new run after it. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define XXH_INLINE_ALL
+#define XXH_STATIC_LINKING_ONLY
+#include "vendor/xxhash.h"
+
+#include "_bytepump.h"
+
+#define SRC_FLAGS (O_RDONLY | O_NONBLOCK | O_CLOEXEC)
+#define DST_FLAGS (O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC)
+
+typedef struct {
+    PyObject *src, *dst; /* file system encoded paths (bytes) */
+    PyObject *walker;    /* borrowed, or NULL */
+    size_t size;
+    XXH64_hash_t digest;
+    struct stat opened;
+    double first_byte_s; /* from before the open to the first read's return */
+    double seconds;      /* from before the open to after the partial's close */
+} Job;
+
+/* Same file, same bytes: what stager/storage/copy.py's _check_unchanged compares. */
+static int unchanged(const struct stat *a, const struct stat *b, size_t copied) {
+    return a->st_ino == b->st_ino && a->st_mtim.tv_sec == b->st_mtim.tv_sec &&
+           a->st_mtim.tv_nsec == b->st_mtim.tv_nsec && a->st_ctim.tv_sec == b->st_ctim.tv_sec &&
+           a->st_ctim.tv_nsec == b->st_ctim.tv_nsec && (size_t)b->st_size == copied;
+}
+
+/* Read all of `src` into `buf`; its length, or -1 with errno (EFBIG: it does not fit, or -1
+ * in *signalled where a signal handler raised). *first_read: when the first read returned. */
+static ssize_t read_whole(int src, char *buf, size_t capacity, int *signalled,
+                          double *first_read, PyThreadState **saved) {
+    size_t got = 0;
+    for (;;) {
+        if (got == capacity) { /* full: one more byte would not fit (a file that grew) */
+            errno = EFBIG;
+            return -1;
+        }
+        ssize_t n = read(src, buf + got, capacity - got);
+        if (n < 0) {
+            if (errno != EINTR) return -1;
+            if (pump_handle_signals(saved) < 0) {
+                *signalled = 1;
+                return -1;
+            }
+            continue;
+        }
+        if (*first_read == 0.0) *first_read = pump_now_s();
+        if (n == 0) return (ssize_t)got;
+        got += (size_t)n;
+    }
+}
+
+/* Copy one job, without the lock: 0, or nonzero with nothing left open and no partial (-1: a
+ * signal handler raised). */
+static int copy_job(Job *job, char *buf, size_t capacity, size_t piece, int do_fsync,
+                    PyThreadState **saved) {
+    double started = pump_now_s();
+    const char *src_name = PyBytes_AS_STRING(job->src), *dst_name = PyBytes_AS_STRING(job->dst);
+    int src = open(src_name, SRC_FLAGS);
+    if (src < 0) return 1;
+    struct stat end;
+    if (fstat(src, &job->opened) < 0 || !S_ISREG(job->opened.st_mode) ||
+        (size_t)job->opened.st_size >= capacity) {
+        close(src);
+        return 1;
+    }
+    int dst = open(dst_name, DST_FLAGS, 0666); /* as open(): the umask decides */
+    if (dst < 0) {
+        close(src);
+        return 1;
+    }
+    int signalled = 0, failed = 0;
+    double first_read = 0.0;
+    ssize_t got = read_whole(src, buf, capacity, &signalled, &first_read, saved);
+    /* The source at its end, compared with the open's: a file rewritten during the copy is
+     * never published. */
+    if (got < 0 || fstat(src, &end) < 0 || !unchanged(&job->opened, &end, (size_t)got))
+        failed = 1;
+    close(src);
+    if (!failed) {
+        job->size = (size_t)got;
+        job->digest = XXH3_64bits(buf, job->size);
+        if (job->walker) pump_walk_api->feed(job->walker, (const unsigned char *)buf, job->size);
+        int written = pump_write_all(dst, buf, job->size, piece, saved);
+        signalled = written < 0;
+        failed = written != 0 || (do_fsync && fsync(dst) < 0);
+    }
+    if (close(dst) < 0) failed = 1; /* (NFS scratch reports a failed write at the close) */
+    if (failed || signalled) {
+        unlink(dst_name);
+        return signalled ? -1 : 1;
+    }
+    job->first_byte_s = first_read - started;
+    job->seconds = pump_now_s() - started;
+    return 0;
+}
+
+/* Parse the jobs, raise their "open" audit events (as os.open does) and claim their walkers;
+ * the number of jobs, or -1 with an exception and nothing claimed. */
+static Py_ssize_t take_jobs(PyObject *seq, Job *jobs, Py_ssize_t n) {
+    Py_ssize_t i;
+    for (i = 0; i < n; i++) {
+        PyObject *walker = Py_None;
+        Job *job = &jobs[i];
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "O&O&O;a job is (src, partial, "
+                              "walker)", PyUnicode_FSConverter, &job->src, PyUnicode_FSConverter,
+                              &job->dst, &walker))
+            goto failed;
+        if (walker != Py_None &&
+            (!pump_walk_api || !PyObject_TypeCheck(walker, pump_walk_api->walker_type))) {
+            PyErr_SetString(PyExc_TypeError, "walker must be a stager.shards._tarwalk.TarWalker");
+            goto failed;
+        }
+        if (PySys_Audit("open", "OOi", job->src, Py_None, SRC_FLAGS) < 0 ||
+            PySys_Audit("open", "OOi", job->dst, Py_None, DST_FLAGS) < 0)
+            goto failed;
+        if (walker != Py_None) {
+            if (pump_walk_api->claim(walker) < 0) goto failed; /* busy: another run has it */
+            job->walker = walker; /* claimed: released after the run */
+        }
+    }
+    return n;
+failed:
+    for (Py_ssize_t k = 0; k < i; k++)
+        if (jobs[k].walker && pump_walk_api->release(jobs[k].walker) < 0) PyErr_Clear();
+    return -1;
+}
+
+static PyObject *results_of(Job *jobs, Py_ssize_t done) {
+    PyObject *results = PyList_New(done);
+    for (Py_ssize_t i = 0; results && i < done; i++) {
+        char hex[17];
+        snprintf(hex, sizeof hex, "%016llx", (unsigned long long)jobs[i].digest);
+        PyObject *one = Py_BuildValue("(ns#Ndd)", (Py_ssize_t)jobs[i].size, hex, (Py_ssize_t)16,
+                                      pump_identity_of(&jobs[i].opened), jobs[i].first_byte_s,
+                                      jobs[i].seconds);
+        if (!one) Py_CLEAR(results);
+        else PyList_SET_ITEM(results, i, one);
+    }
+    return results;
+}
+
+/* copy_run(jobs, buffer, piece, fsync, budget_s) -> (results, failed)
+ *
+ * `jobs`: a sequence of (src_path, partial_path, walker or None). Copies them in order, each
+ * whole through `buffer` (a file as large as the buffer is refused), writes in pieces of at
+ * most `piece` bytes, fsyncs each partial where `fsync`, and stops starting new ones once
+ * `budget_s` seconds have passed. `results`: one (size, xxh3_64 hex digest, identity at the
+ * open, first_byte_s, seconds) per job copied, in order (the times from before its open, to
+ * its first read's return and to its end); their partials are closed, not renamed. `failed`:
+ * the job after the last result failed (its partial removed); else the budget ended the run,
+ * or every job was copied. An exception (a signal handler raised) removes every partial. */
+PyObject *pump_copy_run(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *jobs_arg;
+    Py_buffer view;
+    Py_ssize_t piece;
+    int do_fsync;
+    double budget_s;
+    if (!PyArg_ParseTuple(args, "Ow*npd", &jobs_arg, &view, &piece, &do_fsync, &budget_s))
+        return NULL;
+    PyObject *result = NULL, *seq = PySequence_Fast(jobs_arg, "jobs must be a sequence");
+    Job *jobs = NULL;
+    Py_ssize_t n = seq ? PySequence_Fast_GET_SIZE(seq) : 0;
+    if (!seq) goto done;
+    if (piece <= 0 || view.len <= 0) {
+        PyErr_SetString(PyExc_ValueError, "piece and the buffer must be positive");
+        goto done;
+    }
+    if (!(jobs = calloc((size_t)(n ? n : 1), sizeof(Job)))) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (take_jobs(seq, jobs, n) < 0) goto done;
+    Py_ssize_t done_jobs = 0;
+    int failure = 0;
+    PyThreadState *saved = PyEval_SaveThread();
+    double started = pump_now_s();
+    while (done_jobs < n) {
+        if (done_jobs && pump_now_s() - started >= budget_s) break;
+        failure = copy_job(&jobs[done_jobs], (char *)view.buf, (size_t)view.len, (size_t)piece,
+                           do_fsync, &saved);
+        if (failure) break;
+        done_jobs++;
+    }
+    PyEval_RestoreThread(saved);
+    for (Py_ssize_t i = 0; i < n; i++) { /* a walk that ran out of memory ends the run there */
+        if (jobs[i].walker && pump_walk_api->release(jobs[i].walker) < 0) {
+            PyErr_Clear();
+            if (i < done_jobs) {
+                failure = failure < 0 ? failure : 1;
+                for (Py_ssize_t k = i; k < done_jobs; k++) unlink(PyBytes_AS_STRING(jobs[k].dst));
+                done_jobs = i;
+            }
+        }
+    }
+    if (failure < 0) { /* a signal handler's exception: nothing of the run is kept */
+        for (Py_ssize_t k = 0; k < done_jobs; k++) unlink(PyBytes_AS_STRING(jobs[k].dst));
+        goto done;
+    }
+    PyObject *results = results_of(jobs, done_jobs);
+    if (results) result = Py_BuildValue("(NO)", results, failure ? Py_True : Py_False);
+    if (!result)
+        for (Py_ssize_t k = 0; k < done_jobs; k++) unlink(PyBytes_AS_STRING(jobs[k].dst));
+done:
+    if (jobs)
+        for (Py_ssize_t i = 0; i < n; i++) {
+            Py_XDECREF(jobs[i].src);
+            Py_XDECREF(jobs[i].dst);
+        }
+    free(jobs);
+    Py_XDECREF(seq);
+    PyBuffer_Release(&view);
+    return result;
+}
+
+/* rename_run(pairs) -> [errno or 0 per pair]
+ *
+ * Rename each (partial, final) of a run, in order, with the interpreter lock released once
+ * (os.replace per shard was a hand-over each, a third of a run's Python). Raises the
+ * "os.rename" audit events os.replace raises. */
+PyObject *pump_rename_run(PyObject *Py_UNUSED(module), PyObject *pairs_arg) {
+    PyObject *seq = PySequence_Fast(pairs_arg, "pairs must be a sequence");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **names = calloc((size_t)(2 * n + 1), sizeof(PyObject *));
+    int *errors = calloc((size_t)(n + 1), sizeof(int));
+    PyObject *result = NULL;
+    Py_ssize_t i;
+    if (!names || !errors) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (i = 0; i < n; i++) {
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "O&O&;a pair is (partial, final)",
+                              PyUnicode_FSConverter, &names[2 * i], PyUnicode_FSConverter,
+                              &names[2 * i + 1]))
+            goto done;
+        if (PySys_Audit("os.rename", "OOii", names[2 * i], names[2 * i + 1], -1, -1) < 0)
+            goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (i = 0; i < n; i++)
+        errors[i] = rename(PyBytes_AS_STRING(names[2 * i]), PyBytes_AS_STRING(names[2 * i + 1]))
+                        ? errno
+                        : 0;
+    Py_END_ALLOW_THREADS
+    result = PyList_New(n);
+    for (i = 0; result && i < n; i++) {
+        PyObject *code = PyLong_FromLong(errors[i]);
+        if (!code) Py_CLEAR(result);
+        else PyList_SET_ITEM(result, i, code);
+    }
+done:
+    if (names)
+        for (i = 0; i < 2 * n; i++) Py_XDECREF(names[i]);
+    free(names);
+    free(errors);
+    Py_DECREF(seq);
+    return result;
+}

@@ -1,0 +1,172 @@
+"""Small shards copied in runs (stager/stagein/smallruns.py) stage exactly what the one-by-one
+path stages: the same files, manifest, failures and exit code, over random trees with random
+faults; and the run length follows the shards' copy time."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from stager.layout import META_DIR
+from stager.stagein import smallruns
+from stager.stagein.smallruns import MAX_RUN, RUN_BUDGET_S, RunLength
+from stager.storage import copyrun
+
+from .inproc import clean_process_env, run_main
+from .trees import tar_bytes
+
+FAST = ["--jitter-max", "0", "--quiet", "--retry-delay", "0.01", "--retries", "1"]
+
+
+def test_the_run_length_doubles_while_shards_are_quick_and_drops_to_what_fits() -> None:
+    length = RunLength()
+    assert length() == 1  # the first take: one shard, timed
+    seen = []
+    for _ in range(10):
+        length.timed(1e-5)
+        seen.append(length())
+    assert seen[:7] == [2, 4, 8, 16, 32, 64, 64] and max(seen) == MAX_RUN
+    length.timed(RUN_BUDGET_S / 5)  # slower: what fits the budget
+    assert length() == 5
+    length.timed(0.03)  # a round trip per shard (NFS): one at a time, the one-by-one path
+    assert length() == 1
+    length.timed(0.0)
+    assert length() == 2  # (an untimed copy grows it as a quick one)
+    assert RunLength(most=1).timed(1e-6) is None and RunLength(most=1)() == 1
+
+
+FAULTS = ["none", "none", "none", "hash", "size", "samples", "missing", "rewritten", "grown"]
+
+
+def _tree(root: Path, count: int) -> dict[str, bytes]:
+    files = {}
+    for i in range(count):
+        members = [(f"k{i}-{j}.jpg", bytes([i % 256, j]) * (50 + 37 * j)) for j in range(1 + i % 4)]
+        files[f"d{i % 3}/s{i:03d}.tar"] = tar_bytes(members)
+    for name, data in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    return files
+
+
+def _spoil(root: Path, faults: dict[str, str]) -> None:
+    """Make the source and its manifest disagree as ``faults`` says, per shard."""
+    manifest_path = root / "stager-manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    for entry in manifest["shards"]:
+        fault, path = faults.get(entry["path"], "none"), root / entry["path"]
+        if fault == "hash":
+            entry["hash"] = "xxh3_64:0123456789abcdef"
+        elif fault == "size":
+            entry["size"] += 512
+        elif fault == "samples":
+            entry["samples"] += 1
+        elif fault == "missing":
+            path.unlink()
+        elif fault == "rewritten":  # same size, other bytes
+            data = bytearray(path.read_bytes())
+            data[600] ^= 0xFF
+            path.write_bytes(bytes(data))
+        elif fault == "grown":
+            path.write_bytes(path.read_bytes() + bytes(512))
+    manifest_path.write_text(json.dumps(manifest))
+
+
+def _outcome(dest: Path, report: Path) -> tuple[dict[str, bytes], list[tuple[str, str]], str]:
+    dataset = dest / "src"
+    files = {
+        p.relative_to(dataset).as_posix(): p.read_bytes()
+        for p in dataset.rglob("*")
+        if p.is_file() and META_DIR not in p.parts
+    }
+    failures = sorted((f["url"], f["reason"]) for f in json.loads(report.read_text())["failures"])
+    manifest = dataset / META_DIR / "manifest.json"
+    return files, failures, manifest.read_text() if manifest.exists() else ""
+
+
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    count=st.integers(2, 40),
+    faults=st.lists(st.sampled_from(FAULTS), min_size=40, max_size=40),
+    run=st.integers(2, MAX_RUN),
+    manifest=st.booleans(),
+)
+def test_runs_stage_what_one_by_one_stages(
+    tmp_path_factory: pytest.TempPathFactory,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    count: int,
+    faults: list[str],
+    run: int,
+    manifest: bool,
+) -> None:
+    clean_process_env(monkeypatch)
+    root = tmp_path_factory.mktemp("t")
+    src = root / "src"
+    names = sorted(_tree(src, count))
+    if manifest:
+        assert run_main(capsys, "stager", "index", str(src)).returncode == 0
+        _spoil(src, dict(zip(names, faults, strict=False)))
+    shutil.copytree(src, root / "copy")  # (each run reads the same source)
+    outcomes = []
+    jobs_per_run: list[int] = []
+    real_copy_run = copyrun.copy_run
+
+    def spy(jobs, **kwargs):  # type: ignore[no-untyped-def]
+        jobs_per_run.append(len(jobs))
+        return real_copy_run(jobs, **kwargs)
+
+    for runs in (True, False):
+        with monkeypatch.context() as patch:
+            if runs:  # takes of ``run`` shards from the start, whatever their time
+                patch.setattr(smallruns.copyrun, "copy_run", spy)
+                patch.setattr(RunLength, "__call__", lambda self: run)
+            else:
+                patch.setattr(smallruns.SmallRuns, "of", classmethod(lambda cls, copier: None))
+            dest, report = root / f"dest-{runs}", root / f"report-{runs}.json"
+            result = run_main(
+                capsys, "stage-in", str(src), "--dest", str(dest), "--report", str(report), *FAST
+            )
+            outcomes.append((result.returncode, *_outcome(dest, report)))
+            assert not list(dest.rglob("*.partial"))
+    assert outcomes[0] == outcomes[1]
+    assert max(jobs_per_run, default=0) > 1  # runs were copied (not all one by one)
+    code, files, failures, _ = outcomes[0]
+    assert (code == 0) == (not failures)
+    spoilt = {n for n, f in zip(names, faults, strict=False) if manifest and f != "none"}
+    assert {url.rsplit("/src/", 1)[1] for url, _ in failures} == spoilt
+    assert set(files) == set(names) - spoilt
+    for name in files:
+        assert files[name] == (root / "copy" / name).read_bytes()
+
+
+def test_a_remote_or_cached_or_throttled_copier_has_no_runs(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """Runs are for plain local copies; the others keep the one-by-one path (its pacing, its
+    cache claims, its object-store reads)."""
+    clean_process_env(monkeypatch)
+    src = tmp_path / "src"
+    _tree(src, 6)
+    made: list[object] = []
+    real_of = smallruns.SmallRuns.of.__func__  # type: ignore[attr-defined]
+
+    def spy(cls, copier):  # type: ignore[no-untyped-def]
+        made.append(real_of(cls, copier))
+        return made[-1]
+
+    monkeypatch.setattr(smallruns.SmallRuns, "of", classmethod(spy))
+    for extra in (["--bw-limit", "1000"], ["--cache", str(tmp_path / "cache")], []):
+        dest = tmp_path / f"d{len(made)}"
+        assert (
+            run_main(capsys, "stage-in", str(src), "--dest", str(dest), *FAST, *extra).returncode
+            == 0
+        )
+    assert [r is not None for r in made] == [False, False, copyrun.available()]
