@@ -122,6 +122,9 @@ def _spoil(tmp_path: Path, jobs: list[RunJob], at: int, how: str) -> list[RunJob
     elif how == "fifo":
         src.unlink()
         os.mkfifo(src)
+    elif how == "reads more than its size":  # (fails after its partial was created)
+        src.unlink()
+        src.symlink_to("/proc/self/status")  # regular, size 0, yet a read returns its text
     elif how == "larger than the buffer":
         src.write_bytes(b"x" * BLOCK)
     elif how == "no partial directory":
@@ -143,6 +146,7 @@ HOW = [
     "missing",
     "directory",
     "fifo",
+    "reads more than its size",
     "larger than the buffer",
     "no partial directory",
     "partial name is a directory",

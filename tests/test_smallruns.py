@@ -4,19 +4,24 @@ faults; and the run length follows the shards' copy time."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from stager.errors import EXIT_FULL
 from stager.layout import META_DIR
 from stager.stagein import smallruns
 from stager.stagein.smallruns import MAX_RUN, RUN_BUDGET_S, RunLength
 from stager.storage import copyrun
 
+from .conftest import mount_tmpfs
 from .inproc import clean_process_env, run_main
 from .trees import tar_bytes
 
@@ -170,3 +175,44 @@ def test_a_remote_or_cached_or_throttled_copier_has_no_runs(
             == 0
         )
     assert [r is not None for r in made] == [False, False, copyrun.available()]
+
+
+def test_scratch_filled_by_another_writer_during_a_run_fails_cleanly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another writer fills scratch as a run starts: the run's copy fails, the one-by-one path
+    says "no space left" (exit 6), the shards after it are not attempted, no partial is left,
+    and each file staged is whole."""
+    clean_process_env(monkeypatch)
+    src = tmp_path / "src"
+    files = _tree(src, 30)
+    fill_at = sorted(files)[12]
+    with mount_tmpfs(tmp_path / "tmpfs", "1536k") as scratch:
+        filler = scratch / "other-writer"
+        filling = [True]
+
+        def hook(event: str, args: tuple) -> None:
+            name = args[0] if event == "open" and args else None
+            if (
+                filling[0]
+                and isinstance(name, (str, bytes))
+                and os.fsdecode(name).endswith(fill_at)
+            ):
+                filling[0] = False  # (once; and the filler's own open is not this shard's)
+                with open(filler, "wb") as out, contextlib.suppress(OSError):
+                    while out.write(bytes(64 << 10)):
+                        out.flush()
+
+        sys.addaudithook(hook)  # (cannot be removed: it fires once)
+        monkeypatch.setattr(RunLength, "__call__", lambda self: 8)
+        dest = scratch / "job"
+        result = run_main(capsys, "stage-in", str(src), "--dest", str(dest), *FAST)
+        assert result.returncode == EXIT_FULL, result.stderr
+        assert "no space left" in result.stderr
+        assert not filling[0] and not list(scratch.rglob("*.partial"))
+        staged = {
+            p.relative_to(dest / "src").as_posix(): p.read_bytes()
+            for p in (dest / "src").rglob("*.tar")
+        }
+        assert fill_at not in staged and len(staged) < len(files)
+        assert all(files[name] == data for name, data in staged.items())

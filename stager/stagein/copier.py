@@ -109,8 +109,7 @@ class Copier:
         self.streams = StreamController(ceiling, floor=options.min_jobs, adaptive=options.adaptive)
         self.slots = KeptSlots(self.streams)
         self.feed = ItemFeed(plan.to_copy, closed=not streamed, on_wait=self.slots.give_back)
-        # Small local shards are copied in runs (smallruns.py): a take of the feed is then
-        # run_length() items; else one.
+        # Small local shards are copied in runs (smallruns.py), run_length() items per take.
         self.small_runs = SmallRuns.of(self)
         self.run_length = RunLength(most=MAX_RUN if self.small_runs is not None else 1)
 
@@ -223,8 +222,7 @@ class Copier:
         self.slots.give_back() if self.feed.starved else self.slots.take()
 
     def _copy_take(self, take: list[CopyItem]) -> None:
-        """Copy a take of the feed: its small local shards in runs (smallruns.py), the others
-        one by one."""
+        """Copy a take of the feed: small local shards in runs (smallruns.py), others one by one."""
         small = []
         for item in take:
             ready = self._prepare(item)
@@ -239,7 +237,7 @@ class Copier:
             self.small_runs.copy(small)
 
     def _prepare(self, item: CopyItem) -> CopyItem | None:
-        """``item`` sized, or None where it is not to be copied (not a shard, failed, refused)."""
+        """``item`` sized, or None where it is not a shard to copy (gone, or its stat failed)."""
         sizing = self.sizing
         late = sizing is not None and item.shard.relpath in self.late
         if self.cache is not None or (
@@ -251,15 +249,22 @@ class Copier:
             if sized is None:
                 return None
             item = sized
+        return item
+
+    def still_wanted(self, item: CopyItem) -> bool:
+        """False where a copy can no longer help: the free-space check refused the run (the
+        refusal raised at the end says it for all), or scratch is full (a "not attempted")."""
         if self.sizing is not None and self.sizing.refused:
-            return None  # the refusal raised at the end says it for all of them
+            return False
         if self.full.is_set():
             self.fail(item, "not attempted: the destination is full or not writable", "full")
-            return None
-        return item
+            return False
+        return True
 
     def copy_prepared(self, item: CopyItem) -> None:
         """Copy one shard (:meth:`_prepare`'d) with :func:`copy_file`, retried where it may help."""
+        if not self.still_wanted(item):
+            return
         claim: Claim | None = None
         if self.cache is not None:
             try:

@@ -84,6 +84,9 @@ class SmallRuns:
         """Copy ``items``: in runs, each shard a run cannot take one by one."""
         copier = self.copier
         while len(items) > 1:
+            items = [item for item in items if copier.still_wanted(item)]  # (scratch filled?)
+            if len(items) < 2:
+                break
             copier.slots.take()
             copier.halt.check()
             started, cpu_started = time.perf_counter(), time.process_time()
