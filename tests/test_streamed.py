@@ -20,6 +20,7 @@ from stager.layout import StagedDataset
 from stager.shards.manifest import Manifest
 from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 from stager.slurm import SlurmEnv
+from stager.stagein.copier import Copier
 from stager.stagein.feed import ItemFeed
 from stager.stagein.journal import Journal
 from stager.stagein.options import StageInOptions
@@ -206,17 +207,15 @@ def test_copies_renamed_by_the_verdict_are_journaled_at_once(
     dest = tmp_path / "scratch"
     ended = threading.Event()
     copies = [0]
-    real_copy = stager.stagein.copier.copy_file
+    real_book = Copier.book_run
 
-    def copy_file(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - the copier's call
-        try:
-            return real_copy(*args, **kwargs)
-        finally:
-            copies[0] += 1
-            if copies[0] == 3:
-                ended.set()
+    def book_run(self: Copier, copied: list, published: bool) -> None:  # one copy, or a run's
+        real_book(self, copied, published)
+        copies[0] += len(copied)
+        if copies[0] >= 3:
+            ended.set()
 
-    monkeypatch.setattr(stager.stagein.copier, "copy_file", copy_file)
+    monkeypatch.setattr(Copier, "book_run", book_run)
     # the first directory's three copies end (held) before the walk reads the second
     _gate_second_directory(monkeypatch, lambda: ended.wait(30))
     journaled: list[set[str]] = []
@@ -229,13 +228,13 @@ def test_copies_renamed_by_the_verdict_are_journaled_at_once(
 
     monkeypatch.setattr(DeferredPreflight, "_done", done)
     records: list[str] = []
-    real_record = Journal.record
+    real_record = Journal.record_all
 
-    def record(self: Journal, entry) -> None:  # noqa: ANN001 - a ManifestEntry
-        records.append(entry.relpath)
-        real_record(self, entry)
+    def record_all(self: Journal, entries: list) -> None:  # (record() calls it too)
+        records.extend(entry.relpath for entry in entries)
+        real_record(self, entries)
 
-    monkeypatch.setattr(Journal, "record", record)
+    monkeypatch.setattr(Journal, "record_all", record_all)
     result = run_main(capsys, "stage-in", str(src), "--dest", str(dest), "--jitter-max", "0")
     assert result.returncode == 0, result.stderr
     assert len(journaled) == 1
