@@ -142,7 +142,9 @@ def test_runs_stage_what_one_by_one_stages(
             outcomes.append((result.returncode, *_outcome(dest, report)))
             assert not list(dest.rglob("*.partial"))
     assert outcomes[0] == outcomes[1]
-    assert max(jobs_per_run, default=0) > 1  # runs were copied (not all one by one)
+    missing = sum(1 for f in faults[:count] if manifest and f == "missing")  # (never planned)
+    if count - missing >= 2:
+        assert max(jobs_per_run, default=0) > 1  # runs were copied (not all one by one)
     code, files, failures, _ = outcomes[0]
     assert (code == 0) == (not failures)
     spoilt = {n for n, f in zip(names, faults, strict=False) if manifest and f != "none"}

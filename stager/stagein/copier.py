@@ -180,9 +180,7 @@ class Copier:
         with self.lock:
             held = [self.outcome.entries.get(r) for r in self.held if r not in not_renamed]
             self.held_journaled = len(self.held)
-        for entry in held:
-            if entry is not None:
-                self.journal.record(entry)
+        self.journal.record_all([entry for entry in held if entry is not None])
 
     # -- one shard, on a copy thread -------------------------------------------------------
     def fail(self, item: CopyItem, reason: str, kind: str = "source") -> None:

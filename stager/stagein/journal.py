@@ -4,9 +4,11 @@ A staged file is trusted only with the source version it was copied from (see
 :mod:`stager.storage.identity`); the staged manifest records that at the end of a run. A run
 killed with ``kill -9`` (a preemption, a time limit) never gets there, so each copy appends its
 entry here right after its rename, and the next run reads the manifest and then this journal,
-the newer facts winning. A kill between the rename and the append loses one line: that shard is
-copied again, never trusted without its version. A line cut by a kill is ignored. The journal
-is removed once the manifest holding its entries is written.
+the newer facts winning. A kill between the rename and the append loses one line (a run of
+small shards, :mod:`stager.stagein.smallruns`, appends its lines in one write after its renames:
+up to a run's lines): those shards are copied again, never trusted without their version. A
+line cut by a kill is ignored. The journal is removed once the manifest holding its entries is
+written.
 """
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ Until it has passed, finished copies stay ``.partial``: a refusal still leaves n
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import stat
@@ -307,14 +306,9 @@ class PublishGate:
         with self._lock:
             if self._verdict is not None:
                 return []
-            failed = []
-            for partial, final in self._held:
-                try:
-                    os.replace(partial, final)
-                except OSError as exc:
-                    failed.append((final, exc))
-                    with contextlib.suppress(OSError):
-                        discard(partial)
+            errors = publish_run(self._held)  # (one call for all of them: a run's renames)
+            held = zip(self._held, errors, strict=True)
+            failed = [(final, exc) for (_, final), exc in held if exc is not None]
             self._held = []
             self._verdict = True
         return failed

@@ -16,6 +16,7 @@ caller must publish (:func:`publish_run`) or discard.
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -167,13 +168,22 @@ class _OpenedOnUse(ReadBack):
 
 
 def publish_run(pairs: Sequence[tuple[str, str]]) -> list[OSError | None]:
-    """Rename each ``(partial, final)``, in one call; per pair, None or the error (its partial
-    discarded)."""
+    """Rename each ``(partial, final)``, in one compiled call where the pump is built; per
+    pair, None or the error (its partial discarded)."""
+    codes = bytepath._pump.rename_run(pairs) if bytepath._pump is not None else map(_rename, pairs)
     errors: list[OSError | None] = []
-    for (partial, final), code in zip(pairs, bytepath._pump.rename_run(pairs), strict=True):
+    for (partial, final), code in zip(pairs, codes, strict=True):
         if code:
             discard(partial)
             errors.append(OSError(code, os.strerror(code), partial, None, final))
         else:
             errors.append(None)
     return errors
+
+
+def _rename(pair: tuple[str, str]) -> int:
+    try:
+        os.replace(*pair)
+    except OSError as exc:
+        return exc.errno or errno.EIO
+    return 0
