@@ -205,6 +205,8 @@ PyObject *pump_copy_run(PyObject *Py_UNUSED(module), PyObject *args) {
         done_jobs++;
     }
     PyEval_RestoreThread(saved);
+    PyObject *type = NULL, *value = NULL, *traceback = NULL;
+    if (failure < 0) PyErr_Fetch(&type, &value, &traceback); /* kept over the releases below */
     for (Py_ssize_t i = 0; i < n; i++) { /* a walk that ran out of memory ends the run there */
         if (jobs[i].walker && pump_walk_api->release(jobs[i].walker) < 0) {
             PyErr_Clear();
@@ -217,6 +219,7 @@ PyObject *pump_copy_run(PyObject *Py_UNUSED(module), PyObject *args) {
     }
     if (failure < 0) { /* a signal handler's exception: nothing of the run is kept */
         for (Py_ssize_t k = 0; k < done_jobs; k++) unlink(PyBytes_AS_STRING(jobs[k].dst));
+        PyErr_Restore(type, value, traceback);
         goto done;
     }
     PyObject *results = results_of(jobs, done_jobs);
