@@ -255,3 +255,36 @@ def test_a_run_raises_the_audit_events_os_open_and_os_replace_raise(tmp_path: Pa
 )
 def test_what_fits_a_run(size: int | None, expected_hash: str | None, fits: bool) -> None:
     assert copyrun.fits(size, expected_hash, BLOCK) is fits
+
+
+def test_a_job_list_changed_while_it_is_read_is_copied_as_it_was(tmp_path: Path) -> None:
+    """A path's __fspath__ that empties the list meanwhile: the run copies the jobs as they
+    were when it was called (it read past the list's end and crashed before)."""
+    src = tmp_path / "src"
+    src.write_bytes(b"x" * 100)
+    jobs: list[tuple[object, str, None]] = []
+
+    class Emptying:
+        def __fspath__(self) -> str:
+            jobs.clear()
+            return str(src)
+
+    jobs += [
+        (Emptying(), str(tmp_path / "a.partial"), None),
+        (str(src), str(tmp_path / "b.partial"), None),
+    ]
+    copied, failed = bytepath._pump.copy_run(jobs, bytepath._buffer(BLOCK), 1 << 20, False, 1.0)
+    assert len(copied) == 2 and not failed
+    pairs: list[tuple[object, str]] = []
+
+    class Emptying2:
+        def __fspath__(self) -> str:
+            pairs.clear()
+            return str(tmp_path / "a.partial")
+
+    pairs += [
+        (Emptying2(), str(tmp_path / "a")),
+        (str(tmp_path / "b.partial"), str(tmp_path / "b")),
+    ]
+    assert bytepath._pump.rename_run(pairs) == [0, 0]
+    assert (tmp_path / "a").read_bytes() == (tmp_path / "b").read_bytes() == b"x" * 100

@@ -218,3 +218,107 @@ def test_scratch_filled_by_another_writer_during_a_run_fails_cleanly(
         }
         assert fill_at not in staged and len(staged) < len(files)
         assert all(files[name] == data for name, data in staged.items())
+
+
+def _staged_with(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    src: Path,
+    dest: Path,
+    *extra: str,
+    runs: bool = True,
+) -> tuple[int, list[tuple[str, str]], list[int]]:
+    """Stage ``src`` with takes of 8 (or without runs): exit code, failures, and how many
+    shards each run copied."""
+    copied: list[int] = []
+    real_copy_run = copyrun.copy_run
+
+    def spy(jobs, **kwargs):  # type: ignore[no-untyped-def]
+        results = real_copy_run(jobs, **kwargs)
+        copied.append(sum(1 for r in results if r is not None))
+        return results
+
+    report = dest.with_suffix(".json")
+    with monkeypatch.context() as patch:
+        if runs:
+            patch.setattr(smallruns.copyrun, "copy_run", spy)
+            patch.setattr(RunLength, "__call__", lambda self: 8)
+        else:
+            patch.setattr(smallruns.SmallRuns, "of", classmethod(lambda cls, copier: None))
+        argv = ("stage-in", str(src), "--dest", str(dest), "--report", str(report), *FAST, *extra)
+        code = run_main(capsys, *argv).returncode
+    failures = sorted((f["url"], f["reason"]) for f in json.loads(report.read_text())["failures"])
+    return code, failures, copied
+
+
+def test_one_shard_per_directory_is_still_copied_in_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Scratch directories are made before a run: a run no longer ends at the first shard of
+    each new directory (with one shard per directory, every run ended before copying any)."""
+    clean_process_env(monkeypatch)
+    src = tmp_path / "src"
+    for i in range(24):
+        (src / f"dir{i:02d}").mkdir(parents=True)
+        (src / f"dir{i:02d}" / "s.tar").write_bytes(tar_bytes([(f"k{i}.jpg", bytes([i]) * 300)]))
+    code, failures, copied = _staged_with(capsys, monkeypatch, src, tmp_path / "dest")
+    assert code == 0 and not failures
+    assert sum(copied) >= 12, copied  # most of them by runs, not one by one
+    for i in range(24):
+        staged = tmp_path / "dest" / "src" / f"dir{i:02d}" / "s.tar"
+        assert staged.read_bytes() == (src / f"dir{i:02d}" / "s.tar").read_bytes()
+
+
+def test_samples_are_counted_one_by_one_where_the_compiled_walk_is_off(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """STAGER_NATIVE_TAR=0, or a file system encoding other than UTF-8, turns the tar walk off:
+    shards whose samples are counted then go one by one (a run feeds the compiled walk), and
+    stage-in stages them all, counted, where it used to stop with a traceback."""
+    import stager.shards.tarnative as tarnative
+
+    clean_process_env(monkeypatch)
+    src = tmp_path / "src"
+    files = _tree(src, 20)
+    monkeypatch.setattr(tarnative, "_module", None)
+    code, failures, copied = _staged_with(capsys, monkeypatch, src, tmp_path / "dest")
+    assert (code, failures, copied) == (0, [], [])  # no run: every shard counted one by one
+    manifest = json.loads((tmp_path / "dest" / "src" / META_DIR / "manifest.json").read_text())
+    assert sorted(e["path"] for e in manifest["shards"]) == sorted(files)
+    assert all(e["samples"] == 1 + int(e["path"][-7:-4]) % 4 for e in manifest["shards"])
+    code, failures, copied = _staged_with(
+        capsys, monkeypatch, src, tmp_path / "uncounted", "--no-count"
+    )
+    assert code == 0 and not failures and sum(copied) > 0  # not counting: runs again
+
+
+def test_a_shard_an_audit_hook_refuses_fails_alone_as_one_by_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A site's audit hook may refuse an open: the run it was in is copied one by one, where
+    the refusal fails that shard alone (one FAILED line), as without runs."""
+    clean_process_env(monkeypatch)
+    src = tmp_path / "src"
+    files = _tree(src, 20)
+    refused = sorted(files)[9]
+    refusing = [True]
+
+    def hook(event: str, args: tuple) -> None:
+        name = args[0] if event == "open" and args else None
+        if refusing[0] and isinstance(name, (str, bytes)) and os.fsdecode(name).endswith(refused):
+            raise PermissionError(f"refused by the site's audit hook: {os.fsdecode(name)}")
+
+    sys.addaudithook(hook)  # (cannot be removed: turned off below)
+    try:
+        with_runs = _staged_with(capsys, monkeypatch, src, tmp_path / "runs")
+        without = _staged_with(capsys, monkeypatch, src, tmp_path / "one", runs=False)
+    finally:
+        refusing[0] = False
+    assert with_runs[:2] == without[:2]
+    code, failures, _ = with_runs
+    assert code != 0 and len(failures) == 1 and failures[0][0].endswith(refused)
+    staged = {
+        p.relative_to(tmp_path / "runs" / "src").as_posix()
+        for p in (tmp_path / "runs" / "src").rglob("*.tar")
+    }
+    assert staged == set(files) - {refused}

@@ -32,7 +32,7 @@
 
 typedef struct {
     PyObject *src, *dst; /* file system encoded paths (bytes) */
-    PyObject *walker;    /* borrowed, or NULL */
+    PyObject *walker;    /* a reference held for the run, or NULL */
     size_t size;
     XXH64_hash_t digest;
     struct stat opened;
@@ -118,13 +118,16 @@ static int copy_job(Job *job, char *buf, size_t capacity, size_t piece, int do_f
 }
 
 /* Parse the jobs, raise their "open" audit events (as os.open does) and claim their walkers;
- * the number of jobs, or -1 with an exception and nothing claimed. */
+ * the number of jobs, or -1 with an exception and nothing claimed. The events are raised here,
+ * with the lock, for every job of the run: a job the run does not reach (after the budget or a
+ * failure) raises them again when it is copied. A hook that refuses one fails the whole call;
+ * the caller then copies each job one by one, where the hook refuses that job alone. */
 static Py_ssize_t take_jobs(PyObject *seq, Job *jobs, Py_ssize_t n) {
     Py_ssize_t i;
     for (i = 0; i < n; i++) {
         PyObject *walker = Py_None;
         Job *job = &jobs[i];
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "O&O&O;a job is (src, partial, "
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(seq, i), "O&O&O;a job is (src, partial, "
                               "walker)", PyUnicode_FSConverter, &job->src, PyUnicode_FSConverter,
                               &job->dst, &walker))
             goto failed;
@@ -138,13 +141,19 @@ static Py_ssize_t take_jobs(PyObject *seq, Job *jobs, Py_ssize_t n) {
             goto failed;
         if (walker != Py_None) {
             if (pump_walk_api->claim(walker) < 0) goto failed; /* busy: another run has it */
-            job->walker = walker; /* claimed: released after the run */
+            job->walker = Py_NewRef(walker); /* claimed: released after the run */
         }
     }
     return n;
 failed:
     for (Py_ssize_t k = 0; k < i; k++)
-        if (jobs[k].walker && pump_walk_api->release(jobs[k].walker) < 0) PyErr_Clear();
+        if (jobs[k].walker) {
+            PyObject *type, *value, *traceback;
+            PyErr_Fetch(&type, &value, &traceback); /* the error that stopped us wins */
+            if (pump_walk_api->release(jobs[k].walker) < 0) PyErr_Clear();
+            PyErr_Restore(type, value, traceback);
+            Py_CLEAR(jobs[k].walker);
+        }
     return -1;
 }
 
@@ -180,9 +189,11 @@ PyObject *pump_copy_run(PyObject *Py_UNUSED(module), PyObject *args) {
     double budget_s;
     if (!PyArg_ParseTuple(args, "Ow*npd", &jobs_arg, &view, &piece, &do_fsync, &budget_s))
         return NULL;
-    PyObject *result = NULL, *seq = PySequence_Fast(jobs_arg, "jobs must be a sequence");
+    /* A tuple of the jobs as they are now: a list changed by a path's __fspath__ meanwhile
+     * cannot make us read past its end. */
+    PyObject *result = NULL, *seq = PySequence_Tuple(jobs_arg);
     Job *jobs = NULL;
-    Py_ssize_t n = seq ? PySequence_Fast_GET_SIZE(seq) : 0;
+    Py_ssize_t n = seq ? PyTuple_GET_SIZE(seq) : 0;
     if (!seq) goto done;
     if (piece <= 0 || view.len <= 0) {
         PyErr_SetString(PyExc_ValueError, "piece and the buffer must be positive");
@@ -231,6 +242,7 @@ done:
         for (Py_ssize_t i = 0; i < n; i++) {
             Py_XDECREF(jobs[i].src);
             Py_XDECREF(jobs[i].dst);
+            Py_XDECREF(jobs[i].walker);
         }
     free(jobs);
     Py_XDECREF(seq);
@@ -244,9 +256,9 @@ done:
  * (os.replace per shard was a hand-over each, a third of a run's Python). Raises the
  * "os.rename" audit events os.replace raises. */
 PyObject *pump_rename_run(PyObject *Py_UNUSED(module), PyObject *pairs_arg) {
-    PyObject *seq = PySequence_Fast(pairs_arg, "pairs must be a sequence");
+    PyObject *seq = PySequence_Tuple(pairs_arg); /* (as copy_run: fixed while parsed) */
     if (!seq) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t n = PyTuple_GET_SIZE(seq);
     PyObject **names = calloc((size_t)(2 * n + 1), sizeof(PyObject *));
     int *errors = calloc((size_t)(n + 1), sizeof(int));
     PyObject *result = NULL;
@@ -256,7 +268,7 @@ PyObject *pump_rename_run(PyObject *Py_UNUSED(module), PyObject *pairs_arg) {
         goto done;
     }
     for (i = 0; i < n; i++) {
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "O&O&;a pair is (partial, final)",
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(seq, i), "O&O&;a pair is (partial, final)",
                               PyUnicode_FSConverter, &names[2 * i], PyUnicode_FSConverter,
                               &names[2 * i + 1]))
             goto done;
