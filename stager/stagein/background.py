@@ -48,7 +48,6 @@ from stager.stagein.pacing import CopierStopped, OrderedThrottle
 from stager.stagein.plan import CopyItem, LocalPlan, clean_partials
 from stager.stagein.report import StageInReport
 from stager.stagein.run import jitter_s, new_report, prepare, staged_dataset
-from stager.stagein.smallruns import RunLength
 from stager.stagein.status import PlanFacts, discard_plan, write_plan
 from stager.storage.paths import discard
 from stager.storage.sources import SourceSet, SourceShard
@@ -75,7 +74,6 @@ class _OrderedCopier(Copier):
         self.halt = self.pacing.halt  # a retry's back-off ends on the stop too
         self.priority = priority
         self.small_runs = None  # every shard paced on its own (the throttle is set only now)
-        self.run_length = RunLength(most=1)
 
     def copy_prepared(self, item: CopyItem) -> None:
         self.slots.give_back()  # no slot kept across the wait for this item's turn

@@ -28,7 +28,7 @@ from stager.stagein.progress import Progress
 from stager.stagein.report import StageInReport
 from stager.stagein.settle import settle_sized_later
 from stager.stagein.sizing import DROPPED, UNKNOWN, DeferredPreflight
-from stager.stagein.smallruns import MAX_RUN, RunLength, SmallRuns
+from stager.stagein.smallruns import RunLength, SmallRuns
 from stager.stagein.streams import KeptSlots, StreamController
 from stager.storage.copy import CopyResult, copy_file
 from stager.storage.copyrun import publish_run
@@ -109,9 +109,8 @@ class Copier:
         self.streams = StreamController(ceiling, floor=options.min_jobs, adaptive=options.adaptive)
         self.slots = KeptSlots(self.streams)
         self.feed = ItemFeed(plan.to_copy, closed=not streamed, on_wait=self.slots.give_back)
-        # Small local shards are copied in runs (smallruns.py), run_length() items per take.
-        self.small_runs = SmallRuns.of(self)
-        self.run_length = RunLength(most=MAX_RUN if self.small_runs is not None else 1)
+        self.small_runs = SmallRuns.of(self)  # small local shards copied in runs (smallruns.py)
+        self.run_length = RunLength()  # their takes' length (_take_size)
 
     def run(self) -> CopyOutcome:
         """Copy every planned shard; failures are in the report, the staged ones in the outcome."""
@@ -120,7 +119,7 @@ class Copier:
         try:
             run_in_threads(
                 self._copy_take,
-                self.feed.runs(self.run_length),
+                self.feed.runs(self._take_size),
                 self.streams.ceiling,
                 name="stage-in",
                 on_exit=self.slots.give_back,
@@ -213,6 +212,10 @@ class Copier:
             self.fail(item, self.sizing.probe.error(index))
             return None
         return item.sized(size, self.sizing.probe.versions[index])
+
+    def _take_size(self) -> int:
+        """Items per take of the feed: a run's length, or one where there are no runs."""
+        return self.run_length() if self.small_runs is not None else 1
 
     def _before_take(self) -> None:
         """A slot before the next item (the thread that kept one copies the next file); none

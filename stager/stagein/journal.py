@@ -37,7 +37,7 @@ class Journal:
         self.record_all([entry])
 
     def record_all(self, entries: list[ManifestEntry]) -> None:
-        """Append ``entries`` in one ``write`` (a run's: :mod:`stager.storage.copyrun`). A kill
+        """Append ``entries`` in one ``write`` (a run's: :mod:`stager.stagein.smallruns`). A kill
         that cuts it loses the lines after the cut: those shards are copied again."""
         if not entries:
             return

@@ -54,6 +54,7 @@ def settle_sized_later(copier: Copier, sizing: DeferredPreflight) -> None:
         copier.fail(item, f"copied but not renamed into place: {exc.strerror or exc}")
     later = set(copier.count_later)  # held copies counted only now that they are renamed
     final_of = {i.shard.relpath: i.final for i in copier.plan.to_copy} if later else {}
+    unjournaled = []
     for index, relpath in enumerate(copier.held):  # journal those _journal_passed did not
         entry = copier.outcome.entries.get(relpath)
         if entry is None or (index < copier.held_journaled and relpath not in later):
@@ -61,5 +62,6 @@ def settle_sized_later(copier: Copier, sizing: DeferredPreflight) -> None:
         if relpath in later:
             samples = count_samples_of(final_of[relpath])
             entry = copier.outcome.entries[relpath] = dataclasses.replace(entry, samples=samples)
-        if copier.journal is not None:
-            copier.journal.record(entry)
+        unjournaled.append(entry)
+    if copier.journal is not None:
+        copier.journal.record_all(unjournaled)

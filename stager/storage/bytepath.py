@@ -209,11 +209,16 @@ def _identity(reported: tuple[int, ...]) -> tuple[int, int, int]:
     return inode, mtime_s * 1_000_000_000 + mtime_ns, ctime_s * 1_000_000_000 + ctime_ns
 
 
+#: The hash the compiled pump makes (xxHash's XXH3, 64 bits): a manifest with another takes
+#: the Python path.
+PUMP_ALGORITHM = "xxh3_64"
+
+
 def new_pump(algorithm: str, inspect: Any) -> Any:
     """A compiled byte pump for one copy, or None where :func:`copy_buffered` must run: the
     extension not built (or ``STAGER_NATIVE_COPY=0``), a hash other than xxh3_64, or an
     inspector without a compiled walk to feed (``inspect.compiled_walk()``)."""
-    if _pump is None or algorithm != "xxh3_64":
+    if _pump is None or algorithm != PUMP_ALGORITHM:
         return None
     walker = None
     if inspect is not None:

@@ -31,9 +31,7 @@ from stager.storage.paths import PARTIAL_SUFFIX, discard
 __all__ = ["RunJob", "available", "walks", "copy_run", "publish_run", "fits"]
 
 #: The hash the compiled run makes (a manifest with another cannot be checked by it).
-ALGORITHM = "xxh3_64"
-#: Bytes per ``write`` (as the one-by-one path: bytepath._WRITE_BYTES).
-_WRITE_BYTES = 1 << 20
+ALGORITHM = bytepath.PUMP_ALGORITHM
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +81,8 @@ def copy_run(
     walks = [_walk_of(job.inspect) for job in jobs]
     arguments = [(job.src_path, job.partial, walk) for job, walk in zip(jobs, walks, strict=True)]
     view = bytepath._buffer(block_bytes)
-    copied, failed = bytepath._pump.copy_run(arguments, view, _WRITE_BYTES, fsync, budget_s)
+    pieces = bytepath._WRITE_BYTES  # (as the one-by-one path writes)
+    copied, failed = bytepath._pump.copy_run(arguments, view, pieces, fsync, budget_s)
     results: list[CopyResult | None] = []
     try:
         for job, (size, digest, opened, *timing) in zip(jobs, copied, strict=False):
