@@ -269,9 +269,14 @@ def test_the_dataset_key_stats_what_it_is_not_given(
     assert indexkey.dataset_key(shards, relpaths, counts, "raise", version=1) == want
     some = [row if number % 3 else None for number, row in enumerate(rows)]
     assert indexkey.dataset_key(shards, relpaths, counts, "raise", some, version=1) == want
+    # taken ahead on a thread (stage-in's finish), the same rows
+    ahead = indexkey.StatsAhead(shards).rows()
+    assert indexkey.dataset_key(shards, relpaths, counts, "raise", ahead, version=1) == want
     os.utime(shards[-2], ns=(1, 1))
     assert indexkey.dataset_key(shards, relpaths, counts, "raise", version=1) != want
     os.unlink(shards[-1])
-    with pytest.raises(FileNotFoundError) as raised:
-        indexkey.dataset_key(shards, relpaths, counts, "raise", version=1)
-    assert raised.value.filename == shards[-1]
+    for stats in (None, indexkey.StatsAhead(shards).rows()):  # (ahead: every row None)
+        assert stats is None or stats == [None] * len(shards)
+        with pytest.raises(FileNotFoundError) as raised:
+            indexkey.dataset_key(shards, relpaths, counts, "raise", stats, version=1)
+        assert raised.value.filename == shards[-1]

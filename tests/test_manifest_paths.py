@@ -3,10 +3,13 @@ refuse; the Parquet reader's column checks agree with the row-by-row reader."""
 
 from __future__ import annotations
 
+import json
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stager.errors import StagerError
+from stager.shards.manifest import Manifest, ManifestEntry
 from stager.storage.paths import (
     CANONICAL_RELPATH,
     all_canonical,
@@ -198,3 +201,37 @@ def test_the_loaders_json_reader_refuses_the_digests_the_others_refuse(
             return type(exc)
 
     assert outcome(read_columns) == outcome(Manifest.read)
+
+
+ENTRIES = st.lists(
+    st.builds(
+        ManifestEntry,
+        st.text(max_size=12),  # any text: quotes, backslashes, controls, non-ASCII, surrogates
+        st.integers(min_value=0, max_value=1 << 70),
+        st.none() | st.text(max_size=10),
+        st.none() | st.integers(min_value=0, max_value=1 << 70),
+        st.none() | st.text(max_size=10),
+    ),
+    max_size=5,
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(ENTRIES, st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=2))
+def test_json_text_is_the_encoders_text_a_shard_per_line(
+    entries: list[ManifestEntry], meta: dict[str, str]
+) -> None:
+    """The manifest's JSON, written out field by field, is what json.dumps of each entry's
+    object makes (the layout of the writer it replaced), and reads back as those objects."""
+    objects = []
+    for e in entries:
+        obj: dict[str, object] = {"path": e.relpath, "size": e.size, "hash": e.hash}
+        obj["samples"] = e.samples
+        if e.version is not None:
+            obj["version"] = e.version
+        objects.append(obj)
+    text = Manifest(tuple(entries), meta)._json_text()
+    head = json.dumps({"format": "stager-manifest", "version": 1, "meta": meta}, indent=1)
+    shards = "[\n  " + ",\n  ".join(map(json.dumps, objects)) + "]" if objects else "[]"
+    assert text == f'{head[:-2]},\n "shards": {shards}\n}}\n'
+    assert json.loads(text)["shards"] == objects

@@ -7,7 +7,6 @@ import errno
 import filecmp
 import json
 import os
-import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -203,12 +202,7 @@ def test_refusal_after_held_copies_reports_nothing_copied(
     (src / "odd.tar").mkdir()  # dropped, as a walk drops it: not in the totals either
     total = sum(p.stat().st_size for p in shards)
     _slow_last_stat(monkeypatch, shards[-1].name)
-    real_usage = shutil.disk_usage
-    monkeypatch.setattr(
-        stager.stagein.guards.shutil,
-        "disk_usage",
-        lambda path: real_usage(path)._replace(free=total - 1),
-    )
+    monkeypatch.setattr(stager.stagein.guards, "free_bytes", lambda path: total - 1)
     dest, report_path = tmp_path / "scratch", tmp_path / "report.json"
     result = run_main(
         capsys,

@@ -22,7 +22,6 @@ with another or escape the root.
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,4 +155,5 @@ def resolve_cache_limit(flag: int | None, env: Mapping[str, str] | None = None) 
 
 def default_limit_bytes(root: Path) -> int:
     """Without ``--cache-limit``: half the cache's filesystem, so jobs keep room beside it."""
-    return shutil.disk_usage(root).total // 2
+    stats = os.statvfs(root)  # (shutil.disk_usage's total; shutil costs ~3 ms of each start)
+    return stats.f_blocks * stats.f_frsize // 2

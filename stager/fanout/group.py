@@ -25,7 +25,6 @@ import os
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 from stager.errors import GroupUnavailable, UsageError
@@ -133,6 +132,8 @@ def form_group(
         raise GroupUnavailable(f"torch.distributed is not importable here ({exc})") from exc
     if not dist.is_available() or not dist.is_gloo_available():
         raise GroupUnavailable("this torch build has no gloo backend")
+    from datetime import timedelta  # (~2 ms of every stage-in's start, fan-out or not)
+
     url = f"tcp://{host}:{port}"
     try:
         # The default group lives only for forming and the handshake, under the short timeout;

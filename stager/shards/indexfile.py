@@ -92,13 +92,15 @@ def save_walked_index(
     expected_samples: Sequence[int | None],
     walks: Sequence[dict[str, Any]],
     cache_dir: Path,
+    stats: Sequence[tuple[int, int] | None] | None = None,
 ) -> None:
     """Write the loader's one-file index of a dataset every shard of which was walked.
 
     Keyed as the loader keys it (its default ``on_error="raise"``); any mismatch only means
-    the loader rebuilds it. Raises ``OSError`` when it cannot be written.
+    the loader rebuilds it. ``stats``: :func:`~stager.shards.indexkey.dataset_key`'s. Raises
+    ``OSError`` when it cannot be written.
     """
-    stamp = dataset_key(shards, relpaths, expected_samples, "raise", version=CACHE_VERSION)
+    stamp = dataset_key(shards, relpaths, expected_samples, "raise", stats, version=CACHE_VERSION)
     columns, ext_names = join_walks(walks)
     meta = {"stamp": stamp.hex(), "ext_names": list(ext_names), "skipped": []}
     write_arrays(dataset_index_path(cache_dir), {name: columns[name] for name in ARRAYS}, meta)

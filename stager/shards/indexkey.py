@@ -8,6 +8,7 @@ index is rebuilt, never trusted (see :mod:`stager.shards.loader_index`).
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -16,7 +17,7 @@ from stager.storage.statmany import StatRow, stat_many
 if TYPE_CHECKING:
     import numpy as np  # imported where a key is made: stage-in imports this module at start
 
-__all__ = ["KEY_FORMAT", "changed_ns", "dataset_key", "int_bytes", "is_cache_link"]
+__all__ = ["KEY_FORMAT", "StatsAhead", "changed_ns", "dataset_key", "int_bytes", "is_cache_link"]
 
 KEY_FORMAT = 3  # 3: hashed column by column
 
@@ -128,6 +129,35 @@ def _stat_missing(shards: Sequence[str | os.PathLike[str]], table: list[int]) ->
             at = 2 * missing[done + k]
             table[at], table[at + 1] = row[1], _changed(row)
         done += len(rows)
+
+
+class StatsAhead:
+    """The key's ``(size, changed_ns)`` of ``paths``, stat'ed on a thread of its own while the
+    caller goes on: :func:`dataset_key`'s ``stats``.
+
+    Why: stage-in's finish keys every shard it just copied (~25 ms of stats at 10,000 shards)
+    right after writing its manifest (~15 ms of Python). The stats release the interpreter
+    lock, so on another core they cost the finish nothing. A stat that fails leaves every
+    row None: the key then stats again and raises as it would have.
+    """
+
+    def __init__(self, paths: Sequence[str]) -> None:
+        self._rows: list[tuple[int, int] | None] = [None] * len(paths)
+        self._thread = threading.Thread(target=self._stat, args=(paths,), daemon=True)
+        self._thread.start()
+
+    def _stat(self, paths: Sequence[str]) -> None:
+        table = [-1] * (2 * len(paths))
+        try:
+            _stat_missing(paths, table)
+        except Exception:  # noqa: BLE001 - the key stats again, and raises what it must
+            return
+        self._rows = list(zip(table[0::2], table[1::2], strict=True))
+
+    def rows(self) -> list[tuple[int, int] | None]:
+        """The rows, once the thread is done."""
+        self._thread.join()
+        return self._rows
 
 
 def _changed(row: StatRow) -> int:

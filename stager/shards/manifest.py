@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stager.errors import StagerError, UsageError
-from stager.shards.manifest_entry import FORMAT_VERSION, ManifestEntry, check_entry
+from stager.shards.manifest_entry import FORMAT_VERSION, ManifestEntry, check_entry, json_text
 from stager.storage.hashing import CANONICAL_DIGEST, HEX_DIGITS
 from stager.storage.paths import all_canonical
 
@@ -85,16 +85,14 @@ class Manifest:
             tmp.write_text(self._json_text())
 
     def _json_text(self) -> str:
-        """The JSON manifest, a shard per line. Not ``indent=1``: it runs the encoder in Python
-        (100k shards: 0.63 s, against 0.25 s here); the C encoder writes the list, then every
-        entry (its text starts ``{"path": ``; a quote in a string is escaped) gets a line."""
+        """The JSON manifest, a shard per line (:func:`_json_line`). Not ``indent=1``: it runs
+        the encoder in Python (100k shards: 0.63 s, against 0.09 s here)."""
         head = json.dumps(
             {"format": "stager-manifest", "version": FORMAT_VERSION, "meta": dict(self.meta)},
             indent=1,
         )
-        shards = json.dumps([_json_entry(e) for e in self.entries])
-        shards = shards.replace('}, {"path": ', '},\n  {"path": ')
-        shards = shards.replace('[{"path": ', '[\n  {"path": ', 1)
+        shards = ",\n  ".join(map(_json_line, self.entries))
+        shards = f"[\n  {shards}]" if shards else "[]"
         return f'{head[:-2]},\n "shards": {shards}\n}}\n'
 
     @classmethod
@@ -245,16 +243,16 @@ def find_manifest(directory: str | os.PathLike[str]) -> Path | None:
     return None
 
 
-def _json_entry(entry: ManifestEntry) -> dict[str, object]:
-    out: dict[str, object] = {
-        "path": entry.relpath,
-        "size": entry.size,
-        "hash": entry.hash,
-        "samples": entry.samples,
-    }
-    if entry.version is not None:
-        out["version"] = entry.version
-    return out
+def _json_line(entry: ManifestEntry) -> str:
+    """``json.dumps`` of the entry's object (``version`` only where it has one), written out:
+    a dict per shard through the C encoder cost ~4.5 us, three times this, and most of a
+    10,000-shard finish. Strings go through the json module's own C escaper."""
+    samples = "null" if entry.samples is None else int(entry.samples)
+    version = "" if entry.version is None else f', "version": {json_text(entry.version)}'
+    return (
+        f'{{"path": {json_text(entry.relpath)}, "size": {int(entry.size)}, '
+        f'"hash": {json_text(entry.hash)}, "samples": {samples}{version}}}'
+    )
 
 
 def _from_json(payload: object, where: Path) -> Manifest:

@@ -7,13 +7,14 @@ in :mod:`stager.shards.manifest_parquet`) use the same check without importing e
 from __future__ import annotations
 
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii
 from pathlib import Path
 
 from stager.errors import UsageError
 from stager.storage.hashing import split_digest
 from stager.storage.paths import safe_relpath
 
-__all__ = ["FORMAT_VERSION", "ManifestEntry", "check_entry"]
+__all__ = ["FORMAT_VERSION", "ManifestEntry", "check_entry", "json_text"]
 
 FORMAT_VERSION = 1
 
@@ -68,3 +69,9 @@ def check_entry(
     if version is not None and not isinstance(version, str):
         raise UsageError(f"manifest {where}: version {version!r} of {relpath!r} is not a string")
     return ManifestEntry(safe_relpath(relpath), size, hash_, samples, version)
+
+
+def json_text(value: str | None) -> str:
+    """``json.dumps(value)`` of a string or None, by the json module's own C escaper: the
+    staged manifest and the journal write their entries' JSON out field by field."""
+    return "null" if value is None else encode_basestring_ascii(value)

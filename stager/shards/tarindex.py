@@ -18,10 +18,8 @@ shard and the last good member, so a bad shard never turns into silently missing
 
 from __future__ import annotations
 
-import gzip
 import mmap
 import os
-import tarfile
 import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
@@ -35,9 +33,10 @@ from stager.shards.members import (
     is_compressed,
     split_key,
 )
+from stager.shards.tarheader import BLOCK
 
 if TYPE_CHECKING:
-    pass
+    import tarfile
 
 __all__ = [
     "duplicate_member",
@@ -53,6 +52,8 @@ __all__ = [
 
 
 def _open_tar(path: Path, mode: str, fileobj: BinaryIO | None = None) -> tarfile.TarFile:
+    import tarfile  # (with gzip, ~6 ms of every stage-in's start: only a tar in doubt needs it)
+
     try:
         if fileobj is not None:
             return tarfile.open(fileobj=fileobj, mode=mode)  # type: ignore[call-overload]  # noqa: SIM115
@@ -96,7 +97,7 @@ def _check_end(
 ) -> None:
     """Raise unless ``tail`` (the bytes where tarfile stopped) is an end-of-archive zero block.
     ``compressed``: the tar was read out of a gzip stream (``offset`` is in the tar)."""
-    if len(tail) < tarfile.BLOCKSIZE:
+    if len(tail) < BLOCK:
         # A cut at a member boundary and a tar its writer never closed look the same. Staging
         # cannot cause it (every copy is checked against its source), so "re-stage" never
         # helps: say what can. Zeros appended to a gzip file would only corrupt it.
@@ -112,7 +113,7 @@ def _check_end(
             f"its writer); re-create the shard, or if it is whole, {append}, re-run stager "
             "index where a manifest lists it, and stage it again"
         )
-    if any(tail[: tarfile.BLOCKSIZE]):
+    if any(tail[:BLOCK]):
         raise IntegrityError(
             f"{where}: corrupt tar header at byte {offset}, after member {last_name!r}; "
             f"re-create this shard ({RESTAGE_HELPS})"
@@ -179,12 +180,12 @@ def _walk_headers(read_at, size: int):
     headers: list[bytes] = []
     numbers: list[int] = []
     offset = 0
-    while offset + tarfile.BLOCKSIZE <= size:
-        header = read_at(offset, tarfile.BLOCKSIZE)
-        if len(header) < tarfile.BLOCKSIZE or not any(header):
+    while offset + BLOCK <= size:
+        header = read_at(offset, BLOCK)
+        if len(header) < BLOCK or not any(header):
             break
         headers.append(header)
-        numbers.append(offset // tarfile.BLOCKSIZE)
+        numbers.append(offset // BLOCK)
         kind = header[156:157]
         skips = kind in (b"0", b"\0", b"7", b"x", b"X", b"L", b"K")
         if kind == b"\0" and header[:100].split(b"\0", 1)[0].endswith(b"/"):
@@ -192,10 +193,10 @@ def _walk_headers(read_at, size: int):
         payload = _walk_size(header[124:136]) if skips else 0
         if payload is None:
             break
-        offset += tarfile.BLOCKSIZE + -(-payload // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+        offset += BLOCK + -(-payload // BLOCK) * BLOCK
         if len(headers) == _WALK_PROBE and offset < _WALK_PROBE * _WALK_MIN_STRIDE:
             return None
-    blocks = np.frombuffer(b"".join(headers), dtype=np.uint8).reshape(-1, tarfile.BLOCKSIZE)
+    blocks = np.frombuffer(b"".join(headers), dtype=np.uint8).reshape(-1, BLOCK)
     return blocks, np.asarray(numbers, dtype=np.int64)
 
 
@@ -236,6 +237,8 @@ def index_with_tarfile(path: Path, fileobj: BinaryIO | None = None) -> TarIndex:
     else:
         file_size = fileobj.seek(0, os.SEEK_END)
         fileobj.seek(0)
+    import tarfile
+
     samples = SampleGrouper()
     last_name = "<start of archive>"
     with _open_tar(path, "r:", fileobj) as tar:
@@ -262,7 +265,7 @@ def index_with_tarfile(path: Path, fileobj: BinaryIO | None = None) -> TarIndex:
                 f"re-create this shard ({RESTAGE_HELPS}), or pass on_error='skip' to the loader"
             ) from exc
         tar.fileobj.seek(tar.offset)
-        _check_end(tar.fileobj.read(tarfile.BLOCKSIZE), str(path), tar.offset, last_name)
+        _check_end(tar.fileobj.read(BLOCK), str(path), tar.offset, last_name)
     return samples.index()
 
 
@@ -315,6 +318,9 @@ def count_samples_stream(stream: BinaryIO, name: str, *, compressed: bool = Fals
     :class:`IntegrityError` naming ``name`` and the member; I/O errors of ``stream`` propagate
     unchanged so the caller can retry them.
     """
+    import gzip
+    import tarfile
+
     source: BinaryIO = gzip.GzipFile(fileobj=stream, mode="rb") if compressed else stream  # type: ignore[assignment]
     reader = _TailReader(source)
     count, last_key, last_name = 0, None, "<start of archive>"
@@ -326,7 +332,7 @@ def count_samples_stream(stream: BinaryIO, name: str, *, compressed: bool = Fals
                 if parts and parts[0] != last_key:
                     count += 1
                     last_key = parts[0]
-            tail = reader.bytes_from(tar.offset, tarfile.BLOCKSIZE)
+            tail = reader.bytes_from(tar.offset, BLOCK)
             _check_end(tail, name, tar.offset, last_name, compressed)
             while reader.read(1 << 20):
                 pass  # the padding, and for gzip the trailer whose CRC is checked on the way

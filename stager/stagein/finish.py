@@ -36,6 +36,7 @@ from stager.errors import (
 )
 from stager.layout import CORRUPT_META, StagedDataset, is_shard_name
 from stager.shards import indexfile, tarindex
+from stager.shards.indexkey import StatsAhead
 from stager.shards.manifest import Manifest, ManifestEntry
 from stager.shards.tarindex import TarIndex
 from stager.shards.tarnative import WalkResult
@@ -47,6 +48,10 @@ from stager.storage.paths import discard
 from stager.storage.sources import SourceSet, SourceShard
 
 __all__ = ["Staging", "finish"]
+
+#: Shards from which the loader index's stats are taken on another thread while the manifest
+#: is written (:class:`StatsAhead`); below, a thread costs more than it saves.
+_STATS_AHEAD_FROM = 256
 
 
 @dataclass
@@ -96,6 +101,10 @@ def finish(run: Staging) -> None:
     manifest = Manifest(
         tuple(run.entries[s.relpath] for s in run.shards if s.relpath in run.entries), meta
     )
+    indexing = not report.failures and run.options.count_samples
+    base = f"{run.staged.dir}{os.sep}"  # str paths: a Path per shard costs ~10 us
+    paths = [base + e.relpath for e in manifest.entries] if indexing else []
+    stats = StatsAhead(paths) if indexing and len(paths) >= _STATS_AHEAD_FROM else None
     try:
         # Rewritten when a shard was published in this run although the entries are the same
         # (a copy made again): its mtime is what later runs compare staged files' ctimes with
@@ -112,8 +121,8 @@ def finish(run: Staging) -> None:
         if not report.failures:
             raise _manifest_write_error(exc, run.staged.manifest_path) from exc
         # else the shard failures raised below say more; a rerun re-verifies and rewrites it
-    if not report.failures and run.options.count_samples:
-        _save_loader_index(run, manifest, indexes)
+    if indexing:
+        _save_loader_index(run, manifest, indexes, paths, stats)
     report.seconds = time.monotonic() - run.started
     failures = [
         ShardFailure(f["url"], f["reason"], f.get("kind", "source")) for f in report.failures
@@ -236,12 +245,19 @@ def _unstage_corrupt(run: Staging, relpath: str, reason: str) -> None:
     )
 
 
-def _save_loader_index(run: Staging, manifest: Manifest, indexes: Indexes) -> None:
+def _save_loader_index(
+    run: Staging,
+    manifest: Manifest,
+    indexes: Indexes,
+    paths: list[str],
+    stats: StatsAhead | None,
+) -> None:
     """The loader's one-file sample index of the staged copy, beside it (best effort).
 
     From the indexes in hand when every shard has one (joined without numpy where every one
     is a compiled walk's: :mod:`stager.shards.indexfile`); otherwise the loader's own builder,
     which returns at once when the index on disk is current and walks only what changed.
+    ``paths``: the entries' staged files; ``stats``: their key's stats, taken meanwhile.
     """
     entries = manifest.entries
     if not entries or tarindex.any_compressed(e.relpath for e in entries):
@@ -250,8 +266,6 @@ def _save_loader_index(run: Staging, manifest: Manifest, indexes: Indexes) -> No
     samples = [e.samples for e in entries]
     try:
         if all(e.relpath in indexes for e in entries):
-            base = f"{run.staged.dir}{os.sep}"  # str paths: a Path per shard costs ~10 us
-            paths = [base + relpath for relpath in relpaths]
             for relpath in relpaths:
                 index = indexes[relpath]
                 twice = (
@@ -264,7 +278,10 @@ def _save_loader_index(run: Staging, manifest: Manifest, indexes: Indexes) -> No
             walked = [indexes[r] for r in relpaths]
             if all(isinstance(i, WalkResult) for i in walked):  # (only the compiled walk makes one)
                 parts = [i.parts for i in walked if isinstance(i, WalkResult)]
-                indexfile.save_walked_index(paths, relpaths, samples, parts, run.staged.index_dir)
+                rows = stats.rows() if stats is not None else None
+                indexfile.save_walked_index(
+                    paths, relpaths, samples, parts, run.staged.index_dir, rows
+                )
                 return
             from stager.shards import loader_index  # numpy: imported only once copies are done
 

@@ -6,7 +6,6 @@ what to do, and raises before the first byte moves, so a refusal leaves nothing 
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 from stager.errors import ScratchFull, StagerError, UsageError
@@ -16,7 +15,7 @@ from stager.stagein.options import StageInOptions
 from stager.storage.sources import SourceSet
 from stager.units import human_bytes
 
-__all__ = ["check_outside_source", "check_same_source", "preflight", "space_error"]
+__all__ = ["check_outside_source", "check_same_source", "free_bytes", "preflight", "space_error"]
 
 
 def check_outside_source(staged: StagedDataset, source: SourceSet) -> None:
@@ -81,9 +80,16 @@ def check_same_source(staged: StagedDataset, source: SourceSet) -> None:
         )
 
 
+def free_bytes(path: Path) -> int:
+    """The bytes a writer without root's reserve may still use on ``path``'s filesystem:
+    ``shutil.disk_usage(path).free``, without importing shutil (~3 ms of every start)."""
+    stats = os.statvfs(path)
+    return stats.f_bavail * stats.f_frsize
+
+
 def preflight(dataset_dir: Path, needed: int, options: StageInOptions, node: str) -> int:
     """Refuse if ``needed`` bytes (plus ``--min-free``) do not fit; return the free bytes."""
-    free = shutil.disk_usage(dataset_dir).free
+    free = free_bytes(dataset_dir)
     if needed + options.min_free_bytes > free:
         raise space_error(
             dataset_dir, needed + options.min_free_bytes, free, node, options.min_free_bytes

@@ -16,10 +16,10 @@ from __future__ import annotations
 import json
 import os
 import threading
-from json.encoder import encode_basestring_ascii
 from pathlib import Path
 
 from stager.shards.manifest import ManifestEntry
+from stager.shards.manifest_entry import json_text
 
 __all__ = ["Journal"]
 
@@ -87,14 +87,10 @@ def _line(entry: ManifestEntry) -> bytes:
     call, most of the journal's share of a small shard's copy. Strings go through the json
     module's own C escaper, so :meth:`Journal.read` reads back exactly what was recorded."""
     fields = (
-        _text(entry.relpath),
+        json_text(entry.relpath),
         str(int(entry.size)),
-        _text(entry.hash),
+        json_text(entry.hash),
         "null" if entry.samples is None else str(int(entry.samples)),
-        _text(entry.version),
+        json_text(entry.version),
     )
     return f"[{', '.join(fields)}]".encode()
-
-
-def _text(value: str | None) -> str:
-    return "null" if value is None else encode_basestring_ascii(value)

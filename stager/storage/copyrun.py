@@ -34,9 +34,10 @@ __all__ = ["RunJob", "available", "walks", "copy_run", "publish_run", "fits"]
 ALGORITHM = bytepath.PUMP_ALGORITHM
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RunJob:
-    """One shard of a run: copy ``src_path`` to ``final`` + ``.partial``."""
+    """One shard of a run: copy ``src_path`` to ``final`` + ``.partial``. Treated as immutable
+    but not declared frozen (a frozen ``__init__`` costs three times as much, per shard)."""
 
     src_path: str
     final: str
@@ -78,18 +79,25 @@ def copy_run(
     job with a result has been finished. On an exception (a signal handler's) no partial of
     the run is left.
     """
-    walks = [_walk_of(job.inspect) for job in jobs]
-    arguments = [(job.src_path, job.partial, walk) for job, walk in zip(jobs, walks, strict=True)]
+    partials = [job.partial for job in jobs]
+    arguments = [
+        (job.src_path, partial, _walk_of(job.inspect))
+        for job, partial in zip(jobs, partials, strict=True)
+    ]
     view = bytepath._buffer(block_bytes)
     pieces = bytepath._WRITE_BYTES  # (as the one-by-one path writes)
     copied, failed = bytepath._pump.copy_run(arguments, view, pieces, fsync, budget_s)
     results: list[CopyResult | None] = []
+    read_back = _OpenedOnUse()  # (one for the run: only a walk in doubt opens its copy)
     try:
-        for job, (size, digest, opened, *timing) in zip(jobs, copied, strict=False):
-            results.append(_checked(job, size, f"{ALGORITHM}:{digest}", opened, *timing))
+        for job, partial, copy in zip(jobs, partials, copied, strict=False):
+            size, digest, opened, *timing = copy
+            read_back.path = partial
+            checked = _checked(job, read_back, size, f"{ALGORITHM}:{digest}", opened, *timing)
+            results.append(checked)
     except BaseException:
-        for job in jobs[: len(copied)]:
-            discard(job.partial)
+        for partial in partials[: len(copied)]:
+            discard(partial)
         raise
     if failed:
         results.append(None)  # (its partial was removed in C)
@@ -107,6 +115,7 @@ def _walk_of(inspect: Inspector | None) -> Any:
 
 def _checked(
     job: RunJob,
+    read_back: _OpenedOnUse,
     size: int,
     digest: str,
     opened: tuple[int, ...],
@@ -119,13 +128,12 @@ def _checked(
         job.expected_hash is not None and digest != job.expected_hash
     )
     if not wrong and job.inspect is not None:
-        read_back = _OpenedOnUse(job.partial)
         try:
             job.inspect.finish(read_back)
         finally:
             read_back.close()
     if wrong:
-        discard(job.partial)
+        discard(read_back.path)
         return None
     return CopyResult(
         size=size,
@@ -139,14 +147,15 @@ def _checked(
 
 
 class _OpenedOnUse(ReadBack):
-    """A :class:`ReadBack` of a closed partial, opened at its first read: only a walk in
-    doubt reads its copy back, and an open per shard is one more hand-over of the lock."""
+    """A :class:`ReadBack` of the closed partial at :attr:`path`, opened at its first read:
+    only a walk in doubt reads its copy back, and an open per shard is one more hand-over of
+    the lock. :meth:`close` it before :attr:`path` names the next shard's."""
 
     __slots__ = ("path",)
 
-    def __init__(self, path: str) -> None:
+    def __init__(self) -> None:
         super().__init__(-1)
-        self.path = path
+        self.path = ""
 
     def __call__(self, offset: int, nbytes: int) -> bytes:
         self._open()

@@ -8,7 +8,6 @@ user could pre-create it to read or swap our data.
 
 from __future__ import annotations
 
-import getpass
 import os
 import stat
 from collections.abc import Mapping
@@ -26,6 +25,8 @@ def _user(env: Mapping[str, str]) -> str:
     user = env.get("USER") or env.get("LOGNAME")
     if user:
         return user
+    import getpass  # (rarely needed: $USER is set)
+
     try:
         return getpass.getuser()
     except (KeyError, OSError):

@@ -6,7 +6,6 @@ algorithm is verified with the same one whatever the current default is.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Protocol
 
@@ -43,6 +42,8 @@ def new_hasher(algorithm: str = DEFAULT_ALGORITHM) -> Hasher:
     if algorithm == "xxh64":
         return xxhash.xxh64()
     if algorithm == "sha256":
+        import hashlib  # (only for sha256 manifests: ~5 ms of every stage-in's start)
+
         return hashlib.sha256()
     raise UsageError(f"unknown hash algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
 

@@ -12,12 +12,10 @@ like shards but for their suffix's case (``x.TAR``) and linked directories in ``
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import os
 import posixpath
 from collections.abc import Container, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from stager.errors import SourceError, UsageError
@@ -207,7 +205,7 @@ def fill_sizes(
             if skipped is not None:
                 skipped.append(shard.url)
             continue
-        out.append(dataclasses.replace(shard, size=info.size, version=info.version))
+        out.append(replace(shard, size=info.size, version=info.version))
     return out
 
 
@@ -270,7 +268,7 @@ def _walk(
         if stat:
             others: list[str] = []
             kept = fill_sizes(result, walked, jobs, skipped=others)
-            result = dataclasses.replace(result, shards=tuple(kept), skipped=tuple(others))
+            result = replace(result, shards=tuple(kept), skipped=tuple(others))
     else:
         try:
             found = fs.find(root, detail=True)
@@ -333,6 +331,8 @@ def check_encodable(text: str, what: str) -> None:
 
 def _urls_spec(urls: list[str]) -> str:
     """The spec of a dataset given as its shards' URLs: a digest of them."""
+    import hashlib  # (only here: ~5 ms of every stage-in's start)
+
     digest = hashlib.sha256("\n".join(canonical_spec(u) for u in urls).encode()).hexdigest()
     return f"urls:{digest[:32]}"
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import shutil
 import sys
 
 from stager.cache.paths import resolve_cache_dir, resolve_cache_limit, vet_cache
@@ -306,6 +305,8 @@ def _run(args: argparse.Namespace) -> int:
 
 def _outside_a_job(report: StageInReport) -> None:
     """Say where a run outside any job staged, and how to stage inside one instead."""
+    import shutil  # (only here: ~3 ms of every stage-in's start)
+
     hint = ""
     if shutil.which("srun") or shutil.which("sbatch"):
         hint = (
