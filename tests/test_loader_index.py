@@ -275,8 +275,15 @@ def test_the_dataset_key_stats_what_it_is_not_given(
     os.utime(shards[-2], ns=(1, 1))
     assert indexkey.dataset_key(shards, relpaths, counts, "raise", version=1) != want
     os.unlink(shards[-1])
-    for stats in (None, indexkey.StatsAhead(shards).rows()):  # (ahead: every row None)
+    with monkeypatch.context() as patched:  # (a job at its process limit)
+        patched.setattr(indexkey.threading.Thread, "start", _no_thread)
+        unstarted = indexkey.StatsAhead(shards).rows()
+    for stats in (None, indexkey.StatsAhead(shards).rows(), unstarted):  # (ahead: rows None)
         assert stats is None or stats == [None] * len(shards)
         with pytest.raises(FileNotFoundError) as raised:
             indexkey.dataset_key(shards, relpaths, counts, "raise", stats, version=1)
         assert raised.value.filename == shards[-1]
+
+
+def _no_thread(self: object) -> None:
+    raise RuntimeError("can't start new thread")

@@ -137,14 +137,20 @@ class StatsAhead:
 
     Why: stage-in's finish keys every shard it just copied (~25 ms of stats at 10,000 shards)
     right after writing its manifest (~15 ms of Python). The stats release the interpreter
-    lock, so on another core they cost the finish nothing. A stat that fails leaves every
-    row None: the key then stats again and raises as it would have.
+    lock, so on another core they cost the finish nothing. A stat that fails, or a thread
+    that cannot start (a job at its process limit), leaves every row None: the key then stats
+    again and raises as it would have.
     """
 
     def __init__(self, paths: Sequence[str]) -> None:
         self._rows: list[tuple[int, int] | None] = [None] * len(paths)
-        self._thread = threading.Thread(target=self._stat, args=(paths,), daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = threading.Thread(
+            target=self._stat, args=(paths,), daemon=True
+        )
+        try:
+            self._thread.start()
+        except RuntimeError:  # "can't start new thread"
+            self._thread = None
 
     def _stat(self, paths: Sequence[str]) -> None:
         table = [-1] * (2 * len(paths))
@@ -156,7 +162,8 @@ class StatsAhead:
 
     def rows(self) -> list[tuple[int, int] | None]:
         """The rows, once the thread is done."""
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         return self._rows
 
 
