@@ -171,3 +171,31 @@ def test_an_unreadable_subdirectory_is_named_not_the_root(tmp_path: Path, monkey
     assert "source not found: s3://b/p;" in str(
         listing.translate(FileNotFoundError(2, "x", "b/p"), "s3://b/p")
     )
+
+
+def test_a_glob_fails_on_a_subdirectory_it_cannot_read(tmp_path: Path, monkeypatch) -> None:
+    """``ds/*/x-*.tar`` with ``ds/b`` unreadable: fsspec's walk leaves ``b`` out as if empty
+    (and passes ``on_error`` to the top level only), and stage-in staged ``a``'s shards alone
+    with exit 0. It is refused, naming ``b``; a directory gone meanwhile matches nothing."""
+    for part in ("a", "b"):
+        (tmp_path / "ds" / part).mkdir(parents=True)
+        (tmp_path / "ds" / part / "x-1.tar").write_bytes(b"\0" * 1024)
+    pattern = str(tmp_path / "ds" / "*" / "x-*.tar")
+    assert len(resolve_source(pattern).shards) == 2
+    scandir = os.scandir
+    refused = {str(tmp_path / "ds" / "b"): PermissionError(13, "Permission denied")}
+
+    def guarded(path):
+        error = refused.get(os.fspath(path).rstrip("/"))
+        if error is not None:
+            raise type(error)(error.errno, error.strerror, os.fspath(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", guarded)  # (root reads any directory: refused by hand)
+    with pytest.raises(SourceError) as caught:
+        resolve_source(pattern)
+    assert str(caught.value).startswith(
+        f"source not readable: {tmp_path / 'ds' / 'b'} (under the source {pattern})"
+    )
+    refused = {str(tmp_path / "ds" / "b"): FileNotFoundError(2, "No such file or directory")}
+    assert [s.relpath for s in resolve_source(pattern).shards] == ["a/x-1.tar"]

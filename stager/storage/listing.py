@@ -43,6 +43,7 @@ __all__ = [
     "split_fs",
     "read_list",
     "fsspec_view",
+    "glob_matches",
 ]
 
 FILE, DIRECTORY, OTHER = "file", "directory", "other"  # OTHER: FIFO, socket, device
@@ -293,3 +294,13 @@ def fsspec_view(fs: fsspec.AbstractFileSystem | None) -> fsspec.AbstractFileSyst
     from fsspec.implementations.local import LocalFileSystem
 
     return LocalFileSystem()
+
+
+def glob_matches(fs: fsspec.AbstractFileSystem | None, path: str) -> dict[str, dict[str, Any]]:
+    """``path``'s matches by fsspec's glob rules, with their details; locally, a directory the
+    glob cannot read raises its ``OSError`` (:mod:`stager.storage.localglob`)."""
+    if fs is not None:
+        return fs.glob(path, detail=True)
+    from stager.storage.localglob import glob_local
+
+    return glob_local(path)

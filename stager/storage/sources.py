@@ -34,6 +34,7 @@ from stager.storage.listing import (
     Info,
     display,
     fsspec_view,
+    glob_matches,
     info_of,
     protocol_of,
     read_list,
@@ -222,13 +223,12 @@ def _list_urls(urls: list[str], name: str, jobs: int, spec: str, where: str) -> 
 
 def _glob(spec: str, fs: fsspec.AbstractFileSystem | None, path: str, name: str) -> SourceSet:
     try:
-        matches = sorted(fsspec_view(fs).glob(path, detail=True).items())  # fsspec's glob rules
+        matches = sorted(glob_matches(fs, path).items())
     except Exception as exc:  # noqa: BLE001 - translated at this boundary
         raise translate(exc, spec) from exc
     if fs is None:
-        # Locally each match is stat'ed again: fsspec reports a version of its own (mtime and
-        # created), which the copy's (inode, mtime and ctime) never equals; a --cache fill took
-        # that for a source changing under the copy and cached nothing.
+        # Stat'ed again: fsspec's version (mtime, created) never equals the copy's (inode, mtime,
+        # ctime); a --cache fill took that for a source changing under it, and cached nothing.
         try:
             found = [(p, stat_one(None, p)) for p, _ in matches]
         except Exception as exc:  # noqa: BLE001 - translated at this boundary
