@@ -2,6 +2,6 @@
 
 import sys
 
-from stager.cli.main import main
+from stager.cli.entry import main
 
 sys.exit(main())

@@ -387,3 +387,30 @@ def test_an_interrupt_while_the_command_imports_is_one_line_and_its_code(
     err = capsys.readouterr().err.strip().splitlines()
     assert code == EXIT_INTERRUPTED
     assert err == [f"{entry}: interrupted while starting; nothing was done"]
+
+
+@pytest.mark.parametrize("script", ["stage-in", "stage-out", "stager"])
+def test_an_interrupt_while_the_cli_itself_imports_is_one_line_and_its_code(script: str) -> None:
+    """The console scripts import their entry's module before calling it: with the entry in
+    stager.cli.main, a Ctrl-C in its 10-50 ms of imports printed Python's traceback. The
+    entries (stager.cli.entry) import it themselves; the script pip writes is run here as it
+    is, with that import interrupted."""
+    from stager.cli import entry
+
+    assert entry.EXIT_INTERRUPTED == EXIT_INTERRUPTED
+    function = {"stage-in": "stage_in", "stage-out": "stage_out", "stager": "main"}[script]
+    code = (
+        "import sys\n"
+        "class Interrupting:\n"  # the import of stager.cli.main meets a Ctrl-C
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'stager.cli.main':\n"
+        "            raise KeyboardInterrupt\n"
+        "sys.meta_path.insert(0, Interrupting())\n"
+        f"from stager.cli.entry import {function}\n"
+        f"sys.exit({function}())\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, "--help"], capture_output=True, text=True, env=clean_env()
+    )
+    assert result.returncode == EXIT_INTERRUPTED, result.stderr
+    assert result.stderr.splitlines() == [f"{script}: interrupted while starting; nothing was done"]
