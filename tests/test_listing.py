@@ -199,3 +199,31 @@ def test_a_glob_fails_on_a_subdirectory_it_cannot_read(tmp_path: Path, monkeypat
     )
     refused = {str(tmp_path / "ds" / "b"): FileNotFoundError(2, "No such file or directory")}
     assert [s.relpath for s in resolve_source(pattern).shards] == ["a/x-1.tar"]
+
+
+def test_a_glob_reads_only_the_directories_its_pattern_can_reach(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """``ds/shard-*/x.tar`` beside an unreadable ``ds/private``: fsspec walks every directory
+    under ``ds``, but ``private`` can never match, so it neither fails the glob nor is listed;
+    a fixed prefix through a regular file still matches nothing, with that message."""
+    for part in ("shard-a", "shard-b", "private"):
+        (tmp_path / "ds" / part).mkdir(parents=True)
+        (tmp_path / "ds" / part / "x.tar").write_bytes(b"\0" * 1024)
+    scandir = os.scandir
+    private = str(tmp_path / "ds" / "private")
+
+    def guarded(path):
+        if os.fspath(path).rstrip("/") == private:
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", guarded)
+    shards = resolve_source(str(tmp_path / "ds" / "shard-*" / "x.tar")).shards
+    assert sorted(s.relpath for s in shards) == ["shard-a/x.tar", "shard-b/x.tar"]
+    for pattern in ("*/x.tar", "**/x.tar", "[ps]*/x.tar"):  # these can reach it: refused
+        with pytest.raises(SourceError, match="source not readable: .*private"):
+            resolve_source(str(tmp_path / "ds" / pattern))
+    through_a_file = str(tmp_path / "ds" / "shard-a" / "x.tar" / "sub" / "*.tar")
+    with pytest.raises(SourceError, match="no file matches"):
+        resolve_source(through_a_file)
