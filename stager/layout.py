@@ -43,6 +43,7 @@ __all__ = [
     "canonical_spec",
     "canonical_root",
     "source_root",
+    "glob_root",
     "is_shard_name",
     "no_shards_message",
     "not_regular_message",
@@ -196,12 +197,22 @@ def source_root(spec: str | Sequence[str]) -> str:
     if "{" in spec and "}" in spec:
         return _common_dir([posixpath.dirname(_path_of(u)) for u in expand_pattern(spec)])
     path = _path_of(spec)
-    if any(c in path for c in _GLOB_CHARS):
-        fixed = path[: min(path.index(c) for c in _GLOB_CHARS if c in path)]
-        return posixpath.normpath(fixed if fixed.endswith("/") else posixpath.dirname(fixed))
+    root = glob_root(path)
+    if root is not None:
+        return posixpath.normpath(root)
     if is_shard_name(path):
         return posixpath.dirname(path)
     return path
+
+
+def glob_root(path: str) -> str | None:
+    """The directory every match of the glob ``path`` lies under: its fixed prefix up to the
+    last ``/`` before the first wildcard (``*``, ``?``, ``[``). None where ``path`` has none."""
+    wildcards = [path.index(c) for c in _GLOB_CHARS if c in path]
+    if not wildcards:
+        return None
+    fixed = path[: min(wildcards)]
+    return fixed if fixed.endswith("/") else posixpath.dirname(fixed)
 
 
 def canonical_spec(spec: str, *, listed: bool = False) -> str:

@@ -22,7 +22,6 @@ current version; the staged manifest and the loader index are written by
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ from stager.cache.records import ObjectRecord
 from stager.cache.store import ShardCache
 from stager.errors import DestinationError, HashMismatch, one_line
 from stager.layout import StagedDataset
+from stager.stagein.guards import free_bytes
 from stager.stagein.options import StageInOptions
 from stager.stagein.plan import CopyItem, LocalPlan
 from stager.stagein.report import StageInReport
@@ -128,7 +128,7 @@ def _same_fs(a: Path, b: Path) -> bool:
 
 def _free_bytes(path: Path) -> int:
     try:
-        return shutil.disk_usage(path).free
+        return free_bytes(path)
     except OSError:
         return 0
 

@@ -104,7 +104,7 @@ def finish(run: Staging) -> None:
     indexing = not report.failures and run.options.count_samples
     base = f"{run.staged.dir}{os.sep}"  # str paths: a Path per shard costs ~10 us
     paths = [base + e.relpath for e in manifest.entries] if indexing else []
-    stats = StatsAhead(paths) if indexing and len(paths) >= _STATS_AHEAD_FROM else None
+    stats = StatsAhead(paths) if len(paths) >= _STATS_AHEAD_FROM else None
     try:
         # Rewritten when a shard was published in this run although the entries are the same
         # (a copy made again): its mtime is what later runs compare staged files' ctimes with

@@ -12,15 +12,14 @@ by a file, still matches nothing. Imported only for a glob: fsspec's import is n
 
 from __future__ import annotations
 
-import posixpath
 from fnmatch import fnmatchcase
 from typing import Any
 
 from fsspec.implementations.local import LocalFileSystem
 
-__all__ = ["glob_local"]
+from stager.layout import glob_root
 
-_GLOB_CHARS = "*?["
+__all__ = ["glob_local"]
 
 
 class _ReadEveryDirectory(LocalFileSystem):
@@ -44,10 +43,9 @@ class _Reachable:
     the pattern's component at that depth (``fnmatch``, case-sensitive; kept without a test
     from a ``**`` or a ``[`` class on, where the two might read the pattern differently)."""
 
-    def __init__(self, pattern: str) -> None:
-        fixed = pattern[: min(pattern.index(c) for c in _GLOB_CHARS if c in pattern)]
-        self.root = fixed if fixed.endswith("/") else posixpath.dirname(fixed)
-        self.parts = pattern[len(self.root) :].strip("/").split("/")
+    def __init__(self, pattern: str, root: str) -> None:
+        self.root = root
+        self.parts = pattern[len(root) :].strip("/").split("/")
 
     def __call__(self, directory: str) -> bool:
         if not directory.startswith(self.root):
@@ -70,6 +68,7 @@ def glob_local(path: str) -> dict[str, dict[str, Any]]:
     a directory it cannot read that the pattern can reach."""
     fs = _ReadEveryDirectory()
     pattern = fs._strip_protocol(path)
-    if any(c in pattern for c in _GLOB_CHARS):
-        fs.reachable = _Reachable(pattern)
+    root = glob_root(pattern)
+    if root is not None:
+        fs.reachable = _Reachable(pattern, root)
     return fs.glob(path, detail=True)

@@ -23,6 +23,7 @@ from stager.layout import (
     SHARD_SUFFIXES,
     canonical_spec,
     dataset_name,
+    glob_root,
     is_shard_name,
     is_shard_name_but_for_case,
     no_shards_message,
@@ -60,8 +61,6 @@ __all__ = [
     "is_shard_name",
     "check_encodable",
 ]
-
-_GLOB_CHARS = "*?["
 
 
 @dataclass(slots=True, unsafe_hash=True)
@@ -239,8 +238,7 @@ def _glob(spec: str, fs: fsspec.AbstractFileSystem | None, path: str, name: str)
     files = [(p, info) for p, info in infos if info.kind != DIRECTORY]
     if not files:
         raise SourceError(f"source not found: no file matches {spec}; check the pattern")
-    fixed = path[: min(path.index(c) for c in _GLOB_CHARS if c in path)]
-    root = fixed if fixed.endswith("/") else posixpath.dirname(fixed)
+    root = glob_root(path) or ""  # (path is a glob here: never None)
     shards = [_shard(fs, p, root, info) for p, info in files if info.kind != OTHER]
     skipped = tuple(display(fs, p) for p, info in files if info.kind == OTHER)
     spec_id = canonical_spec(spec)
@@ -380,7 +378,7 @@ def _resolve(
             )
         return result
     fs, path = split_fs(spec)
-    if any(c in path for c in _GLOB_CHARS):
+    if glob_root(path) is not None:
         return _glob(spec, fs, path, name)
     try:
         info = stat_one(fs, path)
