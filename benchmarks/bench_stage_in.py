@@ -49,7 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Executor, ProcessPoolExecutor
 from pathlib import Path
 
 from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
@@ -197,11 +197,17 @@ def read_command(files: list[Path], list_file: Path) -> list[str]:
 
 def baseline_stage_in(checkout: Path) -> list[str]:
     """stage-in with its defaults from another checkout of this repository (a ``git worktree``
-    of an older commit): the same console script, with that checkout first on the path. (Not
-    ``python -m stager``: that puts the working directory first, which is this checkout when
-    the benchmark runs from it.)"""
+    of an older commit): the console script's entry as that checkout's pyproject.toml names it
+    (the entry moved to stager.cli.entry in 79338f2, so this checkout's script cannot start an
+    older tree), run with that checkout on the path. ``-P``: not the working directory first,
+    which is this checkout when the benchmark runs from it."""
+    import tomllib
+
+    with open(checkout / "pyproject.toml", "rb") as f:
+        module, func = tomllib.load(f)["project"]["scripts"]["stage-in"].split(":")
+    entry = f"import sys; from {module} import {func} as main; sys.exit(main())"
     path = f"PYTHONPATH={checkout.resolve()}"
-    return ["env", path, str(BIN / "stage-in"), "SRC", "--dest", "DST", "--quiet"]
+    return ["env", path, sys.executable, "-P", "-c", entry, "SRC", "--dest", "DST", "--quiet"]
 
 
 def parallel_cp(processes: int) -> list[str]:
@@ -237,7 +243,7 @@ def matrix_tools(
     }
     available = len(os.sched_getaffinity(0))
     for n in sorted({c for c in cores if 0 < c <= available}):
-        tools[f"stage-in (defaults), {n} cores"] = pinned(n, stage_in)
+        tools[f"stage-in (defaults), {n} core{'s' if n > 1 else ''}"] = pinned(n, stage_in)
     if cores:
         tools[f"xargs -P {available} cp"] = parallel_cp(available)
     if baseline is not None:
@@ -262,19 +268,35 @@ def _condition_roots(condition: str) -> tuple[Path | None, Path]:
     return src_root, Path(tempfile.mkdtemp(prefix="bench-dst-", dir=dst_dir))
 
 
-def _dataset(data_dir: Path, label: str, shards: int, samples: int, sample_bytes: int) -> Path:
-    """The row's synthetic shards under ``data_dir`` (on disk), written once and reused."""
+def _dataset(
+    data_dir: Path,
+    label: str,
+    shards: int,
+    samples: int,
+    sample_bytes: int,
+    pool: Executor | None = None,
+) -> Path:
+    """The row's synthetic shards under ``data_dir`` (on disk), written once and reused;
+    spread over ``pool``'s processes when one is given (a shard's bytes depend on its index
+    alone, so the parts make the same files as one writer)."""
     out = data_dir / f"ds-{shards}x{samples}x{sample_bytes}"
     done = out / ".complete"
     if not done.exists():
         shutil.rmtree(out, ignore_errors=True)
         print(f"writing {label} to {out} ...", file=sys.stderr, flush=True)
-        write_synthetic_dataset(
-            out / "ds",
-            SyntheticSpec(num_shards=shards, samples_per_shard=samples, image_bytes=sample_bytes),
-        )
+        spec = SyntheticSpec(num_shards=shards, samples_per_shard=samples, image_bytes=sample_bytes)
+        if pool is None:
+            write_synthetic_dataset(out / "ds", spec)
+        else:
+            parts = [range(i, shards, _WRITERS) for i in range(min(shards, _WRITERS))]
+            n = len(parts)
+            list(pool.map(write_synthetic_dataset, [out / "ds"] * n, [spec] * n, parts))
         done.write_text("")
     return out / "ds"
+
+
+#: Processes that write a row's shards (every CPU the benchmark may use).
+_WRITERS = len(os.sched_getaffinity(0))
 
 
 def bench_matrix(
@@ -291,10 +313,10 @@ def bench_matrix(
     rows: list[dict] = []
     cold_ok = os.geteuid() == 0
     specs = [(label, max(2, round(n * scale)), k, b) for label, n, k, b in map(ROWS.get, keys)]
-    # Each row's shards are written by one process: on a machine of many cores the rows are
-    # written at once, not one after the other (minutes of Python tar writing).
-    with ProcessPoolExecutor(max(1, min(len(specs), len(os.sched_getaffinity(0))))) as pool:
-        written = list(pool.map(_dataset, [data_dir] * len(specs), *zip(*specs, strict=True)))
+    # Each row's shards are written by every CPU at once: minutes of Python tar writing on
+    # one core (16 shards of 25,000 samples: ~80 s here) take seconds on a machine of many.
+    with ProcessPoolExecutor(_WRITERS) as pool:
+        written = [_dataset(data_dir, *spec, pool=pool) for spec in specs]
     for (label, *_), stored in zip(specs, written, strict=True):
         files = sorted(stored.iterdir())
         nbytes = sum(f.stat().st_size for f in files)
@@ -389,10 +411,11 @@ def bench_sample_sizes(
     and on those of ~1 KB samples, alternating within each repeat (with ``cp -r`` on both for
     reference), so that the MB/s ratio is not two rows measured minutes apart."""
     pair = [ROWS["large"], ROWS["tiny-samples"]]
-    stored = [
-        _dataset(data_dir, label, max(2, round(shards * scale)), samples, sample_bytes)
-        for label, shards, samples, sample_bytes in pair
-    ]
+    with ProcessPoolExecutor(_WRITERS) as pool:
+        stored = [
+            _dataset(data_dir, label, max(2, round(n * scale)), samples, sample_bytes, pool)
+            for label, n, samples, sample_bytes in pair
+        ]
     sizes = [sum(f.stat().st_size for f in ds.iterdir()) for ds in stored]
     tools = {"cp -r": ["cp", "-r", "SRC", "DST"]}
     tools[f"stage-in --jobs {jobs}"] = [

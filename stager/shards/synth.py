@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,16 +61,22 @@ def _image(rng: np.random.Generator, image_bytes: int) -> bytes:
 
 
 def write_synthetic_dataset(
-    out_dir: str | Path, spec: SyntheticSpec = SyntheticSpec()
+    out_dir: str | Path, spec: SyntheticSpec = SyntheticSpec(), shards: Iterable[int] | None = None
 ) -> list[Path]:
-    """Write ``spec.num_shards`` tar shards into ``out_dir`` and return their paths."""
+    """Write ``spec.num_shards`` tar shards into ``out_dir`` and return their paths.
+
+    ``shards``: only these shard indices. A shard's bytes depend on (seed, shard) alone, so
+    parts of one dataset can be written by several processes at once (the benchmarks do, on a
+    machine of many cores) and give the same files as one call."""
     import webdataset as wds
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     suffix = ".tar.gz" if spec.compress else ".tar"
+    sizes = spec.shard_sizes()
     paths = []
-    for shard, count in enumerate(spec.shard_sizes()):
+    for shard in range(spec.num_shards) if shards is None else shards:
+        count = sizes[shard]
         path = out / f"{spec.prefix}-{shard:06d}{suffix}"
         tmp = path.with_name(path.name + ".partial")
         rng = np.random.default_rng([spec.seed, shard])
