@@ -21,6 +21,7 @@ from stager.layout import StagedDataset
 from stager.shards.manifest import Manifest
 from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 from stager.stagein.sizing import DROPPED, UNKNOWN, DeferredPreflight, PublishGate, SizeProbe
+from stager.storage.identity import local_version
 from stager.storage.statmany import StatRow, stat_many, stat_many_python
 
 from .inproc import clean_process_env, run_main
@@ -51,7 +52,34 @@ def test_probe_gives_sizes_and_drops_what_a_walk_would_not_list(tmp_path: Path) 
     probe = SizeProbe(paths, 3, on_size=sized.append, on_done=done.set).start()
     assert [probe.get(i) for i in range(len(paths))] == [10, 0, 300, DROPPED, DROPPED]
     probe.join()
-    assert done.is_set() and sorted(sized) == [0, 10, 300]
+    assert done.is_set() and sum(sized) == 310  # (a call per run of sizes: their total)
+
+
+def test_a_run_of_stats_mixing_files_and_others_is_entered_path_by_path(tmp_path: Path) -> None:
+    """One run (the paths statted together, as on a fast filesystem) of regular files, a
+    directory, a FIFO, a vanished path and an unstattable one: each gets its own result,
+    version and warning, as when they were entered one at a time."""
+    paths = _files(tmp_path / "src", [5, 7])
+    (tmp_path / "src" / "dir.tar").mkdir()
+    os.mkfifo(tmp_path / "src" / "pipe.tar")
+    odd = ["dir.tar", "pipe.tar", "gone.tar", "x" * 5000]
+    paths = [paths[0], *(str(tmp_path / "src" / n) for n in odd), paths[1]]
+    sized: list[int] = []
+    probe = SizeProbe(paths, 1, on_size=sized.append)
+    probe._record_run(list(range(len(paths))), stat_many(paths, 10.0)[0])
+    assert [probe.get(i) for i in range(len(paths))] == [5, DROPPED, DROPPED, DROPPED, UNKNOWN, 7]
+    assert sized == [12]
+    assert probe.not_regular == [2]  # the FIFO: a directory or a vanished path is not said
+    assert "cannot stat it" in probe.error(4)
+    versions = [probe.version(i) for i in range(len(paths))]
+    assert versions == [
+        local_version(os.stat(paths[0])),
+        None,
+        None,
+        None,
+        None,
+        local_version(os.stat(paths[5])),
+    ]
 
 
 def test_probe_marks_an_entry_it_cannot_stat_unknown(tmp_path: Path) -> None:

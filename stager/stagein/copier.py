@@ -211,7 +211,7 @@ class Copier:
         if size == UNKNOWN:
             self.fail(item, self.sizing.probe.error(index))
             return None
-        return item.sized(size, self.sizing.probe.versions[index])
+        return item.sized(size, self.sizing.probe.version(index))
 
     def _take_size(self) -> int:
         """Items per take of the feed: a run's length, or one where there are no runs."""
