@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -199,15 +200,19 @@ def baseline_stage_in(checkout: Path) -> list[str]:
     """stage-in with its defaults from another checkout of this repository (a ``git worktree``
     of an older commit): the console script's entry as that checkout's pyproject.toml names it
     (the entry moved to stager.cli.entry in 79338f2, so this checkout's script cannot start an
-    older tree), run with that checkout on the path. ``-P``: not the working directory first,
-    which is this checkout when the benchmark runs from it."""
-    import tomllib
-
-    with open(checkout / "pyproject.toml", "rb") as f:
-        module, func = tomllib.load(f)["project"]["scripts"]["stage-in"].split(":")
-    entry = f"import sys; from {module} import {func} as main; sys.exit(main())"
-    path = f"PYTHONPATH={checkout.resolve()}"
-    return ["env", path, sys.executable, "-P", "-c", entry, "SRC", "--dest", "DST", "--quiet"]
+    older tree), with that checkout first on the path, ahead of the working directory that
+    ``-c`` puts there (this checkout, when the benchmark runs from it)."""
+    found = re.search(
+        r'^stage-in = "([\w.]+):(\w+)"', (checkout / "pyproject.toml").read_text(), re.M
+    )
+    if found is None:
+        raise ValueError(f"{checkout}/pyproject.toml names no stage-in entry")
+    root = str(checkout.resolve())
+    entry = (
+        f"import sys; sys.path.insert(0, {root!r}); "
+        f"from {found[1]} import {found[2]} as main; sys.exit(main())"
+    )
+    return [sys.executable, "-c", entry, "SRC", "--dest", "DST", "--quiet"]
 
 
 def parallel_cp(processes: int) -> list[str]:
