@@ -89,7 +89,7 @@ class SizeProbe:
         self._handed_back: list[int] = []  # paths of claimed runs left for any thread (_claims)
         self._in_flight = 0  # runs being statted
         self._claims_cond = threading.Condition()
-        self._identities: list[StatRow | None] = [None] * len(self._paths)  # (:meth:`version`)
+        self._versions: list[str | None] = [None] * len(self._paths)  # (:meth:`version`)
         self.not_regular: list[int] = []  # indexes of FIFOs, sockets, devices
         self.failure: BaseException | None = None  # the probe itself broke (not one stat)
         self._runner = threading.Thread(target=self._run, name="size-probe", daemon=True)
@@ -104,7 +104,7 @@ class SizeProbe:
             first = len(self._paths)
             self._paths.extend(paths)
             self._results.extend([UNKNOWN if self._ended else _PENDING] * len(paths))
-            self._identities.extend([None] * len(paths))
+            self._versions.extend([None] * len(paths))
         self._indexes.add(range(first, first + len(paths)))  # after their result slots exist
         return first
 
@@ -209,22 +209,22 @@ class SizeProbe:
             yield [index]
 
     def _record_run(self, indexes: list[int], found: list[StatRow | int]) -> None:
-        """Enter a run's stats: a regular file's size, its identity for :meth:`version`, and
-        one ``on_size`` call and one lock for the run's total.
+        """Enter a run's stats: each regular file's size and version, then one ``on_size``
+        call and one lock for the run.
 
-        Why a run at a time: the probe's Python per path (a lock, a callback, a formatted
-        version) held the interpreter lock for ~11 us a shard, 18% of a 10,000-shard stage-in
+        Why a run at a time: the probe's Python per path (a lock, a callback and a wakeup
+        each) held the interpreter lock for ~11 us a shard, 18% of a 10,000-shard stage-in
         on 16 cores, where the copies waited for it. The few that are not regular files go
         through :meth:`_record_odd`.
         """
         sizes: list[int | None] = []  # (None: entered by _record_odd)
         odd = []
         total = 0
-        identities = self._identities
+        versions = self._versions
         for index, row in zip(indexes, found, strict=True):
-            if isinstance(row, tuple) and row[0] & _FORMAT_BITS == stat.S_IFREG:
+            if not isinstance(row, int) and row[0] & _FORMAT_BITS == stat.S_IFREG:
                 size = row[1]
-                identities[index] = row
+                versions[index] = version_of(row[2], row[3], row[4])
                 sizes.append(size)
                 total += size
             else:
@@ -265,10 +265,8 @@ class SizeProbe:
 
     def version(self, index: int) -> str | None:
         """The version (:mod:`stager.storage.identity`) of ``paths[index]`` as its stat found
-        it; None where it was not a regular file or not statted. Made when asked: a copy made
-        by the byte pump reports the version it opened, and this one is then not needed."""
-        row = self._identities[index]
-        return None if row is None else version_of(row[2], row[3], row[4])
+        it; None where it was not a regular file or is not statted yet."""
+        return self._versions[index]
 
     def _run(self) -> None:
         try:
