@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shlex
 import shutil
 import statistics
@@ -63,7 +64,6 @@ copier.Copier.run = _marked(copier.Copier.run, "copies", "copies_end")
 run.finish = streamed.finish = _marked(streamed.finish, "finish", "finish_end")
 
 def _save():
-    marks["exit"] = time.time()
     with open(os.environ["BENCH_PHASES_OUT"], "w") as out:
         json.dump(marks, out)
 
@@ -87,23 +87,21 @@ def run_once(
     env["BENCH_PHASES_OUT"] = str(marks_file)
     argv = ["taskset", "-c", f"0-{cores - 1}", sys.executable, "-c", _CHILD]
     argv += [str(src), "--dest", str(scratch), "--quiet", *flags]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)  # (one child at a time: its own)
     spawned = time.time()
     started = time.perf_counter()
-    child = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, cwd=checkout)
-    _, status, usage = os.wait4(child.pid, 0)
+    done = subprocess.run(argv, env=env, stderr=subprocess.PIPE, cwd=checkout)
     wall = time.perf_counter() - started
     ended = spawned + wall
-    stderr = child.stderr.read().decode(errors="replace") if child.stderr else ""
-    if child.stderr:
-        child.stderr.close()
-    child.returncode = os.waitstatus_to_exitcode(status)
-    if child.returncode != 0:
-        raise RuntimeError(f"stage-in exited {child.returncode}: {stderr[-1500:]}")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if done.returncode != 0:
+        stderr = done.stderr.decode(errors="replace")[-1500:]
+        raise RuntimeError(f"stage-in exited {done.returncode}: {stderr}")
     m = json.loads(marks_file.read_text())
     marks_file.unlink()
     return {
         "wall": wall,
-        "cpu": usage.ru_utime + usage.ru_stime,
+        "cpu": after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime,
         "start": m["python"] - spawned,
         "imports": m["imports"] - m["python"],
         "before copies": m["copies"] - m["imports"],
@@ -144,8 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     trees = {"": REPO}
     if args.baseline is not None:
         trees["baseline"] = args.baseline.resolve()
-        compile_tree = [sys.executable, "-m", "compileall", "-q", str(trees["baseline"])]
-        subprocess.run(compile_tree, check=False)
+        compile_bytecode(trees["baseline"])
     available = len(os.sched_getaffinity(0))
     counts = [c for c in (int(c) for c in args.cores.split(",") if c) if 0 < c <= available]
     work = args.scratch or Path(tempfile.mkdtemp(prefix="bench-phases-", dir="/dev/shm"))

@@ -560,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown --rows {unknown}; choose from {', '.join(ROWS)}")
     compile_bytecode()
     if args.baseline is not None:
-        subprocess.run([sys.executable, "-m", "compileall", "-q", str(args.baseline)], check=False)
+        compile_bytecode(args.baseline)
     conditions = [c for c in args.conditions.split(",") if c]
     cores = tuple(int(c) for c in args.cores.split(",") if c)
 

@@ -103,8 +103,9 @@ def raise_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def compile_bytecode() -> None:
-    """Compile the project's modules to bytecode before the stage-in CLI is timed.
+def compile_bytecode(tree: Path = REPO) -> None:
+    """Compile the modules of the project at ``tree`` (this checkout, or a baseline's) to
+    bytecode before the stage-in CLI is timed.
 
     An installed package ships its ``.pyc`` files, and an editable checkout writes them on the
     first import, unless ``PYTHONDONTWRITEBYTECODE`` is set, as it is on the machine these
@@ -115,7 +116,7 @@ def compile_bytecode() -> None:
     import compileall
 
     for package in ("stager", "loaders"):
-        if not compileall.compile_dir(str(REPO / package), quiet=1):
+        if not compileall.compile_dir(str(tree / package), quiet=1):
             print(
                 f"note: some modules under {package}/ did not compile; they are compiled on import",
                 file=sys.stderr,
