@@ -356,9 +356,26 @@ static int add_member(Walker *w, const unsigned char *name, size_t len, int64_t 
 
 static uint64_t padded_size(uint64_t size) { return (size + BLOCK - 1) / BLOCK * BLOCK; }
 
-/* Read the record (header, and for a PAX header its records) that starts at w->next, from
- * `avail` bytes at `rec`. Returns NEED_MORE with *need set when the record is longer, else
- * TOOK with w->next and w->state updated. */
+/* Ask the memory for the next headers while this one is checked. Why: a shard's headers lie a
+ * member apart, too far apart for the CPU's own prefetcher, and each one's place is known only
+ * from the one before (a chain of loads). Walking a 77 MB shard of ~1 KB samples from memory
+ * (an index built from a mapped staged shard) cost ~650 ns a member, against ~85 ns with the
+ * bytes in the cache. Asked for here: the next header's eight cache lines, and where members
+ * are small (the next header within 2 KiB), every line of the 2 KiB after it, where the
+ * following headers then most probably lie: ~250 ns a member (benchmarks/bench_walk.py).
+ * A hint to the CPU: it changes no result and never reads past `avail`. */
+static void prefetch_ahead(const unsigned char *rec, size_t avail, uint64_t next) {
+#if defined(__GNUC__)
+    if (next + BLOCK > avail) return;
+    for (int i = 0; i < BLOCK; i += 64) __builtin_prefetch(rec + next + i, 0, 3);
+    if (next > 4 * BLOCK) return;
+    uint64_t end = next + 5 * BLOCK < avail ? next + 5 * BLOCK : avail;
+    for (uint64_t at = next + BLOCK; at + 64 <= end; at += 64) __builtin_prefetch(rec + at, 0, 3);
+#else
+    (void)rec, (void)avail, (void)next;
+#endif
+}
+
 static int take_record(Walker *w, const unsigned char *rec, size_t avail, size_t *need) {
     if (avail < BLOCK) {
         *need = BLOCK;
@@ -380,6 +397,7 @@ static int take_record(Walker *w, const unsigned char *rec, size_t avail, size_t
     }
     if (!read_number(rec + 124, 12, 0, &size) || !read_number(rec + 148, 8, 0, &stored))
         goto fail;
+    prefetch_ahead(rec, avail, BLOCK + padded_size(size));
     if (!checksum_ok(rec, stored)) goto fail;
     unsigned char kind = rec[156];
     uint64_t payload = 0;
