@@ -1,14 +1,19 @@
 """Benchmark: the least a Python copier can spend per shard, against ``cp -r`` and stage-in.
 
 Run: ``.venv/bin/python -m benchmarks.bench_python_floor SRC SCRATCH [--threads 1,2,4]
-[--repeats 3]`` with ``SRC`` a directory of shards and ``SCRATCH`` a directory to copy into
-(both on a tmpfs, to measure the copiers rather than the disk; it is emptied between runs).
+[--repeats 3] [--syscalls]`` with ``SRC`` a directory of shards and ``SCRATCH`` a directory to
+copy into (both on a tmpfs, to measure the copiers rather than the disk; it is emptied between
+runs).
 
 The "floor" copier does only what a verified, atomic copy of a whole small file needs: open,
 ``fstat``, one read, xxh3, create ``<name>.partial``, write, close, rename. No journal,
 manifest, index, retries, progress or stream control. Where stage-in trails ``cp -r`` on tiny
 shards, this tells the interpreter's share of the gap from stage-in's own bookkeeping
 (docs/benchmarks.md, "What a Python copier can reach on tiny shards at all").
+
+``--syscalls`` adds the system calls alone, from C (``benchmarks/syscall_floor.c``): stage-in's
+per shard (``partial``), the same with ``O_TMPFILE`` and ``linkat`` (``tmpfile``), and ``cp``'s
+(``plain``): what no copier making those calls can beat.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -76,6 +82,30 @@ def floor_copy(
     return time.perf_counter() - started
 
 
+def build_syscall_floor(directory: str) -> str | None:
+    """``benchmarks/syscall_floor.c`` compiled into ``directory``, or None without a compiler."""
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        return None
+    binary = os.path.join(directory, "syscall_floor")
+    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "syscall_floor.c")
+    subprocess.run([compiler, "-O2", "-pthread", "-o", binary, source], check=True)
+    return binary
+
+
+def syscall_copy(binary: str, files: list[str], src: str, dst: str, threads: int, mode: str):
+    """Seconds ``syscall_floor`` took to copy ``files`` (under ``src``) to ``dst``."""
+    for directory in {os.path.dirname(dst + p[len(src) :]) for p in files}:
+        os.makedirs(directory, exist_ok=True)
+    listing = "".join(p[len(src) + 1 :] + "\n" for p in files)
+    done = subprocess.run(
+        [binary, src, dst, str(threads), mode], input=listing, capture_output=True, text=True
+    )
+    if done.returncode:
+        raise RuntimeError(f"syscall_floor failed: {done.stderr.strip()}")
+    return float(done.stdout)
+
+
 def _timed(argv: list[str]) -> float:
     started = time.perf_counter()
     subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -91,6 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--processes", default="", help="also the floor in this many forked processes, e.g. 16"
     )
+    parser.add_argument(
+        "--syscalls",
+        action="store_true",
+        help="also the system calls alone, from C (benchmarks/syscall_floor.c, needs cc)",
+    )
     args = parser.parse_args(argv)
     src = os.path.abspath(args.src).rstrip("/")
     out = os.path.join(os.path.abspath(args.scratch), "copy")
@@ -99,10 +134,26 @@ def main(argv: list[str] | None = None) -> int:
     stage_in = [sys.executable, "-m", "stager", "stage-in", src, "--dest", out]
     stage_in += ["--jitter-max", "0", "--quiet", "--no-cache"]
     runs: dict[str, list[float]] = {}
+    counts = [int(t) for t in args.threads.split(",")]
+    build_dir = tempfile.mkdtemp(prefix="syscall-floor-")
+    binary = build_syscall_floor(build_dir) if args.syscalls else None
+    if args.syscalls and binary is None:
+        print("note: no C compiler found; the system-call rows are left out", file=sys.stderr)
     for _ in range(args.repeats):  # alternating, so drift touches every tool alike
         tools = [("cp -r", lambda: _timed(["cp", "-r", src, out]))]
-        for n in (int(t) for t in args.threads.split(",")):
+        for n in counts:
             tools.append((f"floor, {n} thread(s)", lambda n=n: floor_copy(files, src, out, n)))
+        if binary is not None:
+            for n, mode in [(n, "partial") for n in counts] + [
+                (max(counts), "tmpfile"),
+                (max(counts), "plain"),
+            ]:
+                tools.append(
+                    (
+                        f"syscalls ({mode}), {n} thr.",
+                        lambda n=n, mode=mode: syscall_copy(binary, files, src, out, n, mode),
+                    )
+                )
         for n in (int(p) for p in args.processes.split(",") if p):
             tools.append(
                 (f"floor, {n} process(es)", lambda n=n: floor_copy(files, src, out, n, True))
@@ -112,11 +163,12 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(out, ignore_errors=True)
             runs.setdefault(name, []).append(run())
     shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(build_dir, ignore_errors=True)
     base = statistics.median(runs["cp -r"])
     print(f"{len(files)} files from {src}; median of {args.repeats}")
     for name, seconds in runs.items():
         median = statistics.median(seconds)
-        print(f"{name:24s} {median:7.3f} s  {base / median:5.2f}x cp -r")
+        print(f"{name:28s} {median:7.3f} s  {base / median:5.2f}x cp -r")
     return 0
 
 
