@@ -106,6 +106,26 @@ def syscall_copy(binary: str, files: list[str], src: str, dst: str, threads: int
     return float(done.stdout)
 
 
+def _tools(args, counts, files, src, out, stage_in, binary):
+    """``(name, run)`` of each copier timed in one repeat, in the order they alternate."""
+    tools = [("cp -r", lambda: _timed(["cp", "-r", src, out]))]
+    for n in counts:
+        tools.append((f"floor, {n} thread(s)", lambda n=n: floor_copy(files, src, out, n)))
+    if binary is not None:
+        modes = [(n, "partial") for n in counts] + [(max(counts), m) for m in ("tmpfile", "plain")]
+        for n, mode in modes:
+            tools.append(
+                (
+                    f"syscalls ({mode}), {n} thr.",
+                    lambda n=n, mode=mode: syscall_copy(binary, files, src, out, n, mode),
+                )
+            )
+    for n in (int(p) for p in args.processes.split(",") if p):
+        tools.append((f"floor, {n} process(es)", lambda n=n: floor_copy(files, src, out, n, True)))
+    tools.append(("stage-in (defaults)", lambda: _timed(stage_in)))
+    return tools
+
+
 def _timed(argv: list[str]) -> float:
     started = time.perf_counter()
     subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -135,35 +155,19 @@ def main(argv: list[str] | None = None) -> int:
     stage_in += ["--jitter-max", "0", "--quiet", "--no-cache"]
     runs: dict[str, list[float]] = {}
     counts = [int(t) for t in args.threads.split(",")]
-    build_dir = tempfile.mkdtemp(prefix="syscall-floor-")
-    binary = build_syscall_floor(build_dir) if args.syscalls else None
-    if args.syscalls and binary is None:
-        print("note: no C compiler found; the system-call rows are left out", file=sys.stderr)
-    for _ in range(args.repeats):  # alternating, so drift touches every tool alike
-        tools = [("cp -r", lambda: _timed(["cp", "-r", src, out]))]
-        for n in counts:
-            tools.append((f"floor, {n} thread(s)", lambda n=n: floor_copy(files, src, out, n)))
-        if binary is not None:
-            for n, mode in [(n, "partial") for n in counts] + [
-                (max(counts), "tmpfile"),
-                (max(counts), "plain"),
-            ]:
-                tools.append(
-                    (
-                        f"syscalls ({mode}), {n} thr.",
-                        lambda n=n, mode=mode: syscall_copy(binary, files, src, out, n, mode),
-                    )
-                )
-        for n in (int(p) for p in args.processes.split(",") if p):
-            tools.append(
-                (f"floor, {n} process(es)", lambda n=n: floor_copy(files, src, out, n, True))
-            )
-        tools.append(("stage-in (defaults)", lambda: _timed(stage_in)))
-        for name, run in tools:
-            shutil.rmtree(out, ignore_errors=True)
-            runs.setdefault(name, []).append(run())
-    shutil.rmtree(out, ignore_errors=True)
-    shutil.rmtree(build_dir, ignore_errors=True)
+    build_dir = tempfile.mkdtemp(prefix="syscall-floor-") if args.syscalls else None
+    try:
+        binary = build_syscall_floor(build_dir) if build_dir is not None else None
+        if args.syscalls and binary is None:
+            print("note: no C compiler found; the system-call rows are left out", file=sys.stderr)
+        for _ in range(args.repeats):  # alternating, so drift touches every tool alike
+            for name, run in _tools(args, counts, files, src, out, stage_in, binary):
+                shutil.rmtree(out, ignore_errors=True)
+                runs.setdefault(name, []).append(run())
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+        if build_dir is not None:
+            shutil.rmtree(build_dir, ignore_errors=True)
     base = statistics.median(runs["cp -r"])
     print(f"{len(files)} files from {src}; median of {args.repeats}")
     for name, seconds in runs.items():

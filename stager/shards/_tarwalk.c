@@ -376,6 +376,9 @@ static void prefetch_ahead(const unsigned char *rec, size_t avail, uint64_t next
 #endif
 }
 
+/* Read the record (header, and for a PAX header its records) that starts at w->next, from
+ * `avail` bytes at `rec`. Returns NEED_MORE with *need set when the record is longer, else
+ * TOOK with w->next and w->state updated. */
 static int take_record(Walker *w, const unsigned char *rec, size_t avail, size_t *need) {
     if (avail < BLOCK) {
         *need = BLOCK;
