@@ -66,12 +66,21 @@ def join_walks(walks: Sequence[dict[str, Any]]) -> tuple[dict[str, RawArray], tu
     ext_codes: dict[str, int] = {}
     table_at: dict[tuple[str, ...], int] = {}
     lookup: list[int] = []
+    bases: list[int] = []
+    # Each walk has a tuple of its own (equal to its neighbours' nearly always), and a tuple's
+    # hash is not cached: compared with the last one first, ~0.9 us a shard less than two
+    # dict lookups each (~9 ms of a 10,000-shard finish)
+    last: tuple[str, ...] | None = None
+    base = 0
     for walk in walks:
         names = walk["ext_names"]
-        if names not in table_at:
-            table_at[names] = len(lookup)
-            lookup.extend(ext_codes.setdefault(e, len(ext_codes)) for e in names)
-    bases = [table_at[walk["ext_names"]] for walk in walks]
+        if names != last:
+            found = table_at.get(names)
+            if found is None:
+                found = table_at[names] = len(lookup)
+                lookup.extend(ext_codes.setdefault(e, len(ext_codes)) for e in names)
+            last, base = names, found
+        bases.append(base)
     joined = tarnative.join_columns(
         walks, int_bytes(lookup, 4), int_bytes(bases, 8), len(ext_codes)
     )
