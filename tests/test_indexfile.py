@@ -121,11 +121,15 @@ def test_malformed_walks_raise_rather_than_read_or_write_out_of_bounds(damage: s
         _tarwalk.join_walks([walk], table, bases, 1)
 
 
-def test_stage_in_never_imports_numpy_and_writes_the_loaders_index(tmp_path: Path) -> None:
+@pytest.mark.parametrize("count", [4, 300])
+def test_stage_in_never_imports_numpy_and_writes_the_loaders_index(
+    tmp_path: Path, count: int
+) -> None:
     """A whole stage-in (copies, counts, manifest, loader index) with the compiled walk runs
-    without numpy, and the index it writes is the one the loader builds and accepts."""
+    without numpy, and the index it writes is the one the loader builds and accepts. 300
+    shards: the finish takes the key's stats on a thread (``StatsAhead``, from 256)."""
     shards = write_synthetic_dataset(
-        tmp_path / "ds", SyntheticSpec(num_shards=4, samples_per_shard=9)
+        tmp_path / "ds", SyntheticSpec(num_shards=count, samples_per_shard=9)
     )
     code = (
         "import sys\n"
@@ -146,7 +150,7 @@ def test_stage_in_never_imports_numpy_and_writes_the_loaders_index(tmp_path: Pat
     written, _, stamp = open_dataset_index(cache / indexfile.DATASET_INDEX_NAME)
     relpaths = [p.name for p in shards]
     built, skipped = build_flat_index(
-        [staged / r for r in relpaths], relpaths=relpaths, expected_samples=[9] * 4
+        [staged / r for r in relpaths], relpaths=relpaths, expected_samples=[9] * count
     )
     assert not skipped and written.ext_names == built.ext_names
     for name in _ARRAYS:
@@ -156,7 +160,7 @@ def test_stage_in_never_imports_numpy_and_writes_the_loaders_index(tmp_path: Pat
     build_flat_index(
         [staged / r for r in relpaths],
         relpaths=relpaths,
-        expected_samples=[9] * 4,
+        expected_samples=[9] * count,
         cache_dir=cache,
     )
     assert (cache / indexfile.DATASET_INDEX_NAME).stat().st_mtime_ns == before

@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from stager.storage import statmany
@@ -93,3 +93,43 @@ def test_a_path_like_that_changes_the_list_cannot_crash_it(tmp_path: Path) -> No
     paths.extend([Shrinking()] + [str(tmp_path)] * 10)
     got, _ = statmany.stat_many(paths, 60.0)
     assert got == [_expected(str(tmp_path))] * 11
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(kinds=st.lists(_KINDS, min_size=1, max_size=12), cache_links=st.integers(0, 3))
+@example(kinds=["file", "link", "dir", "fifo", "file"], cache_links=2)  # (every stat succeeds)
+def test_key_stats_packs_what_the_key_takes_from_os_stat_or_says_none(
+    tmp_path: Path, kinds: list[str], cache_links: int
+) -> None:
+    """The loader key's ``(size, changed_ns)`` pairs from C equal ``indexkey.changed_ns`` of
+    ``os.stat`` path by path, read-only files with other links (``--cache`` objects) keyed
+    by their mtime; any path that fails (or a time past int64's 2262) gives None."""
+    from array import array
+
+    from stager.shards.indexkey import changed_ns
+
+    assert statmany.available(), "stager/storage/_statmany.c was not built: pip install -e ."
+    root = Path(tempfile.mkdtemp(dir=tmp_path))
+    paths = [_make(root, i, kind) for i, kind in enumerate(kinds)]
+    for number in range(cache_links):  # a cache object: 0444, linked twice
+        target = root / f"cache-{number}"
+        target.write_bytes(b"c" * number)
+        os.utime(target, ns=(5, 10**18 + number))  # its mtime far behind its ctime
+        target.chmod(0o444)
+        os.link(target, root / f"cache-{number}-link")
+        paths.append(str(root / f"cache-{number}-link"))
+    stats = []
+    for path in paths:
+        try:
+            stats.append(os.stat(path))
+        except OSError:
+            stats.append(None)
+    packed = statmany.key_stats(paths)
+    if any(st is None or max(st.st_mtime_ns, st.st_ctime_ns) >= 2**63 for st in stats):
+        assert packed is None
+        return
+    want = [v for st in stats if st is not None for v in (st.st_size, changed_ns(st))]
+    assert packed is not None and array("q", packed).tolist() == want
+    assert statmany.key_stats([]) == b""

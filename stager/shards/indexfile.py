@@ -101,7 +101,7 @@ def save_walked_index(
     expected_samples: Sequence[int | None],
     walks: Sequence[dict[str, Any]],
     cache_dir: Path,
-    stats: Sequence[tuple[int, int] | None] | None = None,
+    stats: Sequence[tuple[int, int] | None] | bytes | None = None,
 ) -> None:
     """Write the loader's one-file index of a dataset every shard of which was walked.
 

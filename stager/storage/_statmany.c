@@ -17,6 +17,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <stdint.h>
 #include <sys/stat.h>
 #include <time.h>
 
@@ -106,9 +107,81 @@ done:
     return answer;
 }
 
+/* seconds * 10**9 + nanoseconds in *out, or 0 where it does not fit in 64 bits. */
+static int nanoseconds_int64(long long seconds, long nanos, int64_t *out) {
+    const long long limit = 9000000000LL; /* (as nanoseconds() above) */
+    if (seconds <= -limit || seconds >= limit) return 0;
+    *out = (int64_t)(seconds * 1000000000LL + nanos);
+    return 1;
+}
+
+/* key_stats(paths) -> bytes | None
+ *
+ * The loader index key's (size, changed_ns) of each path (stager/shards/indexkey.py), as
+ * native int64 pairs laid end to end: changed_ns is the later of mtime and ctime, or the
+ * mtime alone for a --cache link (more than one link and no write permission), as
+ * indexkey.changed_ns says. None where a stat fails or a time does not fit in 64 bits: the
+ * caller then stats the Python way, which raises what os.stat raises. The lock is released
+ * for all the stats, and no Python object is made per path but its encoded name: stage-in's
+ * finish keys every shard it staged on a thread of its own, and the rows' Python (a tuple of
+ * six per path, then a pair) held the lock the finish's main thread needed. */
+static PyObject *key_stats(PyObject *self, PyObject *arg) {
+    (void)self;
+    if (!PyList_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "key_stats takes a list of paths");
+        return NULL;
+    }
+    PyObject *paths = PyList_GetSlice(arg, 0, PyList_GET_SIZE(arg)); /* (as stat_many) */
+    if (!paths) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(paths), encoded = 0;
+    size_t slots = n > 0 ? (size_t)n : 1;
+    PyObject **names = PyMem_Calloc(slots, sizeof(PyObject *));
+    PyObject *packed = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(2 * slots * sizeof(int64_t)));
+    PyObject *answer = NULL;
+    int ok = 1;
+    if (!names || !packed) {
+        if (!packed) PyErr_Clear();
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; encoded < n; encoded++)
+        if (!PyUnicode_FSConverter(PyList_GET_ITEM(paths, encoded), &names[encoded])) goto done;
+    int64_t *out = (int64_t *)PyBytes_AS_STRING(packed);
+    Py_BEGIN_ALLOW_THREADS;
+    for (Py_ssize_t i = 0; i < n && ok; i++) {
+        struct stat st;
+        int64_t mtime, ctime;
+        ok = stat(PyBytes_AS_STRING(names[i]), &st) == 0 &&
+             nanoseconds_int64((long long)st.st_mtim.tv_sec, st.st_mtim.tv_nsec, &mtime) &&
+             nanoseconds_int64((long long)st.st_ctim.tv_sec, st.st_ctim.tv_nsec, &ctime);
+        if (ok) {
+            int cache_link = st.st_nlink > 1 && !(st.st_mode & 0222);
+            out[2 * i] = (int64_t)st.st_size;
+            out[2 * i + 1] = cache_link || mtime > ctime ? mtime : ctime;
+        }
+    }
+    Py_END_ALLOW_THREADS;
+    if (!ok) {
+        answer = Py_NewRef(Py_None);
+        goto done;
+    }
+    if (n == 0 && _PyBytes_Resize(&packed, 0) < 0) goto done; /* (one slot was made) */
+    answer = packed;
+    packed = NULL;
+done:
+    if (names)
+        for (Py_ssize_t i = 0; i < encoded; i++) Py_XDECREF(names[i]);
+    PyMem_Free(names);
+    Py_XDECREF(packed);
+    Py_DECREF(paths);
+    return answer;
+}
+
 static PyMethodDef statmany_methods[] = {
     {"stat_many", stat_many, METH_VARARGS,
      "stat_many(paths, budget_s) -> (results, seconds): see stager/storage/statmany.py."},
+    {"key_stats", key_stats, METH_O,
+     "key_stats(paths) -> bytes | None: (size, changed_ns) int64 pairs, see above."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef statmany_module = {

@@ -21,7 +21,7 @@ from typing import Any
 
 from stager.native import load_optional
 
-__all__ = ["StatRow", "available", "stat_many", "stat_many_python"]
+__all__ = ["StatRow", "available", "key_stats", "stat_many", "stat_many_python"]
 
 #: ``(st_mode, st_size, st_ino, st_mtime_ns, st_ctime_ns, st_nlink)`` of one successful stat.
 StatRow = tuple[int, int, int, int, int, int]
@@ -44,6 +44,15 @@ def stat_many(paths: list[str], budget_s: float) -> tuple[list[StatRow | int], f
     if _module is not None:
         return _module.stat_many(paths, budget_s)
     return stat_many_python(paths, budget_s)
+
+
+def key_stats(paths: list[str]) -> bytes | None:
+    """The loader index key's ``(size, changed_ns)`` of each path as native int64 pairs
+    (:func:`stager.shards.indexkey.changed_ns`), stat'ed with the lock released once and no
+    Python object made per path; None where the helper is not built (or older), a stat
+    failed or a time does not fit in 64 bits: then the caller stats the Python way."""
+    compiled = getattr(_module, "key_stats", None)
+    return None if compiled is None else compiled(paths)
 
 
 def stat_many_python(
