@@ -27,11 +27,18 @@ static double monotonic_s(void) {
     return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
 }
 
+/* seconds * 10**9 + nanoseconds in *out, or 0 where it does not fit in 64 bits. */
+static int nanoseconds_int64(long long seconds, long nanos, int64_t *out) {
+    const long long limit = 9000000000LL; /* |seconds| * 10**9 stays inside 64 bits */
+    if (seconds <= -limit || seconds >= limit) return 0;
+    *out = (int64_t)(seconds * 1000000000LL + nanos);
+    return 1;
+}
+
 /* seconds * 10**9 + nanoseconds as a Python int, exact for any time (as os.stat computes it). */
 static PyObject *nanoseconds(long long seconds, long nanos) {
-    const long long limit = 9000000000LL; /* |seconds| * 10**9 stays inside 64 bits */
-    if (seconds > -limit && seconds < limit)
-        return PyLong_FromLongLong(seconds * 1000000000LL + nanos);
+    int64_t fits;
+    if (nanoseconds_int64(seconds, nanos, &fits)) return PyLong_FromLongLong((long long)fits);
     PyObject *s = PyLong_FromLongLong(seconds), *scale = PyLong_FromLong(1000000000L);
     PyObject *n = PyLong_FromLong(nanos), *product = NULL, *sum = NULL;
     if (s && scale && n) product = PyNumber_Multiply(s, scale);
@@ -105,14 +112,6 @@ done:
     Py_XDECREF(results);
     Py_DECREF(paths);
     return answer;
-}
-
-/* seconds * 10**9 + nanoseconds in *out, or 0 where it does not fit in 64 bits. */
-static int nanoseconds_int64(long long seconds, long nanos, int64_t *out) {
-    const long long limit = 9000000000LL; /* (as nanoseconds() above) */
-    if (seconds <= -limit || seconds >= limit) return 0;
-    *out = (int64_t)(seconds * 1000000000LL + nanos);
-    return 1;
 }
 
 /* key_stats(paths) -> bytes | None
