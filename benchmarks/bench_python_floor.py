@@ -24,11 +24,16 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
+from pathlib import Path
 
 import xxhash
+
+from benchmarks.common import build_c
+
+#: The system calls alone, from C (``--syscalls``).
+SYSCALL_FLOOR = Path(__file__).with_name("syscall_floor.c")
 
 
 def _files(root: str) -> list[str]:
@@ -40,8 +45,7 @@ def floor_copy(
 ) -> float:
     """Copy ``files`` (under ``src``) to ``dst`` on ``threads`` threads (forked processes
     where ``processes``); seconds taken."""
-    for directory in {os.path.dirname(dst + p[len(src) :]) for p in files}:
-        os.makedirs(directory, exist_ok=True)
+    _make_directories(files, src, dst)
 
     def work(part: list[str]) -> None:
         for path in part:
@@ -82,21 +86,9 @@ def floor_copy(
     return time.perf_counter() - started
 
 
-def build_syscall_floor(directory: str) -> str | None:
-    """``benchmarks/syscall_floor.c`` compiled into ``directory``, or None without a compiler."""
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        return None
-    binary = os.path.join(directory, "syscall_floor")
-    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "syscall_floor.c")
-    subprocess.run([compiler, "-O2", "-pthread", "-o", binary, source], check=True)
-    return binary
-
-
-def syscall_copy(binary: str, files: list[str], src: str, dst: str, threads: int, mode: str):
+def syscall_copy(binary: Path, files: list[str], src: str, dst: str, threads: int, mode: str):
     """Seconds ``syscall_floor`` took to copy ``files`` (under ``src``) to ``dst``."""
-    for directory in {os.path.dirname(dst + p[len(src) :]) for p in files}:
-        os.makedirs(directory, exist_ok=True)
+    _make_directories(files, src, dst)
     listing = "".join(p[len(src) + 1 :] + "\n" for p in files)
     done = subprocess.run(
         [binary, src, dst, str(threads), mode], input=listing, capture_output=True, text=True
@@ -124,6 +116,12 @@ def _tools(args, counts, files, src, out, stage_in, binary):
         tools.append((f"floor, {n} process(es)", lambda n=n: floor_copy(files, src, out, n, True)))
     tools.append(("stage-in (defaults)", lambda: _timed(stage_in)))
     return tools
+
+
+def _make_directories(files: list[str], src: str, dst: str) -> None:
+    """The directories under ``dst`` that ``files`` (under ``src``) are copied into."""
+    for directory in {os.path.dirname(dst + p[len(src) :]) for p in files}:
+        os.makedirs(directory, exist_ok=True)
 
 
 def _timed(argv: list[str]) -> float:
@@ -155,19 +153,16 @@ def main(argv: list[str] | None = None) -> int:
     stage_in += ["--jitter-max", "0", "--quiet", "--no-cache"]
     runs: dict[str, list[float]] = {}
     counts = [int(t) for t in args.threads.split(",")]
-    build_dir = tempfile.mkdtemp(prefix="syscall-floor-") if args.syscalls else None
+    binary = build_c(SYSCALL_FLOOR, ["-pthread"]) if args.syscalls else None
+    if args.syscalls and binary is None:
+        print("note: syscall_floor.c could not be built; its rows are left out", file=sys.stderr)
     try:
-        binary = build_syscall_floor(build_dir) if build_dir is not None else None
-        if args.syscalls and binary is None:
-            print("note: no C compiler found; the system-call rows are left out", file=sys.stderr)
         for _ in range(args.repeats):  # alternating, so drift touches every tool alike
             for name, run in _tools(args, counts, files, src, out, stage_in, binary):
                 shutil.rmtree(out, ignore_errors=True)
                 runs.setdefault(name, []).append(run())
     finally:
         shutil.rmtree(out, ignore_errors=True)
-        if build_dir is not None:
-            shutil.rmtree(build_dir, ignore_errors=True)
     base = statistics.median(runs["cp -r"])
     print(f"{len(files)} files from {src}; median of {args.repeats}")
     for name, seconds in runs.items():

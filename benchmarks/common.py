@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
@@ -19,6 +21,7 @@ __all__ = [
     "stolen_fraction",
     "raise_on_sigterm",
     "compile_bytecode",
+    "build_c",
     "REPO",
 ]
 
@@ -121,3 +124,30 @@ def compile_bytecode(tree: Path = REPO) -> None:
                 f"note: some modules under {package}/ did not compile; they are compiled on import",
                 file=sys.stderr,
             )
+
+
+def build_c(source: Path, flags: list[str] | tuple[str, ...] = ()) -> Path | None:
+    """``source`` (a benchmark's C program) compiled with ``cc -O2 -Wall`` and ``flags``,
+    once per version of the source and flags (kept under ``build/<name>/``); None where no
+    compiler is found or the build fails (its errors printed)."""
+    digest = hashlib.sha256(source.read_bytes() + "\0".join(flags).encode()).hexdigest()[:12]
+    build_dir = REPO / "build" / source.stem
+    binary = build_dir / f"{source.stem}-{digest}"
+    if binary.is_file():
+        return binary
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        return None
+    build_dir.mkdir(parents=True, exist_ok=True)
+    tmp = binary.with_name(binary.name + ".tmp")
+    built = subprocess.run(
+        [cc, "-O2", "-Wall", "-o", str(tmp), str(source), *flags],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if built.returncode != 0:
+        print(f"{source.name}: the C build failed:\n{built.stderr[-2000:]}", file=sys.stderr)
+        return None
+    os.replace(tmp, binary)
+    return binary

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
-import hashlib
 import os
 import shutil
 import signal
@@ -38,6 +37,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from benchmarks.common import build_c
+
 __all__ = ["FUSE_CAP_PARALLEL_DIROPS", "IMPLS", "c_shim", "mounted", "unmount"]
 
 FUSE_CAP_PARALLEL_DIROPS = 1 << 18
@@ -45,38 +46,20 @@ MAX_THREADS = 64  # worker threads in libfuse's loop (its default is 10)
 MAX_BACKGROUND = 64  # kernel's limit on in-flight async requests (readahead); default 12
 IMPLS = ("auto", "c", "python")
 C_SOURCE = Path(__file__).with_name("latencyfs.c")
-BUILD_DIR = Path(__file__).resolve().parent.parent / "build" / "latencyfs"
 
 
 def c_shim() -> Path | None:
     """The compiled C build, compiling it if its source changed; None when it cannot be built."""
-    digest = hashlib.sha256(C_SOURCE.read_bytes()).hexdigest()[:12]
-    binary = BUILD_DIR / f"latencyfs-{digest}"
-    if binary.is_file():
-        return binary
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if not cc or not shutil.which("pkg-config"):
+    if not shutil.which("pkg-config"):
         return None
     flags = subprocess.run(
         ["pkg-config", "--cflags", "--libs", "fuse3"], capture_output=True, text=True, check=False
     )
     if flags.returncode != 0:
         return None
-    BUILD_DIR.mkdir(parents=True, exist_ok=True)
-    tmp = binary.with_name(binary.name + ".tmp")
-    built = subprocess.run(
-        [cc, "-O2", "-Wall", "-o", str(tmp), str(C_SOURCE), *flags.stdout.split()],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if built.returncode != 0:
-        print(
-            f"latencyfs: C build failed, using the Python one:\n{built.stderr[-2000:]}",
-            file=sys.stderr,
-        )
-        return None
-    os.replace(tmp, binary)
+    binary = build_c(C_SOURCE, flags.stdout.split())
+    if binary is None:
+        print("latencyfs: using the Python build", file=sys.stderr)
     return binary
 
 
