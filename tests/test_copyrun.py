@@ -67,6 +67,40 @@ def _jobs(tmp_path: Path, contents: list[bytes], walk: bool = True) -> list[RunJ
     return jobs
 
 
+#: Modification times a source can carry, in nanoseconds: before 1970 (negative, with and
+#: without nanoseconds past the second), around zero, and past 2262 (beyond 64 bits once made
+#: one count of nanoseconds, as the version does).
+_times_ns = st.one_of(
+    st.integers(min_value=-(2**40) * 10**9, max_value=2**40 * 10**9),
+    st.integers(min_value=-(10**9) - 1, max_value=10**9 + 1),
+    st.integers(min_value=-10, max_value=10).map(lambda s: s * 10**9),
+    st.integers(min_value=2**63, max_value=2**43 * 10**9),
+)
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(mtimes=st.lists(_times_ns, min_size=1, max_size=4))
+def test_a_runs_version_is_the_one_the_python_path_writes_for_any_source_time(
+    tmp_path_factory: pytest.TempPathFactory, mtimes: list[int]
+) -> None:
+    """The version string is made in C from the open's stat; it must equal
+    ``identity.local_version`` of the source, which resume compares it with, for any time the
+    file system keeps (a time it refuses is skipped)."""
+    tmp_path = tmp_path_factory.mktemp("times")
+    jobs = _jobs(tmp_path, [b"x" * (i + 1) for i in range(len(mtimes))], walk=False)
+    for job, mtime in zip(jobs, mtimes, strict=True):
+        try:
+            os.utime(job.src_path, ns=(mtime, mtime))
+        except (OSError, OverflowError):
+            continue  # (a time this file system cannot keep)
+    results = copy_run(jobs, block_bytes=BLOCK, fsync=False, budget_s=60.0)
+    for job, result in zip(jobs, results, strict=True):
+        assert result is not None
+        assert result.version == _identity_version(Path(job.src_path))
+
+
 @settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

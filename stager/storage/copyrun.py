@@ -25,7 +25,6 @@ from typing import Any
 from stager.storage import bytepath
 from stager.storage.bytepath import ReadBack
 from stager.storage.copy import CopyResult, Inspector
-from stager.storage.identity import version_of
 from stager.storage.paths import PARTIAL_SUFFIX, discard
 
 __all__ = ["RunJob", "available", "walks", "copy_run", "publish_run", "fits"]
@@ -91,10 +90,8 @@ def copy_run(
     read_back = _OpenedOnUse()  # (one for the run: only a walk in doubt opens its copy)
     try:
         for job, partial, copy in zip(jobs, partials, copied, strict=False):
-            size, digest, opened, *timing = copy
             read_back.path = partial
-            checked = _checked(job, read_back, size, f"{ALGORITHM}:{digest}", opened, *timing)
-            results.append(checked)
+            results.append(_checked(job, read_back, *copy))
     except BaseException:
         for partial in partials[: len(copied)]:
             discard(partial)
@@ -107,7 +104,8 @@ def copy_run(
 def _walk_of(inspect: Inspector | None) -> Any:
     if inspect is None:
         return None
-    walk = getattr(inspect, "compiled_walk", lambda: None)()
+    compiled_walk = getattr(inspect, "compiled_walk", None)
+    walk = compiled_walk() if compiled_walk is not None else None
     if walk is None:
         raise ValueError("a run's inspector must offer a compiled walk")
     return walk
@@ -118,7 +116,7 @@ def _checked(
     read_back: _OpenedOnUse,
     size: int,
     digest: str,
-    opened: tuple[int, ...],
+    version: str,
     first_byte_s: float,
     seconds: float,
 ) -> CopyResult | None:
@@ -142,7 +140,7 @@ def _checked(
         first_byte_s=first_byte_s,
         seconds=seconds,
         last_byte_s=seconds,  # (the writes and closes too: a run's shard is CPU work)
-        version=version_of(*bytepath._identity(opened)),
+        version=version,
     )
 
 
