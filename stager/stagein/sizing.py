@@ -321,10 +321,6 @@ class DeferredPreflight:
         self.probe.start()
         return self
 
-    def size(self, index: int) -> int:
-        """The size of ``paths[index]`` (or :data:`DROPPED` / :data:`UNKNOWN`), once probed."""
-        return self.probe.get(index)
-
     def finish(self) -> None:
         """Wait until every size is in and the verdict is given."""
         self.probe.join()
