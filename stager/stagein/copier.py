@@ -374,14 +374,15 @@ class Copier:
             entry = ManifestEntry(relpath, result.size, result.hash, samples, version)
             booked.append((entry, late_count))
         with self.lock:
+            entries = self.outcome.entries
             for entry, late_count in booked:
                 if not published:  # held as .partial until the verdict: counted after, if need be
                     self.held.append(entry.relpath)
                     if late_count:
                         self.count_later.append(entry.relpath)
-                self.outcome.entries[entry.relpath] = entry
-                self.report.files_copied += 1
-                self.report.bytes_copied += entry.size
+                entries[entry.relpath] = entry
+            self.report.files_copied += len(booked)
+            self.report.bytes_copied += sum(entry.size for entry, _ in booked)
         if published and self.journal is not None:
             self.journal.record_all([entry for entry, _ in booked])
         self.heartbeat()
