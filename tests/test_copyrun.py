@@ -95,7 +95,7 @@ def test_a_runs_version_is_the_one_the_python_path_writes_for_any_source_time(
             os.utime(job.src_path, ns=(mtime, mtime))
         except (OSError, OverflowError):
             continue  # (a time this file system cannot keep)
-    results = copy_run(jobs, block_bytes=BLOCK, fsync=False, budget_s=60.0)
+    results = copy_run(jobs, block_bytes=BLOCK, fsync=False, budget_s=60.0, publish=False)
     for job, result in zip(jobs, results, strict=True):
         assert result is not None
         assert result.version == _identity_version(Path(job.src_path))
@@ -104,9 +104,13 @@ def test_a_runs_version_is_the_one_the_python_path_writes_for_any_source_time(
 @settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(contents=st.lists(_contents, min_size=1, max_size=8), hashed=st.booleans())
+@given(
+    contents=st.lists(_contents, min_size=1, max_size=8),
+    hashed=st.booleans(),
+    publish=st.booleans(),
+)
 def test_a_run_copies_hashes_and_walks_each_file_as_the_python_pieces(
-    tmp_path_factory: pytest.TempPathFactory, contents: list[bytes], hashed: bool
+    tmp_path_factory: pytest.TempPathFactory, contents: list[bytes], hashed: bool, publish: bool
 ) -> None:
     tmp_path = tmp_path_factory.mktemp("run")
     jobs = _jobs(tmp_path, contents)
@@ -122,11 +126,12 @@ def test_a_run_copies_hashes_and_walks_each_file_as_the_python_pieces(
             for j, d in zip(jobs, contents, strict=True)
         ]
     before = _open_fds()
-    results = copy_run(jobs, block_bytes=BLOCK, fsync=False, budget_s=60.0)
+    results = copy_run(jobs, block_bytes=BLOCK, fsync=False, budget_s=60.0, publish=publish)
     assert len(results) == len(jobs) and all(r is not None for r in results)
     for job, data, result in zip(jobs, contents, results, strict=True):
         assert result is not None
-        assert Path(job.partial).read_bytes() == data and not Path(job.final).exists()
+        named, other = (job.final, job.partial) if publish else (job.partial, job.final)
+        assert Path(named).read_bytes() == data and not Path(other).exists()
         assert (
             result.size == len(data) and result.hash == f"xxh3_64:{xxhash.xxh3_64_hexdigest(data)}"
         )
@@ -138,8 +143,9 @@ def test_a_run_copies_hashes_and_walks_each_file_as_the_python_pieces(
         counter = job.inspect
         assert isinstance(counter, TarSampleCounter)
         assert counter.samples == (None if walked is None else int(walked["samples"]))
-    errors = publish_run([(job.partial, job.final) for job in jobs])
-    assert errors == [None] * len(jobs)
+    if not publish:
+        errors = publish_run([(job.partial, job.final) for job in jobs])
+        assert errors == [None] * len(jobs)
     assert [Path(job.final).read_bytes() for job in jobs] == contents
     assert not list(tmp_path.glob("*.partial")) and _open_fds() == before
 
@@ -173,6 +179,8 @@ def _spoil(tmp_path: Path, jobs: list[RunJob], at: int, how: str) -> list[RunJob
         job = RunJob(
             job.src_path, job.final, job.expected_size, "xxh3_64:0000000000000000", job.inspect
         )
+    elif how == "other samples":  # (each shard holds one sample)
+        job = RunJob(job.src_path, job.final, job.expected_size, None, job.inspect, 2)
     return [*jobs[:at], job, *jobs[at + 1 :]]
 
 
@@ -186,21 +194,23 @@ HOW = [
     "partial name is a directory",
     "other size",
     "other hash",
+    "other samples",
 ]
 
 
+@pytest.mark.parametrize("publish", [False, True])
 @pytest.mark.parametrize("how", HOW)
 @pytest.mark.parametrize("at", [0, 2, 4])
 def test_a_failing_job_ends_the_run_with_nothing_of_it_left(
-    tmp_path: Path, how: str, at: int
+    tmp_path: Path, how: str, at: int, publish: bool
 ) -> None:
     """The caller copies it one by one (which says what is wrong) and starts a new run after it."""
     contents = [tar_bytes([(f"s{i}.jpg", bytes([i]) * 900)]) for i in range(5)]
     jobs = _spoil(tmp_path, _jobs(tmp_path, contents), at, how)
     before = _open_fds()
-    results = copy_run(jobs, block_bytes=BLOCK, fsync=False, budget_s=60.0)
+    results = copy_run(jobs, block_bytes=BLOCK, fsync=False, budget_s=60.0, publish=publish)
     assert _open_fds() == before
-    if how in ("other size", "other hash"):  # checked after the copy: the run went on
+    if how in ("other size", "other hash", "other samples"):  # checked after the copy: went on
         assert len(results) == 5 and results[at] is None
         assert all(r is not None for i, r in enumerate(results) if i != at)
     else:
@@ -210,12 +220,59 @@ def test_a_failing_job_ends_the_run_with_nothing_of_it_left(
     assert not Path(jobs[at].partial).is_file() and not Path(jobs[at].final).exists()
     for job, data, result in zip(jobs, contents, results, strict=False):
         if result is not None:
-            assert Path(job.partial).read_bytes() == data
+            assert Path(job.final if publish else job.partial).read_bytes() == data
+
+
+@pytest.mark.parametrize("publish", [False, True])
+@pytest.mark.parametrize("expected", [None, 3, 4])
+def test_a_tar_its_walk_does_not_vouch_for_is_counted_in_python_then_published(
+    tmp_path: Path, publish: bool, expected: int | None
+) -> None:
+    """Such a copy is not renamed in C: its count comes from reading the copy back, and a count
+    other than the one expected refuses it (nothing of it left), as the walk's would."""
+    # (keys that are not ASCII: the compiled walk leaves them to the Python walk)
+    data = tar_bytes([(f"clé{i}.jpg", bytes([65 + i]) * 700) for i in range(3)])
+    walker = TarWalker()
+    walker.feed(data)
+    assert walker.finish() is None  # (the premise: the walk does not vouch)
+    jobs = _jobs(tmp_path, [b"x" * 50, data, b"y" * 60])
+    jobs[1] = RunJob(jobs[1].src_path, jobs[1].final, len(data), None, jobs[1].inspect, expected)
+    results = copy_run(jobs, block_bytes=BLOCK, fsync=False, budget_s=60.0, publish=publish)
+    assert len(results) == 3 and results[0] is not None and results[2] is not None
+    counter = jobs[1].inspect
+    assert isinstance(counter, TarSampleCounter) and counter.samples == 3
+    if expected == 4:
+        assert results[1] is None
+        assert not Path(jobs[1].partial).exists() and not Path(jobs[1].final).exists()
+    else:
+        assert results[1] is not None
+        named = jobs[1].final if publish else jobs[1].partial
+        assert Path(named).read_bytes() == data
+    assert not Path(jobs[1].partial).exists() or not publish
+
+
+def test_a_published_run_raises_the_rename_events_os_replace_raises(tmp_path: Path) -> None:
+    jobs = _jobs(tmp_path, [b"a" * 10, b"b" * 10], walk=False)
+    seen: list[tuple[str, bytes, bytes]] = []
+    watching = [True]
+
+    def hook(event: str, args: tuple) -> None:
+        if watching[0] and event == "os.rename":
+            seen.append((event, os.fsencode(args[0]), os.fsencode(args[1])))
+
+    sys.addaudithook(hook)  # (cannot be removed: it stops recording below)
+    try:
+        copy_run(jobs, block_bytes=BLOCK, fsync=False, budget_s=1.0, publish=True)
+    finally:
+        watching[0] = False
+    for job in jobs:
+        assert ("os.rename", os.fsencode(job.partial), os.fsencode(job.final)) in seen
+        assert Path(job.final).exists() and not Path(job.partial).exists()
 
 
 def test_the_budget_ends_a_run_after_its_first_copy_at_least(tmp_path: Path) -> None:
     jobs = _jobs(tmp_path, [b"a" * 100, b"b" * 100, b"c" * 100])
-    results = copy_run(jobs, block_bytes=BLOCK, fsync=True, budget_s=0.0)
+    results = copy_run(jobs, block_bytes=BLOCK, fsync=True, budget_s=0.0, publish=False)
     assert len(results) == 1 and results[0] is not None  # the rest: the caller's next run
     assert not Path(jobs[1].partial).exists() and not Path(jobs[2].partial).exists()
 
@@ -224,11 +281,13 @@ def test_a_walker_already_in_use_is_refused_with_nothing_copied(tmp_path: Path) 
     jobs = _jobs(tmp_path, [b"a" * 100, b"b" * 100])
     walker = jobs[0].inspect.compiled_walk()  # type: ignore[union-attr]
     # the same walker twice in one run: the second claim finds it busy
-    arguments = [(j.src_path, j.partial, walker) for j in jobs]
+    arguments = [(j.src_path, j.partial, j.final, j.expected_size, None, -1, walker) for j in jobs]
     with pytest.raises(RuntimeError):
-        bytepath._pump.copy_run(arguments, bytepath._buffer(BLOCK), 1 << 20, False, 1.0)
+        bytepath._pump.copy_run(arguments, bytepath._buffer(BLOCK), 1 << 20, False, 1.0, True)
     assert not list(tmp_path.glob("*.partial"))
-    results = copy_run(jobs, block_bytes=BLOCK, fsync=False, budget_s=1.0)  # released: usable
+    results = copy_run(
+        jobs, block_bytes=BLOCK, fsync=False, budget_s=1.0, publish=False
+    )  # released: usable
     assert [r is not None for r in results] == [True, True]
 
 
@@ -240,12 +299,12 @@ def test_an_inspector_without_a_compiled_walk_is_refused(tmp_path: Path) -> None
 
     job = RunJob(str(tmp_path / "x"), str(tmp_path / "y"), 1, None, Fed())
     with pytest.raises(ValueError, match="compiled walk"):
-        copy_run([job], block_bytes=BLOCK, fsync=False, budget_s=1.0)
+        copy_run([job], block_bytes=BLOCK, fsync=False, budget_s=1.0, publish=False)
 
 
 def test_renames_that_fail_say_why_and_leave_no_partial(tmp_path: Path) -> None:
     jobs = _jobs(tmp_path, [b"a" * 10, b"b" * 10, b"c" * 10], walk=False)
-    copy_run(jobs, block_bytes=BLOCK, fsync=False, budget_s=1.0)
+    copy_run(jobs, block_bytes=BLOCK, fsync=False, budget_s=1.0, publish=False)
     Path(jobs[1].final).mkdir()
     (Path(jobs[1].final) / "inside").write_bytes(b"")  # a non-empty directory has its name
     errors = publish_run([(j.partial, j.final) for j in jobs])
@@ -266,7 +325,7 @@ def test_a_run_raises_the_audit_events_os_open_and_os_replace_raise(tmp_path: Pa
 
     sys.addaudithook(hook)  # (cannot be removed: it stops recording below)
     try:
-        copy_run(jobs, block_bytes=BLOCK, fsync=False, budget_s=1.0)
+        copy_run(jobs, block_bytes=BLOCK, fsync=False, budget_s=1.0, publish=False)
         publish_run([(j.partial, j.final) for j in jobs])
     finally:
         watching[0] = False
@@ -296,7 +355,7 @@ def test_a_job_list_changed_while_it_is_read_is_copied_as_it_was(tmp_path: Path)
     were when it was called (it read past the list's end and crashed before)."""
     src = tmp_path / "src"
     src.write_bytes(b"x" * 100)
-    jobs: list[tuple[object, str, None]] = []
+    jobs: list[tuple[object, str, str, int, None, int, None]] = []
 
     class Emptying:
         def __fspath__(self) -> str:
@@ -304,10 +363,12 @@ def test_a_job_list_changed_while_it_is_read_is_copied_as_it_was(tmp_path: Path)
             return str(src)
 
     jobs += [
-        (Emptying(), str(tmp_path / "a.partial"), None),
-        (str(src), str(tmp_path / "b.partial"), None),
+        (Emptying(), str(tmp_path / "a.partial"), str(tmp_path / "a"), 100, None, -1, None),
+        (str(src), str(tmp_path / "b.partial"), str(tmp_path / "b"), 100, None, -1, None),
     ]
-    copied, failed = bytepath._pump.copy_run(jobs, bytepath._buffer(BLOCK), 1 << 20, False, 1.0)
+    copied, failed = bytepath._pump.copy_run(
+        jobs, bytepath._buffer(BLOCK), 1 << 20, False, 1.0, False
+    )
     assert len(copied) == 2 and not failed
     pairs: list[tuple[object, str]] = []
 

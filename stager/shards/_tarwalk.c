@@ -543,6 +543,13 @@ static int walker_release(PyObject *obj) {
     return 0;
 }
 
+static int walker_vouched(PyObject *obj, size_t *samples) {
+    Walker *w = (Walker *)obj;
+    if (w->state != ENDED) return 0; /* (as Walker_finish: running, failed or out of memory) */
+    *samples = w->n_samples;
+    return 1;
+}
+
 static PyObject *Walker_feed(Walker *w, PyObject *arg) {
     Py_buffer view;
     if (walker_claim((PyObject *)w) < 0) return NULL;
@@ -673,7 +680,8 @@ static PyTypeObject WalkerType = {
     .tp_members = Walker_members,
 };
 
-static TarWalkAPI walk_api = {&WalkerType, walker_claim, walker_feed, walker_release};
+static TarWalkAPI walk_api = {&WalkerType, walker_claim, walker_feed, walker_release,
+                               walker_vouched};
 
 
 /* ---- join_walks: the dataset index's columns from many walks, without numpy ----

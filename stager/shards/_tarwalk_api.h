@@ -19,6 +19,10 @@ typedef struct {
     void (*feed)(PyObject *walker, const unsigned char *data, size_t len);
     /* With the lock held: end the run; 0, or -1 with MemoryError set where a feed ran out. */
     int (*release)(PyObject *walker);
+    /* Without the lock, between claim and release, after the last feed: 1 where the walk
+     * vouches for the tar (finish() would return its index) with its sample count in
+     * *samples, else 0. A copy checks a manifest's count with it before its rename. */
+    int (*vouched)(PyObject *walker, size_t *samples);
 } TarWalkAPI;
 
 #endif

@@ -367,8 +367,9 @@ static PyTypeObject PumpType = {
 
 static PyMethodDef module_methods[] = {
     {"copy_run", pump_copy_run, METH_VARARGS,
-     "copy_run(jobs, buffer, piece, fsync, budget_s) -> (results, failed): copy a run of small "
-     "files whole, each to its partial, hashed and walked, in one release of the lock."},
+     "copy_run(jobs, buffer, piece, fsync, budget_s, publish) -> (results, failed): copy a run of "
+     "small files whole, each to its partial, hashed, walked, checked and (where publish) "
+     "renamed, in one release of the lock."},
     {"rename_run", pump_rename_run, METH_O,
      "rename_run(pairs) -> [errno or 0]: rename each (partial, final) in one release of the "
      "lock."},

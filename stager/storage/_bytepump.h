@@ -23,7 +23,7 @@ int pump_write_all(int fd, const char *data, size_t len, size_t piece, PyThreadS
 /* (inode, mtime_s, mtime_ns, ctime_s, ctime_ns): stager/storage/identity.py's identity. */
 PyObject *pump_identity_of(const struct stat *st);
 
-/* copy_run(jobs, buffer, piece, fsync, budget_s) -> (results, failed): see _copyrun.c. */
+/* copy_run(jobs, buffer, piece, fsync, budget_s, publish) -> (results, failed): _copyrun.c. */
 PyObject *pump_copy_run(PyObject *module, PyObject *args);
 
 /* rename_run(pairs) -> [errno or 0]: see _copyrun.c. */

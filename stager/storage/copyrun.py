@@ -1,17 +1,17 @@
-"""Copy a run of small local shards in one compiled call, each verified, none yet published.
+"""Copy a run of small local shards in one compiled call, each verified, and publish them.
 
 Why: copied one by one (:func:`stager.storage.copy.copy_file`), a 20 KB shard from a
 memory-speed source costs ~85 us of Python around ~25 us of compiled copy, and one
 interpreter runs that Python one thread at a time: stage-in ran at a quarter of ``cp -r``
 whatever the cores. :func:`copy_run` copies a run of shards with the interpreter lock
 released once (``_copyrun.c``), checks each as ``copy_file`` does (unchanged while copied,
-the size and hash expected, the tar walk's end), and leaves the caller one pass of
-bookkeeping for the run.
+the size, hash and sample count expected, the tar walk's end) and renames it, and leaves the
+caller one pass of bookkeeping for the run.
 
 It takes only the plain case. A shard that fails in any way here is not reported here: its
 partial is removed and its result is None, and the caller copies it with ``copy_file``,
-whose retries and errors say what is wrong. The copies it returns are ``.partial`` files the
-caller must publish (:func:`publish_run`) or discard.
+whose retries and errors say what is wrong. Without ``publish`` the copies it returns are
+``.partial`` files the caller must publish (:func:`publish_run`) or discard.
 """
 
 from __future__ import annotations
@@ -20,33 +20,49 @@ import errno
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from stager.storage import bytepath
 from stager.storage.bytepath import ReadBack
 from stager.storage.copy import CopyResult, Inspector
 from stager.storage.paths import PARTIAL_SUFFIX, discard
 
-__all__ = ["RunJob", "available", "walks", "copy_run", "publish_run", "fits"]
+__all__ = ["RunJob", "CountingInspector", "available", "walks", "copy_run", "publish_run", "fits"]
 
 #: The hash the compiled run makes (a manifest with another cannot be checked by it).
 ALGORITHM = bytepath.PUMP_ALGORITHM
 
 
+class CountingInspector(Inspector, Protocol):
+    """An inspector that counts a tar's samples (``stager.shards.tarparse.TarSampleCounter``):
+    None where the bytes were not a complete, well-formed tar."""
+
+    @property
+    def samples(self) -> int | None: ...
+
+
 @dataclass(slots=True)
 class RunJob:
-    """One shard of a run: copy ``src_path`` to ``final`` + ``.partial``. Treated as immutable
-    but not declared frozen (a frozen ``__init__`` costs three times as much, per shard)."""
+    """One shard of a run: copy ``src_path`` to ``final`` (through ``final`` + ``.partial``).
+    Treated as immutable but not declared frozen (a frozen ``__init__`` costs three times as
+    much, per shard)."""
 
     src_path: str
     final: str
     expected_size: int
     expected_hash: str | None = None
-    inspect: Inspector | None = None  # with a compiled walk (``compiled_walk()``)
+    inspect: CountingInspector | None = None  # with a compiled walk (``compiled_walk()``)
+    #: The manifest's sample count: a walk that counts others refuses the copy (where the walk
+    #: found no tar, the finish, which reads the copy once more, says what it is)
+    expected_samples: int | None = None
 
     @property
     def partial(self) -> str:
         return self.final + PARTIAL_SUFFIX
+
+
+#: What became of a job the compiled run copied (its result's first field; ``_copyrun.c``).
+_PUBLISHED, _CHECKED, _UNCHECKED, _REFUSED = range(4)
 
 
 def available() -> bool:
@@ -68,37 +84,86 @@ def fits(size: int | None, expected_hash: str | None, block_bytes: int) -> bool:
 
 
 def copy_run(
-    jobs: Sequence[RunJob], *, block_bytes: int, fsync: bool, budget_s: float
+    jobs: Sequence[RunJob], *, block_bytes: int, fsync: bool, budget_s: float, publish: bool
 ) -> list[CopyResult | None]:
     """Copy ``jobs`` in order until they are done, one fails, or ``budget_s`` has passed.
 
     Returns a result for each job reached, in order (the rest were not started): a
-    :class:`CopyResult` with the copy checked and left as the job's ``.partial``, or None
-    where the job must be copied one by one (nothing of it is left). Every ``inspect`` of a
-    job with a result has been finished. On an exception (a signal handler's) no partial of
-    the run is left.
+    :class:`CopyResult` where the copy is what the job expects (its size, hash and sample
+    count), renamed to its final name where ``publish``, else left as its ``.partial``; or
+    None where the job must be copied one by one (nothing of it is left). Every ``inspect`` of
+    a job with a result has been finished. On an exception (a signal handler's) no partial of
+    the run is left; what was published stays (each copy whole and checked).
     """
-    partials = [job.partial for job in jobs]
+    partials = [job.final + PARTIAL_SUFFIX for job in jobs]
     arguments = [
-        (job.src_path, partial, _walk_of(job.inspect))
+        (
+            job.src_path,
+            partial,
+            job.final,
+            job.expected_size,
+            job.expected_hash,
+            -1 if job.expected_samples is None else job.expected_samples,
+            _walk_of(job.inspect),
+        )
         for job, partial in zip(jobs, partials, strict=True)
     ]
     view = bytepath._buffer(block_bytes)
     pieces = bytepath._WRITE_BYTES  # (as the one-by-one path writes)
-    copied, failed = bytepath._pump.copy_run(arguments, view, pieces, fsync, budget_s)
+    copied, failed = bytepath._pump.copy_run(arguments, view, pieces, fsync, budget_s, publish)
     results: list[CopyResult | None] = []
+    unchecked: list[int] = []  # copies whose walk did not vouch, checked here, not renamed yet
     read_back = _OpenedOnUse()  # (one for the run: only a walk in doubt opens its copy)
     try:
         for job, partial, copy in zip(jobs, partials, copied, strict=False):
-            read_back.path = partial
-            results.append(_checked(job, read_back, *copy))
+            state, size, digest, version, first_byte_s, seconds = copy
+            if state == _REFUSED:  # (its partial was removed in C)
+                results.append(None)
+                continue
+            inspect = job.inspect
+            if inspect is not None:
+                read_back.path = partial
+                try:
+                    inspect.finish(read_back)  # (a walk that vouched reads nothing back)
+                finally:
+                    read_back.close()
+                if state == _UNCHECKED:
+                    if not _samples_as_expected(job, inspect):
+                        discard(partial)
+                        results.append(None)
+                        continue
+                    unchecked.append(len(results))
+            results.append(
+                CopyResult(
+                    size=size,
+                    hash=digest,
+                    bytes_read=size,
+                    first_byte_s=first_byte_s,
+                    seconds=seconds,
+                    last_byte_s=seconds,  # (the writes and closes too: a run's shard is CPU work)
+                    version=version,
+                )
+            )
+        if publish and unchecked:  # (a tar its walk did not vouch for: rare)
+            pairs = [(partials[i], jobs[i].final) for i in unchecked]
+            for i, error in zip(unchecked, publish_run(pairs), strict=True):
+                if error is not None:
+                    results[i] = None  # (its partial discarded: copied one by one)
     except BaseException:
-        for partial in partials[: len(copied)]:
-            discard(partial)
+        for partial, copy in zip(partials, copied, strict=False):
+            if copy[0] in (_CHECKED, _UNCHECKED):
+                discard(partial)
         raise
     if failed:
         results.append(None)  # (its partial was removed in C)
     return results
+
+
+def _samples_as_expected(job: RunJob, inspect: CountingInspector) -> bool:
+    """Whether a copy's walk, finished in Python, counted the samples the job expects (or
+    found no tar: the finish then reads the copy once more and says what it is)."""
+    counted = inspect.samples
+    return job.expected_samples is None or counted is None or counted == job.expected_samples
 
 
 def _walk_of(inspect: Inspector | None) -> Any:
@@ -109,39 +174,6 @@ def _walk_of(inspect: Inspector | None) -> Any:
     if walk is None:
         raise ValueError("a run's inspector must offer a compiled walk")
     return walk
-
-
-def _checked(
-    job: RunJob,
-    read_back: _OpenedOnUse,
-    size: int,
-    digest: str,
-    version: str,
-    first_byte_s: float,
-    seconds: float,
-) -> CopyResult | None:
-    """The result, or None with the partial discarded where a check fails (the one-by-one
-    copy then says which, or finds the source as expected after all)."""
-    wrong = size != job.expected_size or (
-        job.expected_hash is not None and digest != job.expected_hash
-    )
-    if not wrong and job.inspect is not None:
-        try:
-            job.inspect.finish(read_back)
-        finally:
-            read_back.close()
-    if wrong:
-        discard(read_back.path)
-        return None
-    return CopyResult(
-        size=size,
-        hash=digest,
-        bytes_read=size,
-        first_byte_s=first_byte_s,
-        seconds=seconds,
-        last_byte_s=seconds,  # (the writes and closes too: a run's shard is CPU work)
-        version=version,
-    )
 
 
 class _OpenedOnUse(ReadBack):
