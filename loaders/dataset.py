@@ -26,6 +26,7 @@ from torch.utils.data import Dataset, get_worker_info
 
 from stager.errors import IntegrityError
 from stager.shards.loader_index import FlatIndex
+from stager.shards.tarheader import name_text
 
 from .packedstrings import PackedStrings
 from .samples import SamplePipeline, select_fields
@@ -147,7 +148,7 @@ class StagedTarDataset(Dataset):
         return members, owner, self.index.shard_of(samples)
 
     def _truncated(self, shard: int, offset: int, size: int, sample: int) -> IntegrityError:
-        key = self.index.keys[sample].decode()
+        key = name_text(self.index.keys[sample])
         return IntegrityError(
             f"{self.files.path(shard)}: member of sample {key!r} is truncated "
             f"(wanted {size} bytes at {offset}); re-stage this shard"
@@ -170,7 +171,7 @@ class StagedTarDataset(Dataset):
             )
         return PackedBatch(
             payload=payload,
-            keys=[k.decode() for k in self.index.keys[samples].tolist()],
+            keys=[name_text(k) for k in self.index.keys[samples].tolist()],
             member_sample=owner,
             member_ext=self.index.member_ext[members],
             member_size=sizes,
@@ -180,7 +181,7 @@ class StagedTarDataset(Dataset):
     def _sample_dict(self, g: int) -> Any:
         shard = int(self.index.shard_of(np.asarray([g]))[0])
         sample: dict[str, Any] = {
-            "__key__": self.index.keys[g].decode(),
+            "__key__": name_text(self.index.keys[g]),
             "__shard__": self.files.path(shard),
         }
         lo, hi = int(self.index.member_start[g]), int(self.index.member_start[g + 1])

@@ -5,8 +5,11 @@ were not lower-cased as webdataset groups them; ``world_size=0`` and ``to_tuple=
 
 from __future__ import annotations
 
+import gc
 import gzip
 import os
+import tarfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -205,3 +208,45 @@ def test_to_tuple_names_a_key_that_map_made_as_given(tmp_path: Path) -> None:
     )
     ((labels, keys),) = list(loader)
     assert labels.tolist() == [0, 1, 2, 3] and list(keys) == [f"s0-{i:03d}" for i in range(4)]
+
+
+@pytest.mark.parametrize("tar_format", [tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+@pytest.mark.parametrize("layout", ["plain", "gz", "staged"])
+def test_member_names_that_are_not_utf8_read_as_webdataset_reads_them(
+    tmp_path: Path, layout: str, tar_format: int
+) -> None:
+    """A GNU tar made where names are Latin-1 holds bytes that are not UTF-8 (b"caf\\xe9.jpg").
+    tarfile and webdataset decode them with surrogate escapes; stage-in died writing the loader
+    index (UnicodeEncodeError, exit 1) and the loader did the same on any path. Now both take
+    the key as webdataset yields it."""
+    import webdataset as wds
+
+    root = tmp_path / "src"
+    root.mkdir()
+    members = [("caf\udce9.jpg", b"coffee"), ("caf\udce9.cls", b"1"), ("tea.jpg", b"tea")]
+    members += [("tea.cls", b"2"), ("\udcff\udcfe.cls", b"3")]
+    data = tar_bytes(members, tar_format)
+    name = f"s-000.{'tar.gz' if layout == 'gz' else 'tar'}"
+    (root / name).write_bytes(gzip.compress(data) if layout == "gz" else data)
+    with warnings.catch_warnings():  # (webdataset leaves its file to the collector)
+        warnings.simplefilter("ignore", ResourceWarning)
+        samples = wds.WebDataset(str(root / name), shardshuffle=False)
+        expected = sorted((s["__key__"], bytes(s["cls"])) for s in samples)
+        del samples
+        gc.collect()
+    assert expected == [("caf\udce9", b"1"), ("tea", b"2"), ("\udcff\udcfe", b"3")]
+    options = _options()
+    if layout == "staged":
+        from stager.cli.main import main
+
+        dest = tmp_path / "s"
+        assert main(["stage-in", str(root), "--dest", str(dest), "--quiet"]) == 0
+        options = _options(dest=str(dest))
+    loader = ShardedLoader(
+        str(root), batch_size=3, shuffle=False, to_tuple=("__key__", "cls"), options=options
+    )
+    ((keys, labels),) = list(loader)
+    # (raw members: uint8 tensors, or bytes from a compressed shard, as docs/loader.md says)
+    raw = [label if isinstance(label, bytes) else bytes(label.numpy()) for label in labels]
+    got = sorted(zip(keys, raw, strict=True))
+    assert got == expected

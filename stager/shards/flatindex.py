@@ -19,6 +19,7 @@ from stager.errors import IntegrityError
 from stager.shards.arrayfile import map_arrays
 from stager.shards.indexfile import ARRAYS, join_walks
 from stager.shards.members import TarIndex
+from stager.shards.tarheader import name_bytes
 
 __all__ = ["FlatIndex", "flatten", "flatten_walks", "open_dataset_index"]
 
@@ -113,7 +114,7 @@ def flatten(per_shard: list[TarIndex | None]) -> FlatIndex:
             ids = [ext_codes.setdefault(e, len(ext_codes)) for e in columns.ext_names]
             exts.append(np.asarray(ids, dtype=np.int32)[columns.ext_codes])
         else:
-            keys.append(np.asarray([k.encode() for k in index.keys], dtype="S"))
+            keys.append(np.asarray([name_bytes(k) for k in index.keys], dtype="S"))
             exts.append(
                 np.asarray(
                     [ext_codes.setdefault(e, len(ext_codes)) for e in index.exts], dtype=np.int32

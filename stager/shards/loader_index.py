@@ -34,6 +34,7 @@ from stager.shards.flatindex import (
 )
 from stager.shards.indexfile import CACHE_VERSION, DATASET_INDEX_NAME, dataset_index_path
 from stager.shards.indexkey import changed_ns, dataset_key
+from stager.shards.tarheader import name_bytes, name_text
 from stager.shards.tarindex import TarIndex, duplicate_member, index_tar
 from stager.shards.tarnative import WalkResult
 from stager.shards.tarscan import scan_tar  # noqa: F401 - loaded with numpy, not on first use
@@ -77,9 +78,9 @@ def cached_index(
             with np.load(path, allow_pickle=False) as stored:
                 if np.array_equal(stored["stamp"], stamp):
                     return TarIndex(
-                        keys=[k.decode() for k in stored["keys"].tolist()],
+                        keys=[name_text(k) for k in stored["keys"].tolist()],
                         member_start=stored["member_start"],
-                        exts=[e.decode() for e in stored["exts"].tolist()],
+                        exts=[name_text(e) for e in stored["exts"].tolist()],
                         offsets=stored["offsets"],
                         sizes=stored["sizes"],
                     )
@@ -99,11 +100,11 @@ def _write_cache(path: Path, index: TarIndex, stamp: np.ndarray) -> None:
         np.savez(
             tmp,
             stamp=stamp,
-            keys=np.asarray([k.encode() for k in index.keys], dtype="S")
+            keys=np.asarray([name_bytes(k) for k in index.keys], dtype="S")
             if index.keys
             else np.zeros(0, "S1"),
             member_start=index.member_start,
-            exts=np.asarray([e.encode() for e in index.exts], dtype="S")
+            exts=np.asarray([name_bytes(e) for e in index.exts], dtype="S")
             if index.exts
             else np.zeros(0, "S1"),
             offsets=index.offsets,

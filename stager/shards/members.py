@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from stager.shards.tarheader import name_text
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -174,5 +176,5 @@ def duplicate_member(index: TarIndex) -> str | None:
     member = int(order[repeated + 1].min())  # the first met twice, in archive order
     keys = index.keys
     key = keys[int(sample[member])]
-    key = key.decode() if isinstance(key, bytes) else str(key)
+    key = name_text(key) if isinstance(key, bytes) else str(key)
     return f"{key}.{names[int(codes[member])]}"

@@ -18,6 +18,8 @@ __all__ = [
     "NAME_ENCODING",
     "UTF8",
     "checksums_ok",
+    "name_bytes",
+    "name_text",
     "numbers_general",
     "pax_records",
     "padded_pax_records",
@@ -32,6 +34,19 @@ UTF8 = sys.getfilesystemencoding().lower().replace("-", "") == "utf8"
 #: How tarfile decodes the names in headers and GNU long-name records (its ``ENCODING``), so
 #: that a non-ASCII name reads the same here in any locale.
 NAME_ENCODING = sys.getfilesystemencoding()
+
+
+def name_bytes(text: str) -> bytes:
+    """A key or extension of a member name as the bytes of its header: a name that is not in
+    the encoding (Latin-1 bytes in a GNU tar made on such a filesystem) was decoded with
+    surrogate escapes, as tarfile and webdataset decode it, and encodes back to its bytes."""
+    return text.encode(NAME_ENCODING, "surrogateescape")
+
+
+def name_text(raw: bytes) -> str:
+    """:func:`name_bytes` undone: the key a loader yields, as webdataset's for the same bytes."""
+    return raw.decode(NAME_ENCODING, "surrogateescape")
+
 
 _HIGH_BYTES = bytes(range(0x80, 0x100))
 
