@@ -552,3 +552,47 @@ def test_a_run_with_a_corrupt_and_a_missing_shard_counts_each_kind() -> None:
     assert str(error).startswith(
         "1 shard(s) differ from their manifest or are corrupt and 1 other(s) failed after retries"
     )
+
+
+@pytest.mark.parametrize("native_walk", ["1", "0"])
+@pytest.mark.parametrize("suffix", [".tar", ".tar.gz"])
+def test_a_member_twice_in_one_sample_fails_that_shard_as_the_loader_would(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    suffix: str,
+    native_walk: str,
+) -> None:
+    """``k.jpg`` twice (or ``k.jpg`` and ``k.JPG``) in one sample: the loader refuses the
+    shard, as webdataset does. stage-in said it as a warning ("no loader index written") under
+    exit 0, and `stager index` counted it; both now fail it with exit 4 and one FAILED line,
+    and stage-in keeps the other shards staged, as for any corrupt shard."""
+    import gzip
+
+    from .trees import tar_bytes
+
+    monkeypatch.setenv("STAGER_NATIVE_TAR", native_walk)
+    src = tmp_path / "ds"
+    src.mkdir()
+    shards = {
+        "a": [("k1.jpg", b"a"), ("k1.jpg", b"b"), ("k2.jpg", b"c")],
+        "b": [("m1.jpg", b"a"), ("m1.cls", b"1"), ("m2.jpg", b"b")],
+        "c": [("n1.jpg", b"a"), ("n1.JPG", b"b")],
+        "d": [("p1.jpg", b"a"), ("p2.jpg", b"b"), ("p1.jpg", b"c")],  # (two samples named p1)
+    }
+    for name, members in shards.items():
+        data = tar_bytes(members)
+        (src / f"{name}{suffix}").write_bytes(gzip.compress(data) if suffix != ".tar" else data)
+    result = run_main(capsys, "stage-in", str(src), "--dest", str(tmp_path / "s"), *LOUD)
+    assert result.returncode == EXIT_INTEGRITY, result.stderr
+    failed = sorted(line for line in result.stderr.splitlines() if line.startswith("FAILED"))
+    assert len(failed) == 2, result.stderr
+    assert f"a{suffix}: member 'k1.jpg' appears twice in one sample" in failed[0]
+    assert f"c{suffix}: member 'n1.jpg' appears twice in one sample" in failed[1]
+    staged = tmp_path / "s" / "ds"
+    assert sorted(p.name for p in staged.iterdir() if p.is_file()) == [f"b{suffix}", f"d{suffix}"]
+    assert not list(staged.rglob("*.partial"))
+    indexed = run_main(capsys, "stager", "index", str(src))
+    assert indexed.returncode == EXIT_INTEGRITY, indexed.stderr
+    assert "appears twice in one sample" in indexed.stderr
+    assert not list(src.glob("stager-manifest.*"))

@@ -324,6 +324,7 @@ def count_samples_stream(stream: BinaryIO, name: str, *, compressed: bool = Fals
     source: BinaryIO = gzip.GzipFile(fileobj=stream, mode="rb") if compressed else stream  # type: ignore[assignment]
     reader = _TailReader(source)
     count, last_key, last_name = 0, None, "<start of archive>"
+    exts: set[str] = set()  # the current sample's, to refuse a member twice (as the loader)
     try:
         with tarfile.open(fileobj=reader, mode="r|") as tar:  # type: ignore[call-overload]
             for info in tar:
@@ -332,6 +333,15 @@ def count_samples_stream(stream: BinaryIO, name: str, *, compressed: bool = Fals
                 if parts and parts[0] != last_key:
                     count += 1
                     last_key = parts[0]
+                    exts.clear()
+                if parts:
+                    if parts[1] in exts:
+                        member = f"{parts[0]}.{parts[1]}"
+                        raise IntegrityError(  # (the loader, like webdataset, refuses it)
+                            f"{name}: member {member!r} appears twice in one sample; re-create "
+                            "this shard"
+                        )
+                    exts.add(parts[1])
             tail = reader.bytes_from(tar.offset, BLOCK)
             _check_end(tail, name, tar.offset, last_name, compressed)
             while reader.read(1 << 20):

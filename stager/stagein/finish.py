@@ -191,7 +191,23 @@ def _count_and_index(run: Staging) -> Indexes:
             _unstage_corrupt(run, relpath, _without_path(exc, final))
             continue
         run.entries[relpath] = dataclasses.replace(entry, samples=samples)
+    _refuse_repeated_members(run, indexes)
     return indexes
+
+
+def _refuse_repeated_members(run: Staging, indexes: Indexes) -> None:
+    """Unstage as corrupt each shard with a member twice in one sample (``k.jpg`` twice, or
+    ``k.jpg`` and ``k.JPG``): the loader refuses it, as webdataset does, and stage-in is where
+    that should show, in the job's prologue with one FAILED line and exit 4, not as a warning
+    under exit 0 and then in the loader once training has started."""
+    for relpath in sorted(indexes):
+        index = indexes[relpath]
+        twice = (
+            index.duplicate if isinstance(index, WalkResult) else tarindex.duplicate_member(index)
+        )
+        if twice is not None and relpath in run.entries:
+            del indexes[relpath]
+            _unstage_corrupt(run, relpath, f"member {twice!r} appears twice in one sample")
 
 
 def _verify_count(run: Staging, relpath: str, indexes: Indexes) -> None:
@@ -265,16 +281,7 @@ def _save_loader_index(
     relpaths = [e.relpath for e in entries]
     samples = [e.samples for e in entries]
     try:
-        if all(e.relpath in indexes for e in entries):
-            for relpath in relpaths:
-                index = indexes[relpath]
-                twice = (
-                    index.duplicate
-                    if isinstance(index, WalkResult)
-                    else tarindex.duplicate_member(index)
-                )
-                if twice is not None:  # the loader refuses it (naming it); no index says otherwise
-                    raise IntegrityError(f"{relpath}: member {twice!r} appears twice in one sample")
+        if all(e.relpath in indexes for e in entries):  # (each checked for repeated members)
             walked = [indexes[r] for r in relpaths]
             if all(isinstance(i, WalkResult) for i in walked):  # (only the compiled walk makes one)
                 parts = [i.parts for i in walked if isinstance(i, WalkResult)]
