@@ -596,3 +596,53 @@ def test_a_member_twice_in_one_sample_fails_that_shard_as_the_loader_would(
     assert indexed.returncode == EXIT_INTEGRITY, indexed.stderr
     assert "appears twice in one sample" in indexed.stderr
     assert not list(src.glob("stager-manifest.*"))
+
+
+@pytest.mark.parametrize("suffix", [".tar", ".tar.gz"])
+def test_a_tar_header_after_the_end_block_fails_that_shard(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], suffix: str
+) -> None:
+    """Two tars joined with cat, or zero blocks inside an archive: tar, tarfile and webdataset
+    stop at the first end block and lose the samples after it with no word, and so did
+    stage-in (exit 0), `stager index` and the loader. Now each names the header it found after
+    the end (exit 4; the loader raises IntegrityError). Junk after the end is no header and
+    loses nothing: still staged."""
+    import gzip
+    import io
+    import tarfile
+
+    from stager_loaders import LoaderOptions, ShardedLoader
+
+    from .trees import tar_bytes
+
+    first = tar_bytes([(f"a{i:03d}.jpg", bytes([i]) * 700) for i in range(6)])
+    second = tar_bytes([(f"b{i:03d}.jpg", bytes([i]) * 700) for i in range(6)])
+    with tarfile.open(fileobj=io.BytesIO(first)) as tar:
+        fourth = tar.getmembers()[3].offset
+    shards = {
+        "joined": first + second,
+        "zeroed": first[:fourth] + bytes(1024) + first[fourth:],
+        "lone": first[:fourth] + bytes(512) + first[fourth:],  # (GNU tar: "A lone zero block")
+        "junk": first + b"\x01not a header" * 100,
+        "plain": second,
+    }
+    src = tmp_path / "ds"
+    src.mkdir()
+    for name, data in shards.items():
+        (src / f"{name}{suffix}").write_bytes(gzip.compress(data) if suffix != ".tar" else data)
+    result = run_main(capsys, "stage-in", str(src), "--dest", str(tmp_path / "s"), *LOUD)
+    assert result.returncode == EXIT_INTEGRITY, result.stderr
+    failed = sorted(line for line in result.stderr.splitlines() if line.startswith("FAILED"))
+    assert [line.split(": ")[0].rsplit("/", 1)[1] for line in failed] == [
+        f"{name}{suffix}" for name in ("joined", "lone", "zeroed")
+    ], result.stderr
+    assert "a tar header ('b000.jpg') at byte" in failed[0]
+    assert all("after the end-of-archive block" in line for line in failed)
+    staged = tmp_path / "s" / "ds"
+    assert sorted(p.name for p in staged.iterdir() if p.is_file()) == [
+        f"junk{suffix}",
+        f"plain{suffix}",
+    ]
+    assert run_main(capsys, "stager", "index", str(src)).returncode == EXIT_INTEGRITY
+    with pytest.raises(IntegrityError, match="after the end-of-archive block"):
+        list(ShardedLoader(str(src / f"joined{suffix}"), batch_size=4, options=LoaderOptions()))

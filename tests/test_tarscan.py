@@ -203,7 +203,9 @@ def test_indexers_equal_tarfile_on_tars_tarfile_writes(
 @given(
     items=members(),
     fmt=_FORMATS,
-    damage=st.sampled_from(["truncate", "flip", "zero", "garbage_tail", "drop_end"]),
+    damage=st.sampled_from(
+        ["truncate", "flip", "zero", "garbage_tail", "drop_end", "concatenated", "zeros_inserted"]
+    ),
     where=st.floats(0, 1),
     bit=st.integers(0, 7),
 )
@@ -223,6 +225,11 @@ def test_damaged_tars_are_vouched_for_only_where_tarfile_agrees(
         data[at : at + 512] = bytes(len(data[at : at + 512]))
     elif damage == "garbage_tail":  # after the end block tarfile reads nothing more
         data += b"\x01garbage" * 100
+    elif damage == "concatenated":  # cat a.tar b.tar: every reader stops at a's end
+        data += _write(items, fmt)
+    elif damage == "zeros_inserted":  # one or two zero blocks between two blocks
+        block = at - at % 512
+        data[block:block] = bytes(512 * (1 + bit % 2))
     else:
         data = data.rstrip(b"\0")
     _check(bytes(data), tmp_path / "d.tar", indexer=indexer)

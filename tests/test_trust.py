@@ -561,10 +561,17 @@ def test_10_a_member_named_twice_in_one_sample_is_refused_not_dropped(
             info.size = 600
             tar.addfile(info, io.BytesIO(fill * 600))
     (src / "twice.tar").write_bytes(buffer.getvalue())
-    dest = tmp_path / "s"
-    assert run_main(capsys, "stage-in", str(src), "--dest", str(dest), *FAST).returncode == 0
-    options = LoaderOptions(dest=str(dest), force_streaming=streaming)
+    # the loader reading the source refuses it, naming the member
     with pytest.raises(IntegrityError, match=r"twice.tar.*k0\.bin.*twice"):
+        source = LoaderOptions(dest=str(tmp_path / "none"), force_streaming=streaming)
+        list(ShardedLoader(str(src), batch_size=2, to_tuple=("__key__",), options=source))
+    # stage-in fails it as corrupt (exit 4), as the loader would, and stages the other
+    dest = tmp_path / "s"
+    staged = run_main(capsys, "stage-in", str(src), "--dest", str(dest), *FAST)
+    assert staged.returncode == EXIT_INTEGRITY
+    assert "member 'k0.bin' appears twice in one sample" in staged.stderr
+    options = LoaderOptions(dest=str(dest), force_streaming=streaming)
+    with pytest.raises(IntegrityError, match=r"twice.tar"):
         list(ShardedLoader(str(src), batch_size=2, to_tuple=("__key__",), options=options))
     skip = LoaderOptions(dest=str(dest), force_streaming=streaming, on_error="skip")
     loader = ShardedLoader(str(src), batch_size=2, to_tuple=("__key__",), options=skip)

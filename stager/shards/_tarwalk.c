@@ -480,10 +480,18 @@ static int hold_bytes(Walker *w, const unsigned char *p, size_t n) {
     return 1;
 }
 
+/* After the end-of-archive block every byte must be zero (the rest of the record). Anything
+ * else may be a second tar after the first (`cat a.tar b.tar`), or a header zeroed in the
+ * middle: tarfile and webdataset stop at the first zero block and lose the samples after it,
+ * silently. The walk does not vouch for such a tar; tarindex.py's check then says which. */
+static void past_the_end(Walker *w, const unsigned char *data, size_t len) {
+    if (len && (data[0] || memcmp(data, data + 1, len - 1) != 0)) w->state = FAILED;
+}
+
 /* Walk the headers that lie in `data`, the bytes at w->fed onwards. */
 static void walk_chunk(Walker *w, const unsigned char *data, size_t len) {
     uint64_t base = w->fed;
-    size_t pos = 0;
+    size_t pos = 0, tail = len; /* tail: where this chunk's bytes after the end begin */
     size_t need;
     w->fed += len;
     while (w->state == RUNNING) {
@@ -498,16 +506,19 @@ static void walk_chunk(Walker *w, const unsigned char *data, size_t len) {
                 continue;
             }
             w->hold_len = 0;
+            tail = pos;
             continue;
         }
         if (w->next >= w->fed) return; /* the next header lies beyond this chunk */
         size_t at = (size_t)(w->next - base);
+        tail = at; /* (the end block itself is zero) */
         if (take_record(w, data + at, len - at, &need) == NEED_MORE) {
             if (!hold_bytes(w, data + at, len - at)) goto oom;
             w->want = need;
             return;
         }
     }
+    if (w->state == ENDED) past_the_end(w, data + tail, len - tail);
     return;
 oom:
     w->out_of_memory = 1;
@@ -527,10 +538,12 @@ static int walker_claim(PyObject *obj) {
 
 static void walker_feed(PyObject *obj, const unsigned char *data, size_t len) {
     Walker *w = (Walker *)obj;
-    if (w->state == RUNNING)
+    if (w->state == RUNNING) {
         walk_chunk(w, data, len);
-    else
-        w->fed += (uint64_t)len;
+        return;
+    }
+    w->fed += (uint64_t)len;
+    if (w->state == ENDED) past_the_end(w, data, len);
 }
 
 static int walker_release(PyObject *obj) {

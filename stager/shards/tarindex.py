@@ -18,9 +18,11 @@ shard and the last good member, so a bad shard never turns into silently missing
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 import zlib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
@@ -118,6 +120,41 @@ def _check_end(
             f"{where}: corrupt tar header at byte {offset}, after member {last_name!r}; "
             f"re-create this shard ({RESTAGE_HELPS})"
         )
+
+
+def _check_after_end(chunks: Iterable[bytes], where: str, offset: int, last_name: str) -> None:
+    """Raise where a tar header follows the end-of-archive block at ``offset``; ``chunks``: the
+    bytes from there to the end of the file, in order.
+
+    tar, tarfile and webdataset all stop at the first zero block: the samples of a second tar
+    joined after the first (``cat a.tar b.tar``), or those after a header zeroed inside the
+    archive, would be lost with no word. Bytes after the end that are no header (a writer's
+    padding, or junk) lose nothing and are let be.
+    """
+    import tarfile
+
+    at, pending = offset, b""
+    for chunk in chunks:
+        data = pending + chunk
+        whole = len(data) - len(data) % BLOCK
+        if data.count(0, 0, whole) != whole:  # (zeros, nearly always: one C pass)
+            for start in range(0, whole, BLOCK):
+                block = data[start : start + BLOCK]
+                if block.count(0) == BLOCK:
+                    continue
+                try:
+                    found = tarfile.TarInfo.frombuf(block, tarfile.ENCODING, "surrogateescape")
+                except tarfile.HeaderError:
+                    continue
+                raise IntegrityError(
+                    f"{where}: a tar header ({found.name!r}) at byte {at + start}, after the "
+                    f"end-of-archive block at byte {offset} that follows member {last_name!r}: "
+                    "tar, tarfile and webdataset stop at that block, so the samples after it "
+                    "would be lost. Two tars joined with cat, or a header zeroed inside the "
+                    "archive? Re-create this shard (tar --concatenate joins tars)"
+                )
+        at += whole
+        pending = data[whole:]
 
 
 #: Shards up to this size are read whole by the fast indexer (one read); larger ones are mapped,
@@ -266,6 +303,9 @@ def index_with_tarfile(path: Path, fileobj: BinaryIO | None = None) -> TarIndex:
             ) from exc
         tar.fileobj.seek(tar.offset)
         _check_end(tar.fileobj.read(BLOCK), str(path), tar.offset, last_name)
+        tar.fileobj.seek(tar.offset)
+        rest = iter(lambda: tar.fileobj.read(1 << 16), b"")
+        _check_after_end(rest, str(path), tar.offset, last_name)
     return samples.index()
 
 
@@ -344,8 +384,10 @@ def count_samples_stream(stream: BinaryIO, name: str, *, compressed: bool = Fals
                     exts.add(parts[1])
             tail = reader.bytes_from(tar.offset, BLOCK)
             _check_end(tail, name, tar.offset, last_name, compressed)
-            while reader.read(1 << 20):
-                pass  # the padding, and for gzip the trailer whose CRC is checked on the way
+            # the rest: the padding, and for gzip the trailer whose CRC is checked on the way
+            read = reader.bytes_from(tar.offset, reader.pos - tar.offset)
+            rest = itertools.chain([read], iter(lambda: reader.read(1 << 20), b""))
+            _check_after_end(rest, name, tar.offset, last_name)
     except gzip.BadGzipFile as exc:
         if reader.pos == 0:  # not gzip from its first bytes: a plain tar under a .tgz name?
             raise IntegrityError(

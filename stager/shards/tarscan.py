@@ -158,16 +158,19 @@ class TarScanner:
         self._check()
         if not self._batches or self._batches[0].blocks[0] != 0:
             first = read_at(0, BLOCK)
-            if len(first) == BLOCK and not any(first):
+            if len(first) == BLOCK and not any(first) and not self._batches:
                 return _empty()  # tarfile reads an archive that starts with its end as empty
-            return None
+            return None  # (or headers after that end: tarindex's check says what is lost)
         rows = Batch.join(self._batches)
         self._batches = []
         nxt = rows.blocks + 1 + np.where(rows.skips, (rows.size + BLOCK - 1) // BLOCK, 0)
         chain = _chain(rows.blocks, nxt)
-        end = read_at(int(nxt[chain[-1]]) * BLOCK, BLOCK)
+        end_block = int(nxt[chain[-1]])
+        end = read_at(end_block * BLOCK, BLOCK)
         if len(end) < BLOCK or any(end):
             return None  # no end-of-archive block where tarfile looks for the next header
+        if int(rows.blocks.max()) > end_block:
+            return None  # a header after the end: tarindex's check says what is lost
         pax = PaxPayloads(self._pax_blocks, self._pax_payloads)
         return _index(rows.take(chain), read_at, pax)
 
