@@ -646,3 +646,25 @@ def test_a_tar_header_after_the_end_block_fails_that_shard(
     assert run_main(capsys, "stager", "index", str(src)).returncode == EXIT_INTEGRITY
     with pytest.raises(IntegrityError, match="after the end-of-archive block"):
         list(ShardedLoader(str(src / f"joined{suffix}"), batch_size=4, options=LoaderOptions()))
+
+
+@pytest.mark.parametrize("name", ["ds[1]", "b{x}"])
+def test_a_directory_named_like_a_pattern_is_named_in_the_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    """A SOURCE with [ or { is read as a pattern, also where a directory has that very name:
+    "no file matches" (exit 3) now says that such a path exists and how to name its shards."""
+    from .trees import tar_bytes
+
+    src = tmp_path / name
+    src.mkdir()
+    (src / "s-0.tar").write_bytes(tar_bytes([("k.jpg", b"x")]))
+    result = run_main(capsys, "stage-in", str(src), "--dest", str(tmp_path / "s"), *FAST)
+    assert result.returncode == 3, result.stderr
+    assert "a path of that very name exists" in result.stderr and "--from-list" in result.stderr
+    listed = tmp_path / "list.txt"
+    listed.write_text(f"{src / 's-0.tar'}\n")
+    staged = run_main(
+        capsys, "stage-in", "--from-list", str(listed), "--dest", str(tmp_path / "s"), *FAST
+    )
+    assert staged.returncode == 0, staged.stderr
