@@ -668,3 +668,19 @@ def test_a_directory_named_like_a_pattern_is_named_in_the_error(
         capsys, "stage-in", "--from-list", str(listed), "--dest", str(tmp_path / "s"), *FAST
     )
     assert staged.returncode == 0, staged.stderr
+
+
+def test_one_file_that_is_no_shard_is_staged_without_an_index_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``stage-in notes.md`` stages the file as it is; it is no shard, so no loader index is
+    tried, and no warning that it is "not a readable tar" (said before, under exit 0)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "notes.md").write_text("not a tar\n")
+    result = run_main(
+        capsys, "stage-in", str(src / "notes.md"), "--dest", str(tmp_path / "s"), *LOUD
+    )
+    assert result.returncode == 0, result.stderr
+    assert "warning" not in result.stderr, result.stderr
+    assert (tmp_path / "s" / "notes.md" / "notes.md").read_text() == "not a tar\n"

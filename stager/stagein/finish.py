@@ -278,6 +278,8 @@ def _save_loader_index(
     entries = manifest.entries
     if not entries or tarindex.any_compressed(e.relpath for e in entries):
         return  # compressed shards are streamed by the loader, never indexed
+    if not any(is_shard_name(e.relpath) for e in entries):
+        return  # files named as they are (`stage-in notes.md`): nothing a loader reads
     relpaths = [e.relpath for e in entries]
     samples = [e.samples for e in entries]
     try:
