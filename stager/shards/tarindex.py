@@ -12,8 +12,9 @@ same for any readable stream (a remote shard being indexed).
 
 ``tarfile`` stops *silently* at a damaged header or a file cut at a member boundary, as if the
 archive had ended there. Both readers therefore check that the archive really ends with a
-zero block where ``tarfile`` stopped; otherwise they raise :class:`IntegrityError` naming the
-shard and the last good member, so a bad shard never turns into silently missing samples.
+zero block where ``tarfile`` stopped, and that no header follows it
+(:mod:`stager.shards.tarend`); otherwise they raise :class:`IntegrityError` naming the shard and
+the last good member, so a bad shard never turns into silently missing samples.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import itertools
 import mmap
 import os
 import zlib
-from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
@@ -35,6 +35,7 @@ from stager.shards.members import (
     is_compressed,
     split_key,
 )
+from stager.shards.tarend import RESTAGE_HELPS, check_after_end, check_end
 from stager.shards.tarheader import BLOCK
 
 if TYPE_CHECKING:
@@ -66,11 +67,6 @@ def _open_tar(path: Path, mode: str, fileobj: BinaryIO | None = None) -> tarfile
         ) from exc
 
 
-#: When re-staging helps: every copy is checked against its source as it is made, so a shard
-#: found corrupt is corrupt at its source unless the staged copy was changed afterwards.
-RESTAGE_HELPS = "re-staging it helps only where the staged copy was changed after staging"
-
-
 def _what_it_is(path: Path, fileobj: BinaryIO | None) -> str:
     """What to do about a file that is not a tar: a compressed tar under a plain ``.tar`` name
     is said as such (webdataset reads it by its bytes, the loader by offset into plain tars)."""
@@ -92,69 +88,6 @@ def _what_it_is(path: Path, fileobj: BinaryIO | None) -> str:
 
 
 _COMPRESSED = ((b"BZh", "bzip2"), (b"\xfd7zXZ\x00", "xz"), (b"\x28\xb5\x2f\xfd", "zstd"))
-
-
-def _check_end(
-    tail: bytes, where: str, offset: int, last_name: str, compressed: bool = False
-) -> None:
-    """Raise unless ``tail`` (the bytes where tarfile stopped) is an end-of-archive zero block.
-    ``compressed``: the tar was read out of a gzip stream (``offset`` is in the tar)."""
-    if len(tail) < BLOCK:
-        # A cut at a member boundary and a tar its writer never closed look the same. Staging
-        # cannot cause it (every copy is checked against its source), so "re-stage" never
-        # helps: say what can. Zeros appended to a gzip file would only corrupt it.
-        append = (
-            "decompress the source shard, append them (head -c 1024 /dev/zero >> SHARD.tar) "
-            "and compress it again"
-            if compressed
-            else "append them to the source shard (head -c 1024 /dev/zero >> SHARD)"
-        )
-        raise IntegrityError(
-            f"{where}: ends after member {last_name!r} at byte {offset} without the "
-            "end-of-archive blocks (cut there, losing any later samples, or never closed by "
-            f"its writer); re-create the shard, or if it is whole, {append}, re-run stager "
-            "index where a manifest lists it, and stage it again"
-        )
-    if any(tail[:BLOCK]):
-        raise IntegrityError(
-            f"{where}: corrupt tar header at byte {offset}, after member {last_name!r}; "
-            f"re-create this shard ({RESTAGE_HELPS})"
-        )
-
-
-def _check_after_end(chunks: Iterable[bytes], where: str, offset: int, last_name: str) -> None:
-    """Raise where a tar header follows the end-of-archive block at ``offset``; ``chunks``: the
-    bytes from there to the end of the file, in order.
-
-    tar, tarfile and webdataset all stop at the first zero block: the samples of a second tar
-    joined after the first (``cat a.tar b.tar``), or those after a header zeroed inside the
-    archive, would be lost with no word. Bytes after the end that are no header (a writer's
-    padding, or junk) lose nothing and are let be.
-    """
-    import tarfile
-
-    at, pending = offset, b""
-    for chunk in chunks:
-        data = pending + chunk
-        whole = len(data) - len(data) % BLOCK
-        if data.count(0, 0, whole) != whole:  # (zeros, nearly always: one C pass)
-            for start in range(0, whole, BLOCK):
-                block = data[start : start + BLOCK]
-                if block.count(0) == BLOCK:
-                    continue
-                try:
-                    found = tarfile.TarInfo.frombuf(block, tarfile.ENCODING, "surrogateescape")
-                except tarfile.HeaderError:
-                    continue
-                raise IntegrityError(
-                    f"{where}: a tar header ({found.name!r}) at byte {at + start}, after the "
-                    f"end-of-archive block at byte {offset} that follows member {last_name!r}: "
-                    "tar, tarfile and webdataset stop at that block, so the samples after it "
-                    "would be lost. Two tars joined with cat, or a header zeroed inside the "
-                    "archive? Re-create this shard (tar --concatenate joins tars)"
-                )
-        at += whole
-        pending = data[whole:]
 
 
 #: Shards up to this size are read whole by the fast indexer (one read); larger ones are mapped,
@@ -302,10 +235,10 @@ def index_with_tarfile(path: Path, fileobj: BinaryIO | None = None) -> TarIndex:
                 f"re-create this shard ({RESTAGE_HELPS}), or pass on_error='skip' to the loader"
             ) from exc
         tar.fileobj.seek(tar.offset)
-        _check_end(tar.fileobj.read(BLOCK), str(path), tar.offset, last_name)
+        check_end(tar.fileobj.read(BLOCK), str(path), tar.offset, last_name)
         tar.fileobj.seek(tar.offset)
         rest = iter(lambda: tar.fileobj.read(1 << 16), b"")
-        _check_after_end(rest, str(path), tar.offset, last_name)
+        check_after_end(rest, str(path), tar.offset, last_name)
     return samples.index()
 
 
@@ -383,11 +316,11 @@ def count_samples_stream(stream: BinaryIO, name: str, *, compressed: bool = Fals
                         )
                     exts.add(parts[1])
             tail = reader.bytes_from(tar.offset, BLOCK)
-            _check_end(tail, name, tar.offset, last_name, compressed)
+            check_end(tail, name, tar.offset, last_name, compressed)
             # the rest: the padding, and for gzip the trailer whose CRC is checked on the way
             read = reader.bytes_from(tar.offset, reader.pos - tar.offset)
             rest = itertools.chain([read], iter(lambda: reader.read(1 << 20), b""))
-            _check_after_end(rest, name, tar.offset, last_name)
+            check_after_end(rest, name, tar.offset, last_name)
     except gzip.BadGzipFile as exc:
         if reader.pos == 0:  # not gzip from its first bytes: a plain tar under a .tgz name?
             raise IntegrityError(

@@ -338,11 +338,6 @@ class Copier:
         want, counted = self._known_samples(item), counter.samples if counter else None
         return want is None or counted is None or counted == want
 
-    def publishes_now(self) -> bool:
-        """Whether a copy may take its final name as soon as it is checked: no free-space
-        verdict is pending (the copy is not held as ``.partial``), and none refused the run."""
-        return self.sizing is None or self.sizing.gate.passed
-
     def publish_run(self, pairs: list[tuple[str, str]]) -> tuple[bool, list[OSError | None]]:
         """Rename a run's copies into place, or hold them for the free-space verdict:
         whether renamed, and each rename's error (see :meth:`PublishGate.publish_run`)."""

@@ -121,7 +121,8 @@ class SmallRuns:
         renames it where no free-space verdict is pending; else the copies go to the gate,
         which holds them until the verdict, as one-by-one copies are."""
         copier = self.copier
-        publish = copier.publishes_now()
+        # renamed as soon as checked where no free-space verdict is pending (nor refused one)
+        publish = copier.sizing is None or copier.sizing.gate.passed
         jobs = [
             RunJob(
                 item.shard.path,

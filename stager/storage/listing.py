@@ -41,6 +41,7 @@ __all__ = [
     "stat_many",
     "info_of",
     "split_fs",
+    "literal_path_note",
     "read_list",
     "fsspec_view",
     "glob_matches",
@@ -257,6 +258,19 @@ def split_fs(url: str) -> tuple[fsspec.AbstractFileSystem | None, str]:
             f"cannot open {url!r}: {exc}; install the fsspec backend (e.g. s3fs)"
         ) from exc
     return (None, path) if protocol_of(fs) == "file" else (fs, path)
+
+
+def literal_path_note(spec: str) -> str:
+    """What to add to "no match" where a local path of that very name exists: a SOURCE with
+    ``*?[{`` is read as a pattern, and the user meant the directory or file itself."""
+    fs, path = split_fs(spec)
+    if fs is not None or not os.path.lexists(path):
+        return ""
+    return (
+        " (a path of that very name exists, but a SOURCE with * ? [ or { is read as a pattern: "
+        "name its shards by --from-list or by a glob that escapes [ as [[] (DIR[[]1]/*.tar), "
+        "or rename it)"
+    )
 
 
 def read_list(list_url: str) -> list[str]:

@@ -37,6 +37,7 @@ from stager.storage.listing import (
     fsspec_view,
     glob_matches,
     info_of,
+    literal_path_note,
     protocol_of,
     read_list,
     some_file_names,
@@ -237,27 +238,13 @@ def _glob(spec: str, fs: fsspec.AbstractFileSystem | None, path: str, name: str)
         infos = [(p, info_of(info)) for p, info in matches]
     files = [(p, info) for p, info in infos if info.kind != DIRECTORY]
     if not files:
-        raise SourceError(
-            f"source not found: no file matches {spec}; check the pattern{_named_literally(spec)}"
-        )
+        note = literal_path_note(spec)
+        raise SourceError(f"source not found: no file matches {spec}; check the pattern{note}")
     root = glob_root(path) or ""  # (path is a glob here: never None)
     shards = [_shard(fs, p, root, info) for p, info in files if info.kind != OTHER]
     skipped = tuple(display(fs, p) for p, info in files if info.kind == OTHER)
     spec_id = canonical_spec(spec)
     return SourceSet(display(fs, root), name, _unique(shards), (), fs, spec_id, skipped)
-
-
-def _named_literally(spec: str) -> str:
-    """What to add to "no match" where a local path of that very name exists: a SOURCE with
-    ``*?[{`` is read as a pattern, and the user meant the directory or file itself."""
-    fs, path = split_fs(spec)
-    if fs is not None or not os.path.lexists(path):
-        return ""
-    return (
-        " (a path of that very name exists, but a SOURCE with * ? [ or { is read as a pattern: "
-        "name its shards by --from-list or by a glob that escapes [ as [[] (DIR[[]1]/*.tar), "
-        "or rename it)"
-    )
 
 
 def _walk(
@@ -389,7 +376,7 @@ def _resolve(
         if not result.shards and not result.skipped:
             raise SourceError(
                 f"source not found: none of the {len(paths)} files of {spec} exist; check the "
-                f"pattern{_named_literally(spec)}"
+                f"pattern{literal_path_note(spec)}"
             )
         return result
     fs, path = split_fs(spec)
