@@ -19,7 +19,11 @@ shrinks with the cores a job gives it decides what to build next. Each run here 
 - ``exit``: from the finish to the parent seeing the process end.
 
 ``cpu`` is the process's user and system time (every thread), so ``cpu / wall`` is how many
-cores it kept busy. Medians of ``--repeats`` runs per core count, the counts alternating.
+cores it kept busy. ``Python us/shard``: the copies phase less the time inside the runs'
+compiled calls (``copy_run``, ``rename_run``), per shard booked. Read it with ``--cores 1
+--flags '--jobs 1'``, where nothing overlaps: it is then the Python a shard holds the
+interpreter lock for, which bounds a run of tiny shards on many cores however many copy
+threads there are. Medians of ``--repeats`` runs per core count, the counts alternating.
 """
 
 from __future__ import annotations
@@ -62,6 +66,35 @@ def _marked(function, begin, end):
 
 copier.Copier.run = _marked(copier.Copier.run, "copies", "copies_end")
 run.finish = streamed.finish = _marked(streamed.finish, "finish", "finish_end")
+
+# The compiled calls of the copies (a run's copy and renames), timed: the rest of the copies
+# phase is Python, which one interpreter lock runs a thread at a time.
+import stager.storage.bytepath as bytepath
+marks["compiled_s"] = 0.0
+
+class _TimedPump:
+    def __init__(self, pump):
+        self._pump = pump
+
+    def __getattr__(self, name):
+        found = getattr(self._pump, name)
+        if name not in ("copy_run", "rename_run"):
+            return found
+        def timed(*args):
+            started = time.perf_counter()
+            try:
+                return found(*args)
+            finally:
+                marks["compiled_s"] += time.perf_counter() - started
+        return timed
+
+if bytepath._pump is not None:
+    bytepath._pump = _TimedPump(bytepath._pump)
+_booked = copier.Copier.book_run
+def _book_run(self, copies, published):
+    marks["files"] = marks.get("files", 0) + len(copies)
+    return _booked(self, copies, published)
+copier.Copier.book_run = _book_run
 
 def _save():
     with open(os.environ["BENCH_PHASES_OUT"], "w") as out:
@@ -108,16 +141,22 @@ def run_once(
         "copies": m["copies_end"] - m["copies"],
         "finish": m["finish_end"] - m["finish"],
         "exit": ended - m["finish_end"],
+        # the copies' Python per shard, outside the runs' compiled calls (on one core, with
+        # --jobs 1, nothing else runs meanwhile: what a shard holds the interpreter lock for)
+        "python_us": (m["copies_end"] - m["copies"] - m["compiled_s"])
+        / max(1, m.get("files", 0))
+        * 1e6,
     }
 
 
 def to_markdown(rows: list[dict]) -> str:
-    head = ["cores", "wall", *PHASES, "cpu", "cores busy"]
+    head = ["cores", "wall", *PHASES, "cpu", "cores busy", "Python us/shard"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cores = f"{r['cores']}, {r['tree']}" if r["tree"] else str(r["cores"])
         cells = [cores, *(f"{r[k]:.3f}" for k in ("wall", *PHASES, "cpu"))]
         cells.append(f"{r['cpu'] / r['wall']:.2f}")
+        cells.append(f"{r['python_us']:.1f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -160,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for (cores, tree), measured in runs.items():
         row: dict = {"cores": cores, "tree": tree, "repeats": len(measured)}
-        for key in ("wall", "cpu", *PHASES):
+        for key in ("wall", "cpu", "python_us", *PHASES):
             row[key] = statistics.median(m[key] for m in measured)
         rows.append(row)
     print(f"stage-in {args.src} {' '.join(flags)}: medians of {args.repeats}, seconds")
