@@ -613,14 +613,19 @@ def test_a_tar_header_after_the_end_block_fails_that_shard(
 
     from stager_loaders import LoaderOptions, ShardedLoader
 
-    from .trees import tar_bytes
+    from .trees import tar_bytes, v7_bytes
 
     first = tar_bytes([(f"a{i:03d}.jpg", bytes([i]) * 700) for i in range(6)])
+    # over 1 MiB of large members: walked header by header, not read whole (a review found the
+    # scanner vouching for it there, the headers after the end never seen)
+    big = tar_bytes([(f"c{i:03d}.jpg", bytes([i]) * 400_000) for i in range(3)])
     second = tar_bytes([(f"b{i:03d}.jpg", bytes([i]) * 700) for i in range(6)])
     with tarfile.open(fileobj=io.BytesIO(first)) as tar:
         fourth = tar.getmembers()[3].offset
     shards = {
         "joined": first + second,
+        "joinedbig": big + big,
+        "joinedv7": first + v7_bytes([("v000.jpg", b"v" * 700)]),  # (no ustar magic)
         "zeroed": first[:fourth] + bytes(1024) + first[fourth:],
         "lone": first[:fourth] + bytes(512) + first[fourth:],  # (GNU tar: "A lone zero block")
         "junk": first + b"\x01not a header" * 100,
@@ -634,7 +639,7 @@ def test_a_tar_header_after_the_end_block_fails_that_shard(
     assert result.returncode == EXIT_INTEGRITY, result.stderr
     failed = sorted(line for line in result.stderr.splitlines() if line.startswith("FAILED"))
     assert [line.split(": ")[0].rsplit("/", 1)[1] for line in failed] == [
-        f"{name}{suffix}" for name in ("joined", "lone", "zeroed")
+        f"{name}{suffix}" for name in ("joined", "joinedbig", "joinedv7", "lone", "zeroed")
     ], result.stderr
     assert "a tar header ('b000.jpg') at byte" in failed[0]
     assert all("after the end-of-archive block" in line for line in failed)
@@ -644,8 +649,9 @@ def test_a_tar_header_after_the_end_block_fails_that_shard(
         f"plain{suffix}",
     ]
     assert run_main(capsys, "stager", "index", str(src)).returncode == EXIT_INTEGRITY
-    with pytest.raises(IntegrityError, match="after the end-of-archive block"):
-        list(ShardedLoader(str(src / f"joined{suffix}"), batch_size=4, options=LoaderOptions()))
+    for name in ("joined", "joinedbig", "joinedv7"):
+        with pytest.raises(IntegrityError, match="after the end-of-archive block"):
+            list(ShardedLoader(str(src / f"{name}{suffix}"), batch_size=4, options=LoaderOptions()))
 
 
 @pytest.mark.parametrize("name", ["ds[1]", "b{x}"])
@@ -684,3 +690,43 @@ def test_one_file_that_is_no_shard_is_staged_without_an_index_warning(
     assert result.returncode == 0, result.stderr
     assert "warning" not in result.stderr, result.stderr
     assert (tmp_path / "s" / "notes.md" / "notes.md").read_text() == "not a tar\n"
+
+
+#: stage-in in a process that dies as a SIGKILL would, right before its finish (the staged
+#: manifest): its copies are renamed and journaled, nothing else.
+_DIES_BEFORE_FINISH = """
+import os, sys
+import stager.stagein.run as run
+import stager.stagein.streamed as streamed
+import stager.cli.main as cli
+run.finish = streamed.finish = lambda staging: os._exit(137)
+sys.argv[0] = "stage-in"
+sys.exit(cli.stage_in_main())
+"""
+
+
+def test_a_member_twice_in_one_sample_is_refused_after_a_kill_too(tmp_path: Path) -> None:
+    """A run killed before its finish journals its copies; a rerun keeps them. A shard with a
+    member twice in one sample was journaled with its count, kept without being indexed again,
+    and the rerun said it as a warning under exit 0. Its journal line now carries no count, so
+    the rerun indexes it and fails it (exit 4)."""
+    import sys
+
+    from .trees import tar_bytes
+
+    src = tmp_path / "ds"
+    src.mkdir()
+    for i in range(40):  # (enough for runs of small shards)
+        (src / f"s-{i:03d}.tar").write_bytes(tar_bytes([(f"k{i}.jpg", b"x" * 300)]))
+    twice = tar_bytes([("a.jpg", b"1"), ("a.cls", b"2"), ("a.jpg", b"3"), ("b.jpg", b"4")])
+    (src / "s-dup.tar").write_bytes(twice)
+    dest = tmp_path / "s"
+    argv = [sys.executable, "-c", _DIES_BEFORE_FINISH, str(src), "--dest", str(dest), *FAST]
+    died = subprocess.run(argv, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert died.returncode == 137, died.stderr
+    assert (dest / "ds" / "s-dup.tar").read_bytes() == twice  # (staged and journaled)
+    rerun = run_cli("stage-in", str(src), "--dest", str(dest), *LOUD)
+    assert rerun.returncode == EXIT_INTEGRITY, rerun.stderr
+    failed = [line for line in rerun.stderr.splitlines() if line.startswith("FAILED")]
+    assert len(failed) == 1 and "s-dup.tar: member 'a.jpg' appears twice" in failed[0]
+    assert not (dest / "ds" / "s-dup.tar").exists()

@@ -28,6 +28,8 @@ from stager.shards.tarindex import TarIndex, duplicate_member, index_tar, index_
 from stager.shards.tarscan import TarScanner, scan_tar
 from stager.shards.tarwalk import MANY, walk_tar
 
+from .trees import v7_bytes
+
 PROPERTY = settings(
     max_examples=250,
     deadline=None,
@@ -204,7 +206,16 @@ def test_indexers_equal_tarfile_on_tars_tarfile_writes(
     items=members(),
     fmt=_FORMATS,
     damage=st.sampled_from(
-        ["truncate", "flip", "zero", "garbage_tail", "drop_end", "concatenated", "zeros_inserted"]
+        [
+            "truncate",
+            "flip",
+            "zero",
+            "garbage_tail",
+            "drop_end",
+            "concatenated",
+            "concatenated_v7",
+            "zeros_inserted",
+        ]
     ),
     where=st.floats(0, 1),
     bit=st.integers(0, 7),
@@ -227,6 +238,8 @@ def test_damaged_tars_are_vouched_for_only_where_tarfile_agrees(
         data += b"\x01garbage" * 100
     elif damage == "concatenated":  # cat a.tar b.tar: every reader stops at a's end
         data += _write(items, fmt)
+    elif damage == "concatenated_v7":  # the same, the second tar with no ustar magic
+        data += v7_bytes([("v0.jpg", b"v" * (1 + bit * 100))])
     elif damage == "zeros_inserted":  # one or two zero blocks between two blocks
         block = at - at % 512
         data[block:block] = bytes(512 * (1 + bit % 2))

@@ -21,6 +21,21 @@ def tar_bytes(members: list[tuple[str, bytes]], tar_format: int = tarfile.USTAR_
     return out.getvalue()
 
 
+def v7_bytes(members: list[tuple[str, bytes]]) -> bytes:
+    """:func:`tar_bytes` in the old v7 format: no ``ustar`` magic in any header (GNU tar
+    ``--format=v7``), each header's checksum made again."""
+    data = bytearray(tar_bytes(members))
+    with tarfile.open(fileobj=io.BytesIO(bytes(data))) as tar:
+        offsets = [info.offset for info in tar.getmembers()]
+    for at in offsets:
+        header = data[at : at + 512]
+        header[257:265] = bytes(8)  # magic and version
+        header[148:156] = b" " * 8
+        header[148:156] = b"%06o\0 " % sum(header)
+        data[at : at + 512] = header
+    return bytes(data)
+
+
 def build_tree(
     root: Path, entries: list[tuple[list[str], str, str]], shard: Path | None = None
 ) -> None:

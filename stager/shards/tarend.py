@@ -10,12 +10,12 @@ no header after it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from stager.errors import IntegrityError
 from stager.shards.tarheader import BLOCK
 
-__all__ = ["RESTAGE_HELPS", "check_end", "check_after_end"]
+__all__ = ["RESTAGE_HELPS", "check_end", "check_after_end", "zeros_from"]
 
 #: When re-staging helps: every copy is checked against its source as it is made, so a shard
 #: found corrupt is corrupt at its source unless the staged copy was changed afterwards.
@@ -83,3 +83,14 @@ def check_after_end(chunks: Iterable[bytes], where: str, offset: int, last_name:
                 )
         at += whole
         pending = data[whole:]
+
+
+def zeros_from(read_at: Callable[[int, int], bytes], offset: int) -> bool:
+    """Whether every byte from ``offset`` to the end is zero: what a fast indexer must see after
+    the end-of-archive block to vouch for a tar (anything else is left to :func:`check_after_end`,
+    on the tarfile path, which says whether it is a header and where)."""
+    while chunk := read_at(offset, 1 << 16):
+        if chunk.count(0) != len(chunk):
+            return False
+        offset += len(chunk)
+    return True

@@ -243,10 +243,17 @@ def index_with_tarfile(path: Path, fileobj: BinaryIO | None = None) -> TarIndex:
 
 
 def count_samples(path: str | Path) -> int:
-    """Number of samples in a shard, compressed or not."""
+    """Number of samples in a shard, compressed or not; :class:`IntegrityError` for a member
+    twice in one sample (as :func:`count_samples_stream`: the loader refuses such a shard)."""
     path = Path(path)
     if not is_compressed(path):
-        return index_tar(path).num_samples
+        index = index_tar(path)
+        twice = duplicate_member(index)
+        if twice is not None:
+            raise IntegrityError(
+                f"{path}: member {twice!r} appears twice in one sample; re-create this shard"
+            )
+        return index.num_samples
     with open(path, "rb") as handle:
         return count_samples_stream(handle, str(path), compressed=True)
 

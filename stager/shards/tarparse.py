@@ -244,6 +244,12 @@ class TarSampleCounter:
             return self._walked.num_samples
         return None if self._index is None else self._index.num_samples
 
+    @property
+    def repeated_member(self) -> str | None:
+        """A member named twice in one sample (``"key.ext"``) as the compiled walk found it;
+        None where there is none, or where only indexing the copy would tell."""
+        return None if self._walk_parts is None else self._walk_parts["duplicate"]
+
     def result(self) -> TarIndex | WalkResult | None:
         """:meth:`index`, or where the compiled walk vouched, its columns as they came (no
         numpy per shard: :func:`stager.shards.loader_index.save_dataset_index` joins them)."""

@@ -30,6 +30,7 @@ from collections.abc import Callable
 import numpy as np
 
 from stager.shards.members import TarColumns, TarIndex
+from stager.shards.tarend import zeros_from
 from stager.shards.tarfields import FILE_TYPES, META_TYPES, USTAR, vouch
 from stager.shards.tarheader import BLOCK
 from stager.shards.tarnames import (
@@ -158,9 +159,9 @@ class TarScanner:
         self._check()
         if not self._batches or self._batches[0].blocks[0] != 0:
             first = read_at(0, BLOCK)
-            if len(first) == BLOCK and not any(first) and not self._batches:
+            if len(first) == BLOCK and not any(first) and zeros_from(read_at, BLOCK):
                 return _empty()  # tarfile reads an archive that starts with its end as empty
-            return None  # (or headers after that end: tarindex's check says what is lost)
+            return None  # (or something after that end: tarend's check says if it is a header)
         rows = Batch.join(self._batches)
         self._batches = []
         nxt = rows.blocks + 1 + np.where(rows.skips, (rows.size + BLOCK - 1) // BLOCK, 0)
@@ -169,8 +170,8 @@ class TarScanner:
         end = read_at(end_block * BLOCK, BLOCK)
         if len(end) < BLOCK or any(end):
             return None  # no end-of-archive block where tarfile looks for the next header
-        if int(rows.blocks.max()) > end_block:
-            return None  # a header after the end: tarindex's check says what is lost
+        if not zeros_from(read_at, (end_block + 1) * BLOCK):
+            return None  # (headers the scan never saw, v7 ones too: tarend's check says)
         pax = PaxPayloads(self._pax_blocks, self._pax_payloads)
         return _index(rows.take(chain), read_at, pax)
 

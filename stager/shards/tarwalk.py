@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Final, Literal
 
 from stager.shards.members import SampleGrouper, TarIndex
+from stager.shards.tarend import zeros_from
 from stager.shards.tarheader import BLOCK, UTF8, checksums_ok, numbers_general, padded_pax_records
 
 __all__ = ["MANY", "walk_index", "walk_members", "walk_tar"]
@@ -84,7 +85,7 @@ def walk_members(
             if after_meta or not checksums_ok(headers, checksums):
                 return None  # tarfile raises on a metadata header right before the end
             # (bytes after the end that are not zero: tarindex's check says what they are)
-            return samples if _zeros_from(read_at, offset + BLOCK) else None
+            return samples if zeros_from(read_at, offset + BLOCK) else None
         if len(header) < BLOCK or header[257:262] != b"ustar":
             return None
         numbers = _numbers(header)
@@ -125,15 +126,6 @@ def walk_index(source: bytes | Callable[[int, int], bytes]) -> TarIndex | None:
     else:
         walked = walk_tar(source)
     return walked if isinstance(walked, TarIndex) else None
-
-
-def _zeros_from(read_at: Callable[[int, int], bytes], offset: int) -> bool:
-    """Whether every byte from ``offset`` to the end is zero (the end block's record)."""
-    while chunk := read_at(offset, 1 << 16):
-        if chunk.count(0) != len(chunk):
-            return False
-        offset += len(chunk)
-    return True
 
 
 def _numbers(header: bytes) -> tuple[int, int] | None:

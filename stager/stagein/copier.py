@@ -363,7 +363,9 @@ class Copier:
             samples = self._known_samples(item)
             if counter is not None:  # (one that found no tar too: the finish checks the copy)
                 self.outcome.parsed[relpath] = counter  # arrays are built at the end
-                if samples is None:
+                if counter.repeated_member is not None:
+                    samples = None  # the finish refuses it; so, once journaled, does a resume
+                elif samples is None:
                     samples = counter.samples
             # Compressed shards are counted here. A walk in flight that found no tar already ran
             # the slower indexers: the finish reads that copy once more and fails it.
