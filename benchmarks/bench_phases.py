@@ -156,7 +156,8 @@ def to_markdown(rows: list[dict]) -> str:
         cores = f"{r['cores']}, {r['tree']}" if r["tree"] else str(r["cores"])
         cells = [cores, *(f"{r[k]:.3f}" for k in ("wall", *PHASES, "cpu"))]
         cells.append(f"{r['cpu'] / r['wall']:.2f}")
-        cells.append(f"{r['python_us']:.1f}")
+        # (copy threads overlapping count their compiled time more than once: only --jobs 1)
+        cells.append(f"{r['python_us']:.1f}" if r["python_us"] >= 0 else "n/a")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
