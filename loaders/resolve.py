@@ -332,17 +332,28 @@ def resolve_dataset(
     )
     from .staging import resolve_staging  # imports this module
 
+    # The node-local copy of this very source first: once it is staged, nothing is asked of
+    # the shared filesystem (before, each loader stat'ed the source and looked for a staged
+    # layout inside it: three metadata round trips per rank, and a source that was itself a
+    # copied staged directory was read from there). A copy under that name of another source
+    # leaves the choice to the source itself, which may be a staged directory.
+    staged = StagedDataset(resolve_dest_root(dest), name or dataset_name(spec))
+    other: UsageError | None = None
+    try:
+        found = resolve_staging(staged, spec, on_error)
+        if found is None and staged.manifest_path.is_file():
+            found = _from_staged(staged.dir, spec, on_error)
+    except UsageError as exc:  # (another dataset under this name: _check_same_root)
+        found, other = None, exc
+    if found is not None:
+        return found
     if isinstance(spec, str) and "://" not in spec:
         direct = Path(spec)
         layout = StagedDataset.of(direct)
         if direct.is_dir() and (layout.manifest_path.is_file() or layout.staging_path.is_file()):
             return resolve_staging(layout, None, on_error) or _from_staged(direct, None, on_error)
-    staged = StagedDataset(resolve_dest_root(dest), name or dataset_name(spec))
-    background = resolve_staging(staged, spec, on_error)
-    if background is not None:
-        return background
-    if staged.manifest_path.is_file():
-        return _from_staged(staged.dir, spec, on_error)
+    if other is not None:
+        raise other
     resolved = resolve_source(spec, name=name)
     refs = list(_source_refs(resolved, _source_samples(resolved)).values())
     log.warning(

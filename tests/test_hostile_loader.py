@@ -250,3 +250,30 @@ def test_member_names_that_are_not_utf8_read_as_webdataset_reads_them(
     raw = [label if isinstance(label, bytes) else bytes(label.numpy()) for label in labels]
     got = sorted(zip(keys, raw, strict=True))
     assert got == expected
+
+
+def test_a_staged_copy_is_used_before_anything_is_asked_of_the_source(tmp_path: Path) -> None:
+    """A source that is itself a copied staged directory (it holds .stager/manifest.json):
+    the loader used to take the source for the staged copy and read it from the shared
+    filesystem, although the node-local copy of it was staged; and it stat'ed the source and
+    looked for a staged layout inside it for every source, on every rank. The staged copy of
+    this very source is now looked up first."""
+    import shutil
+
+    from stager.cli.main import main
+
+    data = _dataset(tmp_path / "first", shards=2, per_shard=3)
+    assert main(["stage-in", str(data), "--dest", str(tmp_path / "s1"), "--quiet"]) == 0
+    source = tmp_path / "nfs" / "copied"
+    shutil.copytree(tmp_path / "s1" / "first", source)  # (.stager/ and all)
+    assert (source / ".stager" / "manifest.json").is_file()
+    dest = tmp_path / "s2"
+    assert main(["stage-in", str(source), "--dest", str(dest), "--quiet"]) == 0
+    loader = ShardedLoader(
+        str(source), batch_size=3, to_tuple=("__key__",), options=_options(dest=str(dest))
+    )
+    assert loader.shards.staged_dir == dest / "copied" and loader.shards.from_source == 0
+    assert sorted(_keys(loader)) == [f"s{s}-{i:03d}" for s in range(2) for i in range(3)]
+    # given the staged directory itself, it is read as before
+    itself = ShardedLoader(str(dest / "copied"), batch_size=3, options=_options())
+    assert itself.shards.staged_dir == dest / "copied"
