@@ -247,9 +247,15 @@ class StreamingReader:
 
     def order_settings(self) -> dict[str, Any]:
         """Each worker streams its own range through its own shuffle buffer: both shape the
-        order (a random-access path's order depends on neither)."""
+        order (a random-access path's order depends on neither), and so does how the ranges
+        are cut ("batches": in whole batches; a state saved before, without it, is refused)."""
         buffer = self._options.buffer_samples if self._bound()[0].options.shuffle != "none" else 0
-        return {"path": "streaming", "workers": self._workers, "buffer_samples": buffer}
+        return {
+            "path": "streaming",
+            "workers": self._workers,
+            "buffer_samples": buffer,
+            "worker_ranges": "batches",
+        }
 
 
 def open_reader(

@@ -13,6 +13,8 @@ import warnings
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from stager.errors import IntegrityError, ResumeMismatch, UsageError
 from stager_loaders import LoaderOptions, ShardedLoader
@@ -277,3 +279,55 @@ def test_a_staged_copy_is_used_before_anything_is_asked_of_the_source(tmp_path: 
     # given the staged directory itself, it is read as before
     itself = ShardedLoader(str(dest / "copied"), batch_size=3, options=_options())
     assert itself.shards.staged_dir == dest / "copied"
+
+
+@given(
+    per_rank=st.integers(0, 5000),
+    workers=st.integers(1, 8),
+    batch_size=st.integers(1, 300),
+)
+def test_a_streaming_rank_is_cut_for_its_workers_in_whole_batches(
+    per_rank: int, workers: int, batch_size: int
+) -> None:
+    """Each worker batches its own range: a range that is no multiple of the batch size left
+    a short batch per worker (pad) or dropped its tail (drop), up to a whole epoch."""
+    from stager.plan.streaming import worker_samples
+
+    parts = worker_samples(per_rank, workers, batch_size)
+    assert len(parts) == workers and sum(parts) == per_rank
+    assert sum(1 for part in parts if part % batch_size) <= 1  # one short batch at most
+    assert max(parts) - min(parts) < 2 * batch_size  # spread as evenly as whole batches go
+    dropped = per_rank - sum(part // batch_size * batch_size for part in parts)
+    assert dropped == per_rank % batch_size  # under drop, less than one batch a rank
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")  # (3 > cores)
+@pytest.mark.parametrize("even", ["drop", "pad"])
+def test_a_streaming_epoch_with_workers_keeps_its_whole_batches(tmp_path: Path, even: str) -> None:
+    """The review's case: 9 .tar.gz shards of 13 samples, batches of 21, 3 workers, 2 ranks.
+    Each rank's 58 samples were split 20/19/19 over the workers, none of which made a full
+    batch: with drop, len() was 0 on every rank, an epoch of no steps."""
+    root = tmp_path / "gz"
+    root.mkdir()
+    for s in range(9):
+        members = [(f"s{s}-{i:03d}.cls", str(i % 10).encode()) for i in range(13)]
+        _write_tar(root / f"part-{s:03d}.tar.gz", members, gz=True)
+    seen: list[str] = []
+    for rank in range(2):
+        options = LoaderOptions(rank=rank, world_size=2, dest=str(tmp_path / "none"))
+        loader = ShardedLoader(
+            str(root),
+            batch_size=21,
+            num_workers=3,
+            even=even,
+            to_tuple=("__key__",),
+            options=options,
+        )
+        batches = [batch for (batch,) in loader]
+        assert len(batches) == len(loader) == (2 if even == "drop" else 3)
+        assert [len(b) for b in batches[:2]] == [21, 21]
+        seen += [key for batch in batches for key in batch]
+    if even == "drop":
+        assert len(seen) == len(set(seen)) == 84  # 117 less under a batch per rank
+    else:
+        assert set(seen) == {f"s{s}-{i:03d}" for s in range(9) for i in range(13)}

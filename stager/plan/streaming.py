@@ -16,7 +16,25 @@ import numpy as np
 from stager.plan.order import shard_offsets, shard_order
 from stager.plan.ranks import PlanOptions, WorldLayout, num_batches
 
-__all__ = ["StreamingPlan"]
+__all__ = ["StreamingPlan", "worker_samples"]
+
+
+def worker_samples(per_rank: int, workers: int, batch_size: int) -> list[int]:
+    """How many of a rank's samples each worker streams: whole batches, spread as evenly as
+    they go, and the rank's remainder (fewer than a batch) on the worker after the last one
+    with an extra batch.
+
+    Why: each worker makes its own batches, so a part that is no multiple of the batch size
+    leaves a short batch per worker (``pad``) or drops its tail (``drop``). Split per sample,
+    2 ranks x 3 workers with batches of 21 and 58 samples a rank dropped them all (an epoch of
+    no batches), and larger runs lost up to ``world x workers x (batch_size - 1)`` samples an
+    epoch. In whole batches a rank has at most one short batch and drops fewer than a batch.
+    """
+    full, remainder = divmod(per_rank, batch_size)
+    base, extra = divmod(full, workers)
+    parts = [(base + (1 if w < extra else 0)) * batch_size for w in range(workers)]
+    parts[extra] += remainder  # (extra < workers)
+    return parts
 
 
 class StreamingPlan:
@@ -35,8 +53,7 @@ class StreamingPlan:
         self.options = options
         self.per_rank = per_rank
         self.workers = workers
-        base, extra = divmod(per_rank, workers)
-        self.worker_samples = [base + (1 if w < extra else 0) for w in range(workers)]
+        self.worker_samples = worker_samples(per_rank, workers, options.batch_size)
         self.worker_batches = [
             num_batches(n, options.batch_size, options.even) for n in self.worker_samples
         ]
