@@ -198,6 +198,13 @@ class ShardedLoader(DataLoader):
         )
         self.reader.use_order(self._epoch, spec)
         self.reader.start(self._epoch, start)
+        if not start and not len(self) and int(self.shard_samples.sum()):
+            log.warning(  # (as DataLoader(drop_last=True) would, but not without a word)
+                "epoch %d has no batch on any rank: a rank's share is under batch_size=%d and "
+                "even='drop' drops it; use even='pad' or a smaller batch_size",
+                self._epoch,
+                self.plan_options.batch_size,
+            )
         if self.num_workers > 0 and not self._collected:
             # Once, before the first workers are forked: a full collection that falls due
             # right after the fork (importing torch leaves one due) makes the parent write to

@@ -331,3 +331,20 @@ def test_a_streaming_epoch_with_workers_keeps_its_whole_batches(tmp_path: Path, 
         assert len(seen) == len(set(seen)) == 84  # 117 less under a batch per rank
     else:
         assert set(seen) == {f"s{s}-{i:03d}" for s in range(9) for i in range(13)}
+
+
+def test_an_epoch_of_no_batches_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """8 samples, 3 ranks, batches of 3, drop: no rank has a full batch, so the epoch has no
+    steps on any rank (as DataLoader(drop_last=True) makes it); it is said once, not left to
+    a training loop that silently does nothing."""
+    data = _dataset(tmp_path / "plain", shards=1, per_shard=8)
+    options = LoaderOptions(rank=1, world_size=3, dest=str(tmp_path / "none"))
+    loader = ShardedLoader(str(data), batch_size=3, even="drop", options=options)
+    with caplog.at_level("WARNING", logger="stager_loaders"):
+        assert len(loader) == 0 and list(loader) == []
+    assert any("has no batch on any rank" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    padded = ShardedLoader(str(data), batch_size=3, even="pad", options=options)
+    with caplog.at_level("WARNING", logger="stager_loaders"):
+        assert len(list(padded)) == len(padded) == 1
+    assert not any("has no batch" in r.getMessage() for r in caplog.records)
