@@ -24,6 +24,7 @@ __all__ = [
     "any_compressed",
     "duplicate_member",
     "is_compressed",
+    "repeated_member",
     "split_key",
 ]
 
@@ -144,6 +145,12 @@ class SampleGrouper:
             duplicates_checked=True,
             duplicate=self._duplicate,
         )
+
+
+def repeated_member(member: str) -> str:
+    """What stage-in and `stager index` say of a shard with ``member`` (``"key.ext"``) twice in
+    one sample, which the loader, like webdataset, refuses."""
+    return f"member {member!r} appears twice in one sample; re-create this shard"
 
 
 def duplicate_member(index: TarIndex) -> str | None:

@@ -33,6 +33,7 @@ from stager.shards.members import (
     any_compressed,
     duplicate_member,
     is_compressed,
+    repeated_member,
     split_key,
 )
 from stager.shards.tarend import RESTAGE_HELPS, check_after_end, check_end
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "duplicate_member",
+    "repeated_member",
     "TarIndex",
     "index_tar",
     "count_samples",
@@ -250,9 +252,7 @@ def count_samples(path: str | Path) -> int:
         index = index_tar(path)
         twice = duplicate_member(index)
         if twice is not None:
-            raise IntegrityError(
-                f"{path}: member {twice!r} appears twice in one sample; re-create this shard"
-            )
+            raise IntegrityError(f"{path}: {repeated_member(twice)}")
         return index.num_samples
     with open(path, "rb") as handle:
         return count_samples_stream(handle, str(path), compressed=True)
@@ -316,11 +316,8 @@ def count_samples_stream(stream: BinaryIO, name: str, *, compressed: bool = Fals
                     exts.clear()
                 if parts:
                     if parts[1] in exts:
-                        member = f"{parts[0]}.{parts[1]}"
-                        raise IntegrityError(  # (the loader, like webdataset, refuses it)
-                            f"{name}: member {member!r} appears twice in one sample; re-create "
-                            "this shard"
-                        )
+                        twice = f"{parts[0]}.{parts[1]}"
+                        raise IntegrityError(f"{name}: {repeated_member(twice)}")
                     exts.add(parts[1])
             tail = reader.bytes_from(tar.offset, BLOCK)
             check_end(tail, name, tar.offset, last_name, compressed)

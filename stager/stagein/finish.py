@@ -207,7 +207,7 @@ def _refuse_repeated_members(run: Staging, indexes: Indexes) -> None:
         )
         if twice is not None and relpath in run.entries:
             del indexes[relpath]
-            _unstage_corrupt(run, relpath, f"member {twice!r} appears twice in one sample")
+            _unstage_corrupt(run, relpath, tarindex.repeated_member(twice))
 
 
 def _verify_count(run: Staging, relpath: str, indexes: Indexes) -> None:

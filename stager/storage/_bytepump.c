@@ -151,7 +151,7 @@ static int claim(Pump *p, Py_buffer *view, Py_ssize_t limit, Py_ssize_t piece) {
 /* What identifies the file's bytes (stager/storage/identity.py): (inode, mtime_s, mtime_ns,
  * ctime_s, ctime_ns), seconds and nanoseconds apart: as one product in 64 bits they overflow
  * past the year 2262, which ext4 allows. */
-PyObject *pump_identity_of(const struct stat *st) {
+static PyObject *identity_of(const struct stat *st) {
     return Py_BuildValue("(KLlLl)", (unsigned long long)st->st_ino, (long long)st->st_mtim.tv_sec,
                          (long)st->st_mtim.tv_nsec, (long long)st->st_ctim.tv_sec,
                          (long)st->st_ctim.tv_nsec);
@@ -177,7 +177,7 @@ static PyObject *moved_result(Pump *p, const Moved *m) {
     if (!m->ended)
         return Py_BuildValue("(nOdO)", (Py_ssize_t)m->moved, Py_False, m->lag_s, Py_None);
     return Py_BuildValue("(nOd(NL))", (Py_ssize_t)m->moved, Py_True, m->lag_s,
-                         pump_identity_of(&m->end), (long long)m->end.st_size);
+                         identity_of(&m->end), (long long)m->end.st_size);
 }
 
 /* move(src_fd, dst_fd, buffer, limit, piece) -> (moved, ended, lag_s, end)
@@ -279,7 +279,7 @@ static PyObject *Pump_begin(Pump *p, PyObject *args) {
         close(dst);
         goto done;
     }
-    result = Py_BuildValue("(iiNdO)", src, dst, pump_identity_of(&st), m.first_lag_s, moved);
+    result = Py_BuildValue("(iiNdO)", src, dst, identity_of(&st), m.first_lag_s, moved);
     Py_DECREF(moved);
     if (!result) {
         if (src >= 0) close(src);

@@ -3,7 +3,6 @@
 #ifndef STAGER_BYTEPUMP_H
 #define STAGER_BYTEPUMP_H
 #include <Python.h>
-#include <sys/stat.h>
 
 #include "../shards/_tarwalk_api.h"
 
@@ -19,9 +18,6 @@ int pump_handle_signals(PyThreadState **saved);
 
 /* Write all `len` bytes in pieces of at most `piece`; 0, an errno, or -1 (a handler raised). */
 int pump_write_all(int fd, const char *data, size_t len, size_t piece, PyThreadState **saved);
-
-/* (inode, mtime_s, mtime_ns, ctime_s, ctime_ns): stager/storage/identity.py's identity. */
-PyObject *pump_identity_of(const struct stat *st);
 
 /* copy_run(jobs, buffer, piece, fsync, budget_s, publish) -> (results, failed): _copyrun.c. */
 PyObject *pump_copy_run(PyObject *module, PyObject *args);

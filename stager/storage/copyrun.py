@@ -95,7 +95,7 @@ def copy_run(
     a job with a result has been finished. On an exception (a signal handler's) no partial of
     the run is left; what was published stays (each copy whole and checked).
     """
-    partials = [job.final + PARTIAL_SUFFIX for job in jobs]
+    partials = [job.partial for job in jobs]
     arguments = [
         (
             job.src_path,
