@@ -22,8 +22,9 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import Path
-from typing import TextIO
+from typing import TextIO, cast
 
 from stager.errors import (
     DestinationError,
@@ -98,9 +99,9 @@ def finish(run: Staging) -> None:
     corrupt = _corrupt_relpaths(run)
     if corrupt:  # kept with what was staged: a later run that fails early rewrites the result
         meta[CORRUPT_META] = json.dumps(corrupt)
-    manifest = Manifest(
-        tuple(run.entries[s.relpath] for s in run.shards if s.relpath in run.entries), meta
-    )
+    # in source order; (C loops, no Python frame per shard: ~1 us a shard of serial finish less)
+    staged = map(run.entries.get, map(attrgetter("relpath"), run.shards))
+    manifest = Manifest(tuple(filter(None, staged)), meta)
     indexing = not report.failures and run.options.count_samples
     base = f"{run.staged.dir}{os.sep}"  # str paths: a Path per shard costs ~10 us
     paths = [base + e.relpath for e in manifest.entries] if indexing else []
@@ -200,14 +201,20 @@ def _refuse_repeated_members(run: Staging, indexes: Indexes) -> None:
     ``k.jpg`` and ``k.JPG``): the loader refuses it, as webdataset does, and stage-in is where
     that should show, in the job's prologue with one FAILED line and exit 4, not as a warning
     under exit 0 and then in the loader once training has started."""
-    for relpath in sorted(indexes):
-        index = indexes[relpath]
-        twice = (
-            index.duplicate if isinstance(index, WalkResult) else tarindex.duplicate_member(index)
-        )
-        if twice is not None and relpath in run.entries:
+    # (one pass of plain lookups, the few found sorted: a sort and a property call per shard
+    # were ~1.5 us of each shard's serial finish)
+    twice_in: dict[str, str] = {}
+    for relpath, index in indexes.items():
+        if isinstance(index, WalkResult):
+            twice = index.parts["duplicate"]
+        else:
+            twice = tarindex.duplicate_member(index)
+        if twice is not None:
+            twice_in[relpath] = twice
+    for relpath in sorted(twice_in):
+        if relpath in run.entries:
             del indexes[relpath]
-            _unstage_corrupt(run, relpath, tarindex.repeated_member(twice))
+            _unstage_corrupt(run, relpath, tarindex.repeated_member(twice_in[relpath]))
 
 
 def _verify_count(run: Staging, relpath: str, indexes: Indexes) -> None:
@@ -275,18 +282,20 @@ def _save_loader_index(
     which returns at once when the index on disk is current and walks only what changed.
     ``paths``: the entries' staged files; ``stats``: their key's stats, taken meanwhile.
     """
+    # (each pass over the shards a list's or map's C loop: this is serial Python per shard)
     entries = manifest.entries
-    if not entries or tarindex.any_compressed(e.relpath for e in entries):
-        return  # compressed shards are streamed by the loader, never indexed
-    if not any(is_shard_name(e.relpath) for e in entries):
-        return  # files named as they are (`stage-in notes.md`): nothing a loader reads
     relpaths = [e.relpath for e in entries]
+    if not relpaths or tarindex.any_compressed(relpaths):
+        return  # compressed shards are streamed by the loader, never indexed
+    if not any(map(is_shard_name, relpaths)):
+        return  # files named as they are (`stage-in notes.md`): nothing a loader reads
     samples = [e.samples for e in entries]
+    found = list(map(indexes.get, relpaths))
     try:
-        if all(e.relpath in indexes for e in entries):  # (each checked for repeated members)
-            walked = [indexes[r] for r in relpaths]
-            if all(isinstance(i, WalkResult) for i in walked):  # (only the compiled walk makes one)
-                parts = [i.parts for i in walked if isinstance(i, WalkResult)]
+        if None not in found:  # (each checked for repeated members)
+            walked = cast("list[TarIndex | WalkResult]", found)
+            parts = [i.parts for i in walked if type(i) is WalkResult]
+            if len(parts) == len(walked):  # (only the compiled walk makes a WalkResult)
                 rows = stats.rows() if stats is not None else None
                 indexfile.save_walked_index(
                     paths, relpaths, samples, parts, run.staged.index_dir, rows
