@@ -35,6 +35,7 @@ from stager.patterns import expand_pattern
 
 __all__ = [
     "META_DIR",
+    "is_hidden_name",
     "PARTIAL_SUFFIX",
     "SHARD_SUFFIXES",
     "CORRUPT_META",
@@ -92,13 +93,30 @@ def is_shard_name_but_for_case(name: str) -> bool:
     return not is_shard_name(name) and is_shard_name(name.lower())
 
 
+def is_hidden_name(name: str) -> bool:
+    """True for a name a directory walk and a glob's wildcards leave out, as the shell's and
+    Python's globs do: ``.git``, ``.b.tar``, and the ``._a.tar`` AppleDouble files a Mac
+    leaves beside each file it copies to a share, which are no tars. Named explicitly (a list,
+    braces, a pattern whose part starts with ``.``), such a file is staged."""
+    return name.startswith(".")
+
+
 def left_out_warnings(left_out: Sequence[str], done: str = "staged") -> list[str]:
     """The warnings for what a walk saw but did not take (``SourceSet.left_out``): a source of
-    ``a.tar`` and ``B.TAR``, or with a subdirectory that is a symlink, staged only part of its
-    shards without a word. One line per kind, naming the first."""
-    files = sorted(p for p in left_out if not p.endswith("/"))
-    linked = sorted(p for p in left_out if p.endswith("/"))
+    ``a.tar`` and ``B.TAR``, or with a subdirectory that is a symlink, or with hidden shards or
+    directories, staged only part of what it holds without a word. One line per kind, naming
+    the first."""
+    hidden = sorted(p for p in left_out if is_hidden_name(posixpath.basename(p.rstrip("/"))))
+    others = [p for p in left_out if not is_hidden_name(posixpath.basename(p.rstrip("/")))]
+    files = sorted(p for p in others if not p.endswith("/"))
+    linked = sorted(p for p in others if p.endswith("/"))
     lines = []
+    if hidden:
+        lines.append(
+            f"not {done}: {_first(hidden)}, hidden (a name starting with '.', left out by a "
+            "walk or a glob's wildcard as the shell leaves it out); name them in --from-list "
+            "or in the pattern to stage them"
+        )
     if files:
         lines.append(
             f"not {done}: {_first(files)}, named like shards but for the case of the suffix "
@@ -139,9 +157,11 @@ def no_shards_message(spec: str, names: Iterable[str], skipped: Sequence[str] = 
     """The one line for a source without shards. Where some of ``names`` (the files found)
     would be shards but for the case of their suffix (``SHARD-0.TAR``), it names one: shard
     names are matched as written, and "check the directory" did not say what was wrong. Where
-    the walk skipped some (``skipped``: not regular files), it names one of those instead."""
+    the walk skipped some (``skipped``: not regular files), it names one of those instead; where
+    the only shards are hidden (``._a.tar``, ``.cache/a.tar``), one of them."""
     if skipped:
         return not_regular_message(spec, skipped)
+    hidden = None
     for name in names:
         base = name.rsplit("/", 1)[-1]
         if is_shard_name_but_for_case(base):
@@ -150,6 +170,14 @@ def no_shards_message(spec: str, names: Iterable[str], skipped: Sequence[str] = 
                 "suffixes not in lower case, and suffixes are matched as written; rename them "
                 "to lower case"
             )
+        if hidden is None and is_shard_name(base) and any(map(is_hidden_name, name.split("/"))):
+            hidden = name
+    if hidden is not None:
+        return (
+            f"no shards (*.tar, *.tgz, *.tar.gz) under {spec} but hidden ones ({one_line(hidden)!r}"
+            " and its like: a name starting with '.', which a walk leaves out); name them in "
+            "--from-list to stage them"
+        )
     return f"no shards (*.tar, *.tgz, *.tar.gz) under {spec}; check the directory"
 
 

@@ -227,3 +227,113 @@ def test_a_glob_reads_only_the_directories_its_pattern_can_reach(
     through_a_file = str(tmp_path / "ds" / "shard-a" / "x.tar" / "sub" / "*.tar")
     with pytest.raises(SourceError, match="no file matches"):
         resolve_source(through_a_file)
+
+
+_HIDDEN_TREE = st.lists(
+    st.tuples(
+        st.lists(st.sampled_from(["a", ".h", "._a", "b"]), min_size=0, max_size=3),
+        st.sampled_from(["s.tar", ".s.tar", "._s.tar", "u.tar.gz", ".notes", "n.txt"]),
+        st.sampled_from(["file", "file", "dir"]),  # (no directory named like a shard: the
+        # streamed walk takes one for a shard, unasked, and the stats drop it; noted, left)
+    ),
+    max_size=20,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(entries=_HIDDEN_TREE)
+def test_every_listing_leaves_hidden_names_out_and_names_them(
+    tmp_path_factory: pytest.TempPathFactory, entries: list
+) -> None:
+    """Hidden names (``.h/``, ``._s.tar``, the AppleDouble files a Mac leaves on a share, which
+    are no tars) are left out as the shell leaves them out, the same way by every listing: the
+    streamed walk, a directory source, a remote (fsspec) walk and a glob; and each hidden shard
+    is named, itself or through its hidden directory, in what the warning names."""
+    from stager.layout import is_hidden_name, is_shard_name
+
+    root = tmp_path_factory.mktemp("tree")
+    build_tree(root, entries)
+    files = [
+        os.path.relpath(os.path.join(d, f), root) for d, _, names in os.walk(root) for f in names
+    ]
+    shown = sorted(f for f in files if not any(map(is_hidden_name, f.split("/"))))
+    shards = [f for f in shown if is_shard_name(f)]
+    hidden_shards = [f for f in files if is_shard_name(f) and f not in shown]
+
+    left_out: list[str] = []
+    walked = listing.walk_local(str(root), 1, left_out=left_out)
+    # (a directory named like a shard is taken here, and dropped by the stats that follow)
+    assert [os.path.relpath(p, root) for p in walked if os.path.isfile(p)] == shards
+    memory = fsspec.filesystem("memory")
+    remote = f"/{root.name}-m"
+    for f in files:
+        memory.pipe(f"{remote}/{f}", b"x")
+    ways = {"walk": left_out}
+    for how, spec in (("directory", str(root)), ("remote", f"memory://{remote}")):
+        if how == "remote" and not files:
+            continue  # (no file: no such directory in a store of objects)
+        if not shards:
+            with pytest.raises(SourceError, match="no shards"):
+                resolve_source(spec)
+            continue
+        source = resolve_source(spec)
+        assert [s.relpath for s in source.shards] == shards, how
+        ways[how] = list(source.left_out)
+    if shown:
+        globbed = resolve_source(f"{root}/**")  # every file a wildcard reaches, shards or not
+        assert sorted(s.relpath for s in globbed.shards) == shown
+        ways["glob"] = list(globbed.left_out)
+    for how, named in ways.items():
+        tails = [n.split(root.name, 1)[1].lstrip("m-/").lstrip("/") for n in named]
+        for f in hidden_shards:
+            assert any(f == t or (t.endswith("/") and f.startswith(t)) for t in tails), (how, f)
+
+
+def test_a_directory_copied_from_a_mac_stages_without_its_appledouble_files(
+    tmp_path: Path,
+) -> None:
+    """``._shard-0.tar`` beside each shard (what a Mac leaves when it copies to a share; no
+    tar) failed stage-in with exit 4, and ``.git/`` was walked and its tars staged. Hidden
+    names are left out with one warning, by a directory and a glob, the loader reading the
+    source sees the same shards, and naming them (a pattern, a list) still stages them."""
+    from stager_loaders import ShardedLoader
+
+    src = tmp_path / "ds"
+    (src / "sub").mkdir(parents=True)
+    (src / ".git").mkdir()
+    tar = _one_shard(tmp_path)
+    for name in ("a.tar", "sub/d.tar", ".b.tar", ".git/c.tar"):
+        (src / name).write_bytes(tar)
+    for name in ("._a.tar", "sub/._d.tar"):
+        (src / name).write_bytes(b"\x00\x05\x16\x07" + b"\0" * 4000)  # AppleDouble's magic
+    for spec, staged in ((str(src), ["a.tar", "sub/d.tar"]), (f"{src}/*.tar", ["a.tar"])):
+        dest = tmp_path / f"dst{len(staged)}"
+        done = run_cli("stage-in", spec, "--dest", str(dest), "--quiet")
+        assert done.returncode == 0, done.stderr
+        warnings = [line for line in done.stderr.splitlines() if "warning" in line]
+        assert len(warnings) == 1 and "hidden (a name starting with '.'" in warnings[0], done.stderr
+        assert "._a.tar' and " in warnings[0]
+        found = sorted(str(p.relative_to(dest / "ds")) for p in (dest / "ds").rglob("*.tar"))
+        assert found == staged
+    loader = ShardedLoader(str(src), batch_size=1, shuffle=False)
+    assert len(list(loader)) == 2 * 2  # a.tar and sub/d.tar, two samples each
+
+    named = tmp_path / "named"
+    done = run_cli("stage-in", f"{src}/.b.tar", "--dest", str(named), "--quiet")
+    assert done.returncode == 0, done.stderr
+    listed = tmp_path / "list.txt"
+    listed.write_text(f"{src}/a.tar\n{src}/.git/c.tar\n")
+    done = run_cli("stage-in", "--from-list", str(listed), "--name", "l", "--dest", str(named))
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in (named / "l").rglob("*.tar")) == ["a.tar", "c.tar"]
+
+    only = tmp_path / "only"
+    (only / ".cache").mkdir(parents=True)
+    (only / ".cache" / "x.tar").write_bytes(tar)
+    for spec, expected in (
+        (str(only), "but hidden ones ('.cache/x.tar'"),
+        (f"{only}/*/*.tar", "only hidden names match it"),
+    ):
+        done = run_cli("stage-in", spec, "--dest", str(tmp_path / "o"), "--quiet")
+        assert done.returncode == 3, done.stderr
+        assert expected in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr

@@ -64,7 +64,8 @@ from stager.stagein.run import (
 )
 from stager.stagein.status import discard_plan
 from stager.storage.listing import some_file_names, split_fs, translate, walk_local
-from stager.storage.sources import SourceSet, SourceShard, check_encodable
+from stager.storage.paths import check_encodable
+from stager.storage.sources import SourceSet, SourceShard
 
 __all__ = ["streamable_root", "stage_in_streamed", "stage_in_foreground", "WHOLE_WALK_S"]
 

@@ -9,16 +9,24 @@ errors become :class:`~stager.errors.SourceError` here, once.
 from __future__ import annotations
 
 import os
+import posixpath
 import stat
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from stager.errors import SourceError, UsageError, one_line
-from stager.layout import SHARD_SUFFIXES, is_shard_name_but_for_case
+from stager.layout import (
+    META_DIR,
+    SHARD_SUFFIXES,
+    is_hidden_name,
+    is_shard_name,
+    is_shard_name_but_for_case,
+)
 from stager.storage.identity import local_version, remote_version
 from stager.storage.workers import map_in_threads
 
@@ -37,6 +45,9 @@ __all__ = [
     "display",
     "translate",
     "walk_local",
+    "hidden_part",
+    "leave_out_hidden",
+    "hidden_note",
     "stat_one",
     "stat_many",
     "info_of",
@@ -113,10 +124,12 @@ def walk_local(
 
     ``on_found(paths)`` is called with each directory's shard paths as soon as they are read
     (in no particular order across directories), so copies can start while the walk goes on.
-    ``left_out`` gets what the walk saw but did not take, for the caller's warning: files that
+    Hidden names (:func:`~stager.layout.is_hidden_name`: ``.git``, ``._a.tar``) are neither
+    taken nor walked into, as the shell's globs leave them out. ``left_out`` gets what the walk
+    saw but did not take, for the caller's warning: hidden shards and directories, files that
     would be shards but for their suffix's case (:func:`~stager.layout.is_shard_name_but_for_case`)
-    and symlinks to directories (not followed: a loop, or a second path to the same shards),
-    with a trailing ``/``.
+    and symlinks to directories (not followed: a loop, or a second path to the same shards);
+    directories with a trailing ``/``.
     """
     found: list[str] = []
     level = [root]
@@ -131,7 +144,11 @@ def walk_local(
         if threads == 1 and (time.monotonic() - started) / len(level) > SLOW_DIRECTORY_S:
             threads = max(1, jobs)
         directories = _in_threads(_is_directory, others, threads)
-        level = [entry.path for entry, yes in zip(others, directories, strict=True) if yes]
+        level = [
+            entry.path
+            for entry, yes in zip(others, directories, strict=True)
+            if yes and not is_hidden_name(entry.name)  # (.git, .stager: not walked into)
+        ]
         if left_out is not None:
             left_out += _left_out(others, directories)
     found.sort()
@@ -139,9 +156,17 @@ def walk_local(
 
 
 def _left_out(others: list[os.DirEntry[str]], directories: list[bool]) -> list[str]:
-    """The entries of one level not walked into or taken that a user may have meant as data."""
+    """The entries of one level not walked into or taken that a user may have meant as data:
+    hidden shards and directories (not this tool's own ``.stager``), shards but for their
+    suffix's case, symlinks to directories (directories with a trailing ``/``)."""
     found = []
     for entry, is_directory in zip(others, directories, strict=True):
+        if is_hidden_name(entry.name):
+            if is_directory and entry.name != META_DIR:
+                found.append(entry.path + "/")
+            elif not is_directory and is_shard_name(entry.name.lower()):
+                found.append(entry.path)
+            continue
         if is_directory:
             continue
         if is_shard_name_but_for_case(entry.name):
@@ -149,6 +174,53 @@ def _left_out(others: list[os.DirEntry[str]], directories: list[bool]) -> list[s
         elif entry.is_symlink() and _is_linked_directory(entry):
             found.append(entry.path + "/")
     return found
+
+
+def hidden_part(path: str, root: str, pattern: str = "") -> str | None:
+    """Where a listed ``path`` is hidden below ``root``: itself (``root/._a.tar``) or its first
+    hidden directory (``root/.git/``), or None. ``pattern``: a glob's, whose parts that start
+    with ``.`` (``.*.tar``, ``.cache``) may match hidden names, as in the shell. For remote
+    listings and globs, which fsspec makes without leaving hidden names out."""
+    if not path.startswith(root):
+        return None
+    parts = path[len(root) :].strip("/").split("/")
+    dotted = [p for p in pattern[len(root) :].strip("/").split("/") if is_hidden_name(p)]
+    for depth, name in enumerate(parts):
+        if is_hidden_name(name) and not any(fnmatchcase(name, p) for p in dotted):
+            below = "/".join(parts[: depth + 1])
+            return f"{root.rstrip('/')}/{below}" + ("/" if depth < len(parts) - 1 else "")
+    return None
+
+
+def leave_out_hidden(
+    fs: fsspec.AbstractFileSystem | None,
+    listed: list[tuple[str, Info]],
+    root: str,
+    pattern: str = "",
+) -> tuple[list[tuple[str, Info]], list[str]]:
+    """The entries of a remote listing or a glob (fsspec's, which keep hidden names) that are
+    not hidden below ``root`` (:func:`hidden_part`), and what a warning names of the others:
+    hidden shards, and each hidden directory once (not this tool's own ``.stager``)."""
+    hidden = {path: hidden_part(path, root, pattern) for path, _ in listed}
+    parts = {part for part in hidden.values() if part is not None}
+    named = [
+        display(fs, part)
+        for part in sorted(parts)
+        if (part.endswith("/") and not part.endswith(f"/{META_DIR}/"))
+        or is_shard_name(part.lower())
+    ]
+    return [entry for entry in listed if hidden[entry[0]] is None], named
+
+
+def hidden_note(left_out: Sequence[str]) -> str:
+    """What to add to a glob's "no match" where only hidden files matched it."""
+    hidden = [p for p in left_out if is_hidden_name(posixpath.basename(p.rstrip("/")))]
+    if not hidden:
+        return ""
+    return (
+        f"; only hidden names match it ({hidden[0]!r}...): a wildcard matches no name starting "
+        "with '.'; write the '.' in the pattern"
+    )
 
 
 def _is_linked_directory(entry: os.DirEntry[str]) -> bool:
@@ -159,11 +231,14 @@ def _is_linked_directory(entry: os.DirEntry[str]) -> bool:
 
 
 def some_file_names(root: str, limit: int = 10_000) -> list[str]:
-    """Up to ``limit`` file names under ``root``, from at most ``limit`` directories (an error
-    message's evidence, not a listing: read only after a walk found no shards)."""
+    """Up to ``limit`` file names under ``root``, relative to it, from at most ``limit``
+    directories (an error message's evidence, not a listing: read only after a walk found no
+    shards)."""
     names: list[str] = []
-    for seen, (_, _, files) in enumerate(os.walk(root), 1):
-        names += files[: limit - len(names)]
+    for seen, (directory, _, files) in enumerate(os.walk(root), 1):
+        below = os.path.relpath(directory, root)
+        below = "" if below == "." else below + "/"
+        names += [below + name for name in files[: limit - len(names)]]
         if len(names) >= limit or seen >= limit:
             break
     return names
@@ -189,7 +264,8 @@ def _list_dir(
     told = 0
     with os.scandir(directory) as entries:
         for entry in entries:
-            if entry.name.endswith(SHARD_SUFFIXES):  # is_shard_name, inlined: 1M calls
+            name = entry.name  # (is_shard_name and is_hidden_name, inlined: 1M calls)
+            if name.endswith(SHARD_SUFFIXES) and not name.startswith("."):
                 shards.append(entry.path)
                 if on_found is not None and len(shards) - told >= FOUND_BATCH:
                     on_found(shards[told:])

@@ -13,10 +13,11 @@ import stat
 from collections.abc import Sequence
 from pathlib import Path
 
-from stager.errors import UnsafePath
+from stager.errors import SourceError, UnsafePath
 from stager.layout import PARTIAL_SUFFIX
 
 __all__ = [
+    "check_encodable",
     "all_canonical",
     "safe_relpath",
     "normalised_relpath",
@@ -38,6 +39,16 @@ def not_utf8(name: str) -> str | None:
     except UnicodeEncodeError:
         return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
     return None
+
+
+def check_encodable(text: str, what: str) -> None:
+    """Refuse a name with bytes that are not UTF-8 (read from the OS as lone surrogates)."""
+    shown = not_utf8(text)
+    if shown is not None:
+        raise SourceError(
+            f"{what} is not valid UTF-8: '{shown}'; rename it (manifests, indexes and reports "
+            "record names as UTF-8)"
+        )
 
 
 def discard(path: str | os.PathLike[str]) -> None:

@@ -36,7 +36,9 @@ from stager.storage.listing import (
     display,
     fsspec_view,
     glob_matches,
+    hidden_note,
     info_of,
+    leave_out_hidden,
     literal_path_note,
     protocol_of,
     read_list,
@@ -47,7 +49,7 @@ from stager.storage.listing import (
     translate,
     walk_local,
 )
-from stager.storage.paths import not_utf8, safe_relpath
+from stager.storage.paths import check_encodable, safe_relpath
 
 if TYPE_CHECKING:
     import fsspec
@@ -60,7 +62,6 @@ __all__ = [
     "protocol_of",
     "SHARD_SUFFIXES",
     "is_shard_name",
-    "check_encodable",
 ]
 
 
@@ -236,15 +237,17 @@ def _glob(spec: str, fs: fsspec.AbstractFileSystem | None, path: str, name: str)
         infos = [(p, info) for p, info in found if info is not None]
     else:
         infos = [(p, info_of(info)) for p, info in matches]
-    files = [(p, info) for p, info in infos if info.kind != DIRECTORY]
-    if not files:
-        note = literal_path_note(spec)
-        raise SourceError(f"source not found: no file matches {spec}; check the pattern{note}")
     root = glob_root(path) or ""  # (path is a glob here: never None)
+    # A wildcard matches no hidden name (.git/, ._a.tar), as in the shell; fsspec's glob does
+    files, hidden = leave_out_hidden(fs, [m for m in infos if m[1].kind != DIRECTORY], root, path)
+    left_out = tuple(sorted(hidden))
+    if not files:
+        note = literal_path_note(spec) + hidden_note(left_out)
+        raise SourceError(f"source not found: no file matches {spec}; check the pattern{note}")
     shards = [_shard(fs, p, root, info) for p, info in files if info.kind != OTHER]
     skipped = tuple(display(fs, p) for p, info in files if info.kind == OTHER)
     spec_id = canonical_spec(spec)
-    return SourceSet(display(fs, root), name, _unique(shards), (), fs, spec_id, skipped)
+    return SourceSet(display(fs, root), name, _unique(shards), (), fs, spec_id, skipped, left_out)
 
 
 def _walk(
@@ -274,17 +277,21 @@ def _walk(
             found = fs.find(root, detail=True)
         except Exception as exc:  # noqa: BLE001 - translated at this boundary
             raise translate(exc, spec) from exc
-        infos = [(p, info_of(i)) for p, i in sorted(found.items()) if is_shard_name(p)]
+        entries = [(p, info_of(i)) for p, i in sorted(found.items())]
+        shown, hidden = leave_out_hidden(fs, entries, root)  # (as a local walk leaves them out)
+        infos = [(p, info) for p, info in shown if is_shard_name(p)]
         shards = tuple(
             _shard(fs, p, root, info) for p, info in infos if info.kind not in (DIRECTORY, OTHER)
         )
         skipped = tuple(display(fs, p) for p, info in infos if info.kind == OTHER)
-        case_only = tuple(display(fs, p) for p in sorted(found) if is_shard_name_but_for_case(p))
+        case_only = [display(fs, p) for p, _ in shown if is_shard_name_but_for_case(p)]
+        remote_left_out = tuple(sorted(case_only + hidden))
         result = SourceSet(
-            *(display(fs, root), name, shards, (), fs, spec_id, skipped, case_only), walked=True
+            *(display(fs, root), name, shards, (), fs, spec_id, skipped, remote_left_out),
+            walked=True,
         )
     if not result.shards:
-        listed = some_file_names(root) if fs is None else list(found)
+        listed = some_file_names(root) if fs is None else [p[len(root) :] for p in found]
         raise SourceError(no_shards_message(spec, listed, result.skipped))
     return result
 
@@ -317,16 +324,6 @@ def resolve_source(
         if not shard.relpath.isascii():
             check_encodable(shard.url, "source shard name")
     return source
-
-
-def check_encodable(text: str, what: str) -> None:
-    """Refuse a name with bytes that are not UTF-8 (read from the OS as lone surrogates)."""
-    shown = not_utf8(text)
-    if shown is not None:
-        raise SourceError(
-            f"{what} is not valid UTF-8: '{shown}'; rename it (manifests, indexes and reports "
-            "record names as UTF-8)"
-        )
 
 
 def _urls_spec(urls: list[str]) -> str:
