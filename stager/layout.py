@@ -104,12 +104,15 @@ def is_hidden_name(name: str) -> bool:
 def left_out_warnings(left_out: Sequence[str], done: str = "staged") -> list[str]:
     """The warnings for what a walk saw but did not take (``SourceSet.left_out``): a source of
     ``a.tar`` and ``B.TAR``, or with a subdirectory that is a symlink, or with hidden shards or
-    directories, staged only part of what it holds without a word. One line per kind, naming
-    the first."""
+    directories, or with a directory named like a shard (``train.tar/``), staged only part of
+    what it holds without a word. One line per kind, naming the first; directories end in
+    ``/``."""
     hidden = sorted(p for p in left_out if is_hidden_name(posixpath.basename(p.rstrip("/"))))
     others = [p for p in left_out if not is_hidden_name(posixpath.basename(p.rstrip("/")))]
     files = sorted(p for p in others if not p.endswith("/"))
-    linked = sorted(p for p in others if p.endswith("/"))
+    # (a walk takes a name like a shard's unasked, and its stat finds a directory)
+    shard_like = sorted(p for p in others if p.endswith("/") and is_shard_name(p[:-1]))
+    linked = sorted(p for p in others if p.endswith("/") and not is_shard_name(p[:-1]))
     lines = []
     if hidden:
         lines.append(
@@ -127,6 +130,12 @@ def left_out_warnings(left_out: Sequence[str], done: str = "staged") -> list[str
             f"not {done}: {_first(linked)}, symlinks to directories, which a walk does not "
             "follow; name their shards by a glob or a list, or give each as a source of its own"
         )
+    if shard_like:
+        lines.append(
+            f"not {done}: {_first(shard_like)}, directories named like shards, which a walk "
+            "takes for shards and does not enter; rename them, or name their shards by a glob "
+            "or a list"
+        )
     return lines
 
 
@@ -143,13 +152,17 @@ def skipped_message(url: str) -> str:
 
 
 def not_regular_message(root: str, skipped: Sequence[str]) -> str:
-    """The error for a source whose every would-be shard is a FIFO, a device or a broken link."""
+    """The error for a source whose every would-be shard is a FIFO, a device, a broken link or
+    a directory named like a shard."""
     first = f"no shards to stage from {one_line(root)}: {one_line(min(skipped))!r}"
     if len(skipped) == 1:
-        return f"{first} is not a regular file (a FIFO, a device or a symlink to nothing?)"
+        return (
+            f"{first} is not a regular file (a FIFO, a device, a symlink to nothing or a "
+            "directory named like a shard?)"
+        )
     return (
-        f"{first} and {len(skipped) - 1} more are not regular files (FIFOs, devices or symlinks "
-        "to nothing?)"
+        f"{first} and {len(skipped) - 1} more are not regular files (FIFOs, devices, symlinks "
+        "to nothing or directories named like shards?)"
     )
 
 

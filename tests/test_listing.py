@@ -337,3 +337,28 @@ def test_a_directory_copied_from_a_mac_stages_without_its_appledouble_files(
         done = run_cli("stage-in", spec, "--dest", str(tmp_path / "o"), "--quiet")
         assert done.returncode == 3, done.stderr
         assert expected in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_a_directory_named_like_a_shard_is_named_in_a_warning(tmp_path: Path) -> None:
+    """``train.tar/`` holding shards: a walk takes the name for a shard without asking (a stat
+    per shard is a round trip on NFS), and the stats find a directory. It was dropped without
+    a word, its shards with it; every way of walking now names it, and a source with nothing
+    else fails (exit 3) saying what it may be."""
+    src = tmp_path / "ds"
+    (src / "train.tar").mkdir(parents=True)
+    tar = _one_shard(tmp_path)
+    (src / "a.tar").write_bytes(tar)
+    (src / "train.tar" / "s.tar").write_bytes(tar)
+    source = resolve_source(str(src))
+    assert [s.relpath for s in source.shards] == ["a.tar"]
+    assert source.left_out == (f"{src}/train.tar/",)
+    dest = tmp_path / "dst"
+    for how in ("streamed first run", "listed again"):
+        done = run_cli("stage-in", str(src), "--dest", str(dest), "--quiet")
+        assert done.returncode == 0, (how, done.stderr)
+        assert "train.tar/', directories named like shards" in done.stderr, (how, done.stderr)
+    assert sorted(p.name for p in (dest / "ds").rglob("*.tar")) == ["a.tar"]
+    (src / "a.tar").unlink()
+    done = run_cli("stage-in", str(src), "--dest", str(tmp_path / "d2"), "--quiet")
+    assert done.returncode == 3, done.stderr
+    assert "or a directory named like a shard?)" in done.stderr.splitlines()[-1]

@@ -171,24 +171,28 @@ def prepare(
         else set()
     )
     skipped = list(source.skipped)
+    directories: list[str] = []  # named like shards: taken by the walk, found by the stats
     # A listing made without stats (resolve_source(stat_listed=False)): a manifest hash stands
     # for the shards it describes; the others cost a metadata round trip, made while the copies
     # run for those not staged yet. With a cache every shard's version is needed: a cached copy
     # is served by identity.
     all_hashed = manifest is not None and all(map(attrgetter("hash"), manifest.entries))
     if options.cache_dir is not None:
-        shards = fill_sizes(source, shards, options.jobs, skipped=skipped)
+        shards = fill_sizes(source, shards, options.jobs, skipped=skipped, directories=directories)
         aligned = None  # fill_sizes may have dropped some
     elif not ((manifest is None or all_hashed) and undescribed <= sized_later):
         # (else nothing is left to size now: described shards have hashes, the rest are
         # sized while copying)
         hashed = {relpath for relpath, entry in expected.items() if entry.hash}
         known = hashed | sized_later
-        shards = fill_sizes(source, shards, options.jobs, known=known, skipped=skipped)
+        shards = fill_sizes(
+            source, shards, options.jobs, known=known, skipped=skipped, directories=directories
+        )
         aligned = None  # fill_sizes may have dropped some
-    if skipped and not shards and options.subset == "all":
-        raise SourceError(not_regular_message(source.root_url, skipped))
-    for line in left_out_warnings(source.left_out):
+    if (skipped or directories) and not shards and options.subset == "all":
+        urls = skipped + [d.rstrip("/") for d in directories]
+        raise SourceError(not_regular_message(source.root_url, urls))
+    for line in left_out_warnings([*source.left_out, *directories]):
         warn(log, node, line)
     for url in skipped:
         warn(log, node, skipped_message(url))

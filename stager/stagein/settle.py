@@ -7,7 +7,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from stager.errors import SourceError, one_line
-from stager.layout import skipped_message
+from stager.layout import left_out_warnings, skipped_message
 from stager.stagein.guards import space_error
 from stager.stagein.plan import count_samples_of
 from stager.stagein.sizing import DeferredPreflight
@@ -30,6 +30,9 @@ def settle_sized_later(copier: Copier, sizing: DeferredPreflight) -> None:
     late = [item for item in copier.plan.to_copy if item.shard.relpath in copier.late]
     for index in sorted(sizing.probe.not_regular):
         message = skipped_message(late[index].shard.url)
+        print(f"[{report.node}] warning: {message}", file=copier.log, flush=True)
+    directories = [late[index].shard.url + "/" for index in sizing.probe.directories]
+    for message in left_out_warnings(directories):
         print(f"[{report.node}] warning: {message}", file=copier.log, flush=True)
     if not sizing.gate.passed:
         for relpath in copier.held:

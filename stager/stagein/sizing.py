@@ -29,7 +29,8 @@ __all__ = ["DROPPED", "UNKNOWN", "SizeProbe", "PublishGate", "DeferredPreflight"
 
 #: The shard vanished since the listing, is a directory named like a shard, or is not a regular
 #: file (a FIFO, a device): the walk would not have listed it, so it is dropped without a
-#: failure (:attr:`SizeProbe.not_regular` lists the last kind, which deserve a warning).
+#: failure (:attr:`SizeProbe.not_regular` and :attr:`SizeProbe.directories` list the last two
+#: kinds, which deserve a warning).
 DROPPED = -1
 #: The stat failed otherwise (e.g. permission denied, EIO): :meth:`SizeProbe.error` says why.
 UNKNOWN = -2
@@ -91,6 +92,7 @@ class SizeProbe:
         self._claims_cond = threading.Condition()
         self._versions: list[str | None] = [None] * len(self._paths)  # (:meth:`version`)
         self.not_regular: list[int] = []  # indexes of FIFOs, sockets, devices
+        self.directories: list[int] = []  # indexes of directories named like shards
         self.failure: BaseException | None = None  # the probe itself broke (not one stat)
         self._runner = threading.Thread(target=self._run, name="size-probe", daemon=True)
 
@@ -255,9 +257,8 @@ class SizeProbe:
                 self._errors[index] = f"cannot stat it: {os.strerror(found)}"
         else:
             result = DROPPED  # a directory named like a shard, or a FIFO, socket or device
-            if not stat.S_ISDIR(found[0]):
-                with self._cond:
-                    self.not_regular.append(index)
+            with self._cond:
+                (self.directories if stat.S_ISDIR(found[0]) else self.not_regular).append(index)
         with self._cond:
             self._results[index] = result
             if self._waiting:

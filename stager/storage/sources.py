@@ -6,8 +6,9 @@ parent directory for a brace pattern or a list. File names are kept as they are 
 a character, not a separator). Two entries naming the same file collapse into one; two
 different files that would land on one relative path are refused before any byte moves,
 naming both. Entries that are not regular files (a FIFO named ``x.tar`` would block a reader
-forever) are skipped and listed in :attr:`SourceSet.skipped` for a warning, as are files named
-like shards but for their suffix's case (``x.TAR``) and linked directories in ``left_out``.
+forever) are skipped and listed in :attr:`SourceSet.skipped` for a warning, as are in
+``left_out`` names like shards' but for their suffix's case (``x.TAR``), linked directories,
+hidden names (``.git/``, ``._x.tar``) and directories named like shards (``x.tar/``).
 """
 
 from __future__ import annotations
@@ -126,10 +127,6 @@ def _common_dir(paths: list[str]) -> str:
     return "/".join(out)
 
 
-def _relpath(path: str, root: str) -> str:
-    return safe_relpath(posixpath.relpath(path, root) if root else path)
-
-
 def _unique(shards: Sequence[SourceShard]) -> tuple[SourceShard, ...]:
     """Collapse entries naming the same file; refuse two files that would land on one path."""
     by_relpath: dict[str, SourceShard] = {}
@@ -148,7 +145,8 @@ def _unique(shards: Sequence[SourceShard]) -> tuple[SourceShard, ...]:
 
 
 def _shard(fs: fsspec.AbstractFileSystem | None, path: str, root: str, info: Info) -> SourceShard:
-    return SourceShard(display(fs, path), path, _relpath(path, root), info.size, info.version)
+    relpath = safe_relpath(posixpath.relpath(path, root) if root else path)
+    return SourceShard(display(fs, path), path, relpath, info.size, info.version)
 
 
 def _from_paths(
@@ -183,12 +181,14 @@ def fill_sizes(
     *,
     known: Container[str] = (),
     skipped: list[str] | None = None,
+    directories: list[str] | None = None,
 ) -> list[SourceShard]:
     """``shards`` with every unknown size stat'ed (in parallel), except relpaths in ``known``.
 
     For shards from a directory walk (:func:`resolve_source` with ``stat_listed=False``): one
-    gone since the listing, or a directory, is dropped as the walk would have dropped it; one
-    not a regular file is dropped and its URL appended to ``skipped``, for a warning.
+    gone since the listing is dropped as the walk would have dropped it; one not a regular
+    file is dropped and its URL appended to ``skipped``, and a directory (named like a shard,
+    which a walk takes unasked) with a ``/`` to ``directories``, for a warning.
     """
     todo = [i for i, s in enumerate(shards) if s.size is None and s.relpath not in known]
     if not todo:
@@ -202,6 +202,8 @@ def fill_sizes(
             continue
         info = infos[i]
         if info is None or info.kind == DIRECTORY:
+            if info is not None and directories is not None:
+                directories.append(shard.url + "/")
             continue
         if info.kind == OTHER:
             if skipped is not None:
@@ -266,12 +268,11 @@ def _walk(
         # (posixpath.relpath cost ~60 us a shard: a minute at 1M shards).
         cut = len(root.rstrip("/")) + 1
         walked = tuple(SourceShard(p, p, p[cut:], None) for p in names)
-        seen = tuple(sorted(left_out))
-        result = SourceSet(root, name, walked, spec=spec_id, walked=True, left_out=seen)
+        result = SourceSet(root, name, walked, spec=spec_id, walked=True)
+        others: list[str] = []
         if stat:
-            others: list[str] = []
-            kept = fill_sizes(result, walked, jobs, skipped=others)
-            result = replace(result, shards=tuple(kept), skipped=tuple(others))
+            walked = tuple(fill_sizes(result, walked, jobs, skipped=others, directories=left_out))
+        result = replace(result, shards=walked, skipped=(*others,), left_out=(*sorted(left_out),))
     else:
         try:
             found = fs.find(root, detail=True)
@@ -313,9 +314,9 @@ def resolve_source(
 
     ``stat_listed=False``: shards found by walking a local directory keep ``size=None`` and are
     not stat'ed here; the caller sizes them with :func:`fill_sizes` after consulting a manifest,
-    which saves a metadata round trip per shard that the manifest already describes.
-    Raises :class:`SourceError` when the source does not exist, lists no shards, or names a
-    shard that is not valid UTF-8 (no manifest, index or report could record it).
+    which saves a metadata round trip per shard that the manifest already describes. Raises
+    :class:`SourceError` when the source does not exist, lists no shards, or names a shard not
+    valid UTF-8 (no manifest, index or report could record it).
     """
     source = _resolve(spec, from_list=from_list, name=name, jobs=jobs, stat_listed=stat_listed)
     check_encodable(source.root_url, "source")
