@@ -243,7 +243,7 @@ def source_root(spec: str | Sequence[str]) -> str:
         return posixpath.normpath(root)
     if is_shard_name(path):
         return posixpath.dirname(path)
-    return path
+    return path.rstrip("/") or path  # (a URL's directory as stage-in's s3://b/ds/: s3://b/ds)
 
 
 def glob_root(path: str) -> str | None:

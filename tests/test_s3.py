@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from stager.errors import EXIT_INTEGRITY, EXIT_SOURCE
+from stager.errors import EXIT_INTEGRITY, EXIT_SOURCE, EXIT_USAGE
 from stager.layout import StagedDataset
 from stager.shards.build import build_manifest
 from stager.shards.manifest import Manifest
@@ -24,7 +24,7 @@ from stager.storage.hashing import hash_file
 from stager.storage.sources import resolve_source
 
 from .conftest import clean_env, run_cli
-from .s3server import FlakyProxy, moto_server, s3_env
+from .s3server import FlakyProxy, moto_server, refusing_proxy, s3_env
 
 pytestmark = pytest.mark.s3
 
@@ -219,3 +219,74 @@ def test_a_server_that_drops_connections_mid_response_is_retried(
         assert proxy.cuts >= 2, "the proxy should have cut some responses"
     assert result.returncode == 0, result.stderr
     _assert_staged(local_ds, tmp_path / "ds", [p.name for p in sorted(local_ds.glob("*.tar"))])
+
+
+def test_a_manifest_beside_the_source_that_cannot_be_read_stops_the_run(
+    endpoint: str, prefix: str, local_ds: Path, tmp_path: Path
+) -> None:
+    """A store that throttles the manifest's read (503 SlowDown) while serving the shards: the
+    run went on without it, unverified, exit 0 and no word, staging a shard the manifest's hash
+    refuses. Only a manifest that is not there lets a run go on without one; a ``--manifest``
+    URL that is not there is one line (exit 2), as a local path's is, not a traceback."""
+    env = _env(endpoint)
+    indexed = run_cli("stager", "index", f"s3://{BUCKET}/{prefix}/", env=env)
+    assert indexed.returncode == 0, indexed.stderr
+    tampered = bytearray((local_ds / "train-000001.tar").read_bytes())
+    tampered[2000] ^= 0x55  # same size, other bytes: only the manifest's hash tells
+    _client(endpoint).put_object(
+        Bucket=BUCKET, Key=f"{prefix}/train-000001.tar", Body=bytes(tampered)
+    )
+    source = f"s3://{BUCKET}/{prefix}/"
+    with refusing_proxy(endpoint, "stager-manifest.json") as proxy:
+        result = run_cli("stage-in", source, "--dest", str(tmp_path / "a"), *FAST, env=_env(proxy))
+    assert result.returncode == EXIT_SOURCE, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"stage-in: error: cannot read the manifest {source}stager-manifest.json: [Errno 16] "
+        "Please reduce your request rate.; stage-in verifies against it, so it does not go on "
+        "without it: retry, or pass another with --manifest"
+    ]
+    assert not list((tmp_path / "a").rglob("*.tar*"))
+    result = run_cli("stage-in", source, "--dest", str(tmp_path / "b"), *FAST, env=env)
+    assert result.returncode == EXIT_INTEGRITY, result.stderr  # read: the shard is refused
+    missing = f"s3://{BUCKET}/{prefix}/nope.json"
+    result = run_cli(
+        "stage-in", source, "--dest", str(tmp_path / "c"), "--manifest", missing, *FAST, env=env
+    )
+    assert result.returncode == EXIT_USAGE, result.stderr
+    assert result.stderr.strip() == f"stage-in: error: manifest not found: {missing}"
+
+
+def test_keys_that_would_land_on_one_path_are_refused_naming_both(
+    endpoint: str, local_ds: Path, tmp_path: Path
+) -> None:
+    """``x//y.tar`` and ``x/y.tar`` are two objects: both were copied into one ``.partial``,
+    one failed with a rename error on every run, and the staged manifest listed ``x/y.tar``
+    twice with the other's hash. Refused before any byte moves, as two local files are."""
+    key_prefix = f"{uuid.uuid4().hex[:8]}/kc"
+    client = _client(endpoint)
+    for key in ("x//y.tar", "x/y.tar"):
+        client.upload_file(str(sorted(local_ds.glob("*.tar"))[0]), BUCKET, f"{key_prefix}/{key}")
+    client.close()
+    spec = f"s3://{BUCKET}/{key_prefix}"
+    result = run_cli("stage-in", spec, "--dest", str(tmp_path), *FAST, env=_env(endpoint))
+    assert result.returncode == EXIT_USAGE, result.stderr
+    assert "two source files would be staged as 'x/y.tar'" in result.stderr, result.stderr
+    assert "x//y.tar" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not list(tmp_path.rglob("*.tar*"))
+
+
+def test_the_loader_finds_a_prefix_staged_with_its_slash_by_either_spelling(
+    endpoint: str, prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Staged as ``s3://b/ds/`` (the directory form the docs give), the loader refused
+    ``s3://b/ds/`` as "a staged copy of another dataset" and took only ``s3://b/ds``."""
+    from stager_loaders import LoaderOptions, ShardedLoader
+
+    source = f"s3://{BUCKET}/{prefix}/"
+    result = run_cli("stage-in", source, "--dest", str(tmp_path), *FAST, env=_env(endpoint))
+    assert result.returncode == 0, result.stderr
+    for key, value in s3_env(endpoint).items():
+        monkeypatch.setenv(key, value)
+    for spec in (source, source.rstrip("/")):
+        loader = ShardedLoader(spec, batch_size=4, options=LoaderOptions(dest=str(tmp_path)))
+        assert loader.shards.from_source == 0 and len(loader) > 0, spec

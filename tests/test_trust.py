@@ -32,7 +32,7 @@ from stager.errors import (
 from stager.layout import StagedDataset
 from stager.shards.manifest import Manifest
 from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
-from stager.storage.sources import SourceShard, _unique
+from stager.storage.sourceset import SourceShard, unique_shards
 
 from .conftest import BIN, clean_env, mount_tmpfs, run_cli
 from .inproc import clean_process_env, run_main
@@ -113,9 +113,12 @@ def test_1_two_files_landing_on_one_path_are_refused_naming_both() -> None:
     a = SourceShard("/r/a/./x.tar", "/r/a/./x.tar", "a/x.tar", 1)
     same = SourceShard("/r/a/x.tar", "/r/a/x.tar", "a/x.tar", 1)
     other = SourceShard("/r/b/x.tar", "/r/b/x.tar", "a/x.tar", 1)
-    assert _unique([a, same]) == (a,)  # one file named twice: one shard
+    assert unique_shards([a, same]) == (a,)  # one file named twice: one shard
     with pytest.raises(UsageError, match=r"/r/a/\./x\.tar.*/r/b/x\.tar"):
-        _unique([a, other])
+        unique_shards([a, other])
+    # An object store's keys are exact: "r/a/./x.tar" and "r/a/x.tar" are two objects
+    with pytest.raises(UsageError, match=r"/r/a/\./x\.tar.*/r/a/x\.tar"):
+        unique_shards([a, same], exact=True)
 
 
 # -- 2. a staged copy is recognised by its identity, not its name ---------------------------------

@@ -21,7 +21,7 @@ from pathlib import Path
 from stager.errors import IntegrityError, StagerError, UsageError
 from stager.layout import PARTIAL_SUFFIX, StagedDataset
 from stager.shards import tarindex
-from stager.shards.manifest import MANIFEST_NAMES, Manifest, ManifestEntry, find_manifest
+from stager.shards.manifest import Manifest, ManifestEntry
 from stager.shards.tarparse import TarSampleCounter
 from stager.stagein.journal import Journal
 from stager.stagein.options import StageInOptions
@@ -35,7 +35,6 @@ __all__ = [
     "CopyItem",
     "CopyOutcome",
     "LocalPlan",
-    "load_source_manifest",
     "read_previous",
     "clean_partials",
     "sized_while_copying",
@@ -105,46 +104,6 @@ class LocalPlan:
     @property
     def bytes_to_copy(self) -> int:
         return sum(filter(None, map(attrgetter("size"), self.to_copy)))  # C loops: 1M in ~20 ms
-
-
-def _fetch(source: SourceSet, remote: str, staged: StagedDataset) -> Path:
-    local = staged.source_manifest_dir / os.path.basename(remote)
-    local.parent.mkdir(parents=True, exist_ok=True)
-    source.fs.get_file(remote, str(local))
-    return local
-
-
-def load_source_manifest(
-    source: SourceSet, options: StageInOptions, staged: StagedDataset
-) -> Manifest | None:
-    """The manifest to verify against: ``--manifest``, else ``stager-manifest.*`` beside it."""
-    if options.manifest:
-        if "://" not in options.manifest:
-            return Manifest.read(options.manifest)
-        import fsspec
-
-        local = staged.source_manifest_dir / os.path.basename(options.manifest)
-        local.parent.mkdir(parents=True, exist_ok=True)
-        with fsspec.open(options.manifest, "rb") as handle:
-            local.write_bytes(handle.read())
-        return Manifest.read(local)
-    if not source.shards:
-        return None
-    first = source.shards[0]
-    root = first.path[: len(first.path) - len(first.relpath)]
-    if source.is_local:
-        found = find_manifest(root)
-        return Manifest.read(found) if found else None
-    for candidate in MANIFEST_NAMES:  # a remote dataset: fetch the first manifest found beside it
-        remote = root.rstrip("/") + "/" + candidate
-        try:
-            if not source.fs.isfile(remote):
-                continue
-            local = _fetch(source, remote, staged)
-        except (OSError, ValueError):
-            continue  # no manifest is not an error: sizes are still verified
-        return Manifest.read(local)
-    return None
 
 
 def read_previous(staged: StagedDataset) -> dict[str, ManifestEntry]:

@@ -37,7 +37,6 @@ from stager.stagein.options import StageInOptions
 from stager.stagein.plan import (
     LocalPlan,
     clean_partials,
-    load_source_manifest,
     plan_local,
     read_previous,
     remove_unlisted,
@@ -45,6 +44,7 @@ from stager.stagein.plan import (
 )
 from stager.stagein.recorded import RecordTimes
 from stager.stagein.report import StageInReport
+from stager.stagein.sourcemanifest import load_source_manifest
 from stager.stagein.stagedtree import StagedNames
 from stager.stagein.status import discard_plan
 from stager.storage.sources import SourceSet, SourceShard, fill_sizes

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import posixpath
 from collections.abc import Container, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from stager.errors import SourceError, UsageError
@@ -33,9 +33,7 @@ from stager.patterns import expand_pattern, is_pattern
 from stager.storage.listing import (
     DIRECTORY,
     OTHER,
-    Info,
     display,
-    fsspec_view,
     glob_matches,
     hidden_note,
     info_of,
@@ -50,7 +48,8 @@ from stager.storage.listing import (
     translate,
     walk_local,
 )
-from stager.storage.paths import check_encodable, safe_relpath
+from stager.storage.paths import check_encodable
+from stager.storage.sourceset import SourceSet, SourceShard, shard_at, unique_shards
 
 if TYPE_CHECKING:
     import fsspec
@@ -66,54 +65,6 @@ __all__ = [
 ]
 
 
-@dataclass(slots=True, unsafe_hash=True)
-class SourceShard:
-    """One shard to stage: where it is read from and where it lands relative to the dataset.
-
-    Treated as immutable (changed copies come from ``dataclasses.replace``) but not declared
-    frozen: a frozen dataclass's ``__init__`` costs 0.7 s per million, before the first copy.
-    """
-
-    url: str  # full URL (with protocol for remote filesystems), shown to the user
-    path: str  # the path as the filesystem object understands it
-    relpath: str  # POSIX path under DEST/<name>/
-    size: int | None  # None when the listing could not tell; the copy finds out
-    version: str | None = None  # stager.storage.identity: changes when the bytes may have
-
-
-@dataclass(frozen=True)
-class SourceSet:
-    """The resolved source: its root, its shards and, for a URL, its fsspec filesystem."""
-
-    root_url: str  # the absolute root the relpaths hang from (a URL for remote sources)
-    name: str
-    shards: tuple[SourceShard, ...]
-    missing: tuple[str, ...] = ()  # URLs named explicitly (brace/list) that do not exist
-    remote_fs: fsspec.AbstractFileSystem | None = None  # None: a local path (NFS mounts too)
-    spec: str = ""  # stager.layout.canonical_spec of what was asked for: same spec, same set
-    skipped: tuple[str, ...] = ()  # entries that are not regular files (FIFOs, devices)
-    left_out: tuple[str, ...] = ()  # seen by a walk, not taken (walk_local's left_out)
-    walked: bool = False  # a whole directory: every shard under the root belongs to the set
-    named: bool = False  # every shard named (a list, braces, one file): no other file joins it
-
-    @property
-    def is_local(self) -> bool:
-        return self.remote_fs is None
-
-    @property
-    def protocol(self) -> str:
-        return "file" if self.remote_fs is None else protocol_of(self.remote_fs)
-
-    @property
-    def fs(self) -> fsspec.AbstractFileSystem:
-        """fsspec's view of the source (for a local path, built on first use)."""
-        return fsspec_view(self.remote_fs)
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(s.size or 0 for s in self.shards)
-
-
 def _common_dir(paths: list[str]) -> str:
     dirs = [posixpath.dirname(p) for p in paths]
     if all(d.startswith("/") for d in dirs):
@@ -125,28 +76,6 @@ def _common_dir(paths: list[str]) -> str:
             break
         out.append(parts[0])
     return "/".join(out)
-
-
-def _unique(shards: Sequence[SourceShard]) -> tuple[SourceShard, ...]:
-    """Collapse entries naming the same file; refuse two files that would land on one path."""
-    by_relpath: dict[str, SourceShard] = {}
-    out: list[SourceShard] = []
-    for shard in shards:
-        seen = by_relpath.get(shard.relpath)
-        if seen is None:
-            by_relpath[shard.relpath] = shard
-            out.append(shard)
-        elif posixpath.normpath(seen.path) != posixpath.normpath(shard.path):
-            raise UsageError(
-                f"two source files would be staged as {shard.relpath!r}: {seen.url!r} and "
-                f"{shard.url!r}; stage them as separate datasets or rename one"
-            )
-    return tuple(out)
-
-
-def _shard(fs: fsspec.AbstractFileSystem | None, path: str, root: str, info: Info) -> SourceShard:
-    relpath = safe_relpath(posixpath.relpath(path, root) if root else path)
-    return SourceShard(display(fs, path), path, relpath, info.size, info.version)
 
 
 def _from_paths(
@@ -167,10 +96,17 @@ def _from_paths(
         elif info.kind == OTHER:
             skipped.append(display(fs, path))
         else:
-            shards.append(_shard(fs, path, root, info))
+            shards.append(shard_at(fs, path, root, info))
     where = display(fs, root or "/")
     return SourceSet(
-        where, name, _unique(shards), tuple(missing), fs, spec, tuple(skipped), named=True
+        where,
+        name,
+        unique_shards(shards, fs is not None),
+        tuple(missing),
+        fs,
+        spec,
+        (*skipped,),
+        named=True,
     )
 
 
@@ -246,10 +182,11 @@ def _glob(spec: str, fs: fsspec.AbstractFileSystem | None, path: str, name: str)
     if not files:
         note = literal_path_note(spec) + hidden_note(left_out)
         raise SourceError(f"source not found: no file matches {spec}; check the pattern{note}")
-    shards = [_shard(fs, p, root, info) for p, info in files if info.kind != OTHER]
+    matched = [shard_at(fs, p, root, info) for p, info in files if info.kind != OTHER]
+    shards = unique_shards(matched, exact=fs is not None)  # (keys: x//y.tar is not x/y.tar)
     skipped = tuple(display(fs, p) for p, info in files if info.kind == OTHER)
     spec_id = canonical_spec(spec)
-    return SourceSet(display(fs, root), name, _unique(shards), (), fs, spec_id, skipped, left_out)
+    return SourceSet(display(fs, root), name, shards, (), fs, spec_id, skipped, left_out)
 
 
 def _walk(
@@ -281,9 +218,9 @@ def _walk(
         entries = [(p, info_of(i)) for p, i in sorted(found.items())]
         shown, hidden = leave_out_hidden(fs, entries, root)  # (as a local walk leaves them out)
         infos = [(p, info) for p, info in shown if is_shard_name(p)]
-        shards = tuple(
-            _shard(fs, p, root, info) for p, info in infos if info.kind not in (DIRECTORY, OTHER)
-        )
+        kinds = (DIRECTORY, OTHER)
+        keyed = [shard_at(fs, p, root, i) for p, i in infos if i.kind not in kinds]
+        shards = unique_shards(keyed, exact=True)  # (keys: x//y.tar is not x/y.tar)
         skipped = tuple(display(fs, p) for p, info in infos if info.kind == OTHER)
         case_only = [display(fs, p) for p, _ in shown if is_shard_name_but_for_case(p)]
         remote_left_out = tuple(sorted(case_only + hidden))
@@ -394,5 +331,5 @@ def _resolve(
             f"source {spec} is not a regular file (a FIFO, a device or a symlink to nothing?); "
             "refused"
         )
-    shard = _shard(fs, path, root, info)
+    shard = shard_at(fs, path, root, info)
     return SourceSet(display(fs, root), name, (shard,), (), fs, canonical_spec(spec), named=True)
