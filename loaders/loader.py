@@ -24,6 +24,7 @@ from stager.gcpause import collection_paused
 from stager.plan.elastic import remaining_after
 from stager.plan.ranks import PlanOptions, WorldLayout, fingerprint
 
+from .collective import agree_on_dataset
 from .dataset import PackedBatch
 from .metrics import LoaderMetrics, batch_length
 from .options import DROP_LAST_HINT, LEGACY_KEYWORDS, LoaderOptions
@@ -151,6 +152,7 @@ class ShardedLoader(DataLoader):
                 "train on"
             )
         self.fingerprint = fingerprint(self.shards.relpaths, self.shard_samples)
+        agree_on_dataset(self.fingerprint, source, self.shards.subset)  # (else epochs differ)
         self.plan_options = PlanOptions(
             batch_size=batch_size,
             seed=seed,

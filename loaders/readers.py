@@ -29,6 +29,7 @@ from stager.plan.staging import StagingSpec
 from stager.plan.streaming import StreamingPlan
 from stager.shards.loader_index import build_flat_index
 
+from .collective import count_in_shares
 from .dataset import PackedBatch, StagedTarDataset
 from .options import LoaderOptions
 from .resolve import DatasetShards
@@ -180,17 +181,24 @@ class StreamingReader:
     ):
         self.locations = list(shards.locations)
         self.skipped_shards: list[str] = []
-        counts = []
-        for n, location, relpath in zip(
-            shards.samples, shards.locations, shards.relpaths, strict=True
-        ):
-            try:
-                counts.append(n if n is not None else count_remote_samples(location))
-            except IntegrityError:
-                if options.on_error != "skip":
-                    raise
-                counts.append(0)  # left out, as the staged reader leaves out a corrupt tar
-                self.skipped_shards.append(relpath)
+        counts = list(shards.samples)
+        todo = [i for i, n in enumerate(counts) if n is None]
+        # (each rank counts its share: a count reads the whole shard)
+        counted, errors = count_in_shares(
+            todo,
+            lambda i: count_remote_samples(self.locations[i]),
+            lambda i: shards.relpaths[i],
+            shards.subset,
+        )
+        for i in todo:
+            error = errors.get(i)
+            if error is not None and (
+                options.on_error != "skip" or not isinstance(error, IntegrityError)
+            ):
+                raise error
+            if error is not None:
+                self.skipped_shards.append(shards.relpaths[i])
+            counts[i] = counted.get(i, 0)  # a corrupt tar left out, as the staged reader does
         if self.skipped_shards:
             log.warning(
                 "skipped %d corrupt shard(s): %s",

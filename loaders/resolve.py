@@ -26,7 +26,7 @@ import numpy as np
 from stager.errors import IntegrityError, SourceError, StagerError, UsageError
 from stager.layout import CORRUPT_META, StagedDataset, canonical_root, dataset_name
 from stager.shards.indexkey import changed_ns
-from stager.shards.manifest import Manifest, find_manifest, read_columns
+from stager.shards.manifest import MANIFEST_NAMES, Manifest, find_manifest, read_columns
 from stager.shards.tarindex import any_compressed
 from stager.stagein.status import PlanFacts
 from stager.storage.dest import resolve_dest_root
@@ -170,16 +170,44 @@ def _source_refs(source: SourceSet, samples: dict[str, int | None]) -> dict[str,
 
 
 def _source_samples(source: SourceSet) -> dict[str, int | None]:
-    if not source.is_local or not source.shards:
+    """The sample counts of the manifest beside the source (``stager index``), if any: without
+    them a streamed shard is counted by reading it whole, remote ones too."""
+    if not source.shards:
         return {}
     first = source.shards[0]
-    found = find_manifest(first.path[: len(first.path) - len(first.relpath)])
-    if found is None:
-        return {}
+    root = first.path[: len(first.path) - len(first.relpath)]
     try:
-        return {e.relpath: e.samples for e in Manifest.read(found).entries}
+        manifest = _local_manifest(root) if source.is_local else _remote_manifest(source, root)
     except StagerError:
         return {}
+    return {} if manifest is None else {e.relpath: e.samples for e in manifest.entries}
+
+
+def _local_manifest(root: str) -> Manifest | None:
+    found = find_manifest(root)
+    return None if found is None else Manifest.read(found)
+
+
+def _remote_manifest(source: SourceSet, root: str) -> Manifest | None:
+    """The first manifest beside a remote source, read through a temporary file (a manifest is
+    read by its suffix, JSON or Parquet); None where there is none or it cannot be read (the
+    shards are then counted, which costs time, not correctness)."""
+    import tempfile
+
+    for name in MANIFEST_NAMES:
+        try:
+            with source.fs.open(f"{root.rstrip('/')}/{name}", "rb") as handle:
+                data = handle.read()
+        except FileNotFoundError:
+            continue
+        except Exception as exc:  # noqa: BLE001 - any failure of the store: counted instead
+            log.warning("the manifest beside %s could not be read (%s)", source.root_url, exc)
+            return None
+        with tempfile.TemporaryDirectory(prefix="stager-manifest-") as scratch:
+            local = Path(scratch, name)
+            local.write_bytes(data)
+            return Manifest.read(local)
+    return None
 
 
 def _check_same_root(meta: dict[str, str], spec: str | list[str] | None, where: Path) -> None:

@@ -94,12 +94,14 @@ def rank_main(rank: int, job: dict[str, Any]) -> None:
     Path(job["out"], f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def run_world(job: dict[str, Any], timeout_s: float = 180) -> list[dict[str, Any]]:
-    """Start WORLD fresh interpreters running ``rank_main``; a hang fails the test, never blocks
-    it."""
+def run_world(
+    job: dict[str, Any], timeout_s: float = 180, module: str = "tests.test_loader_ddp"
+) -> list[dict[str, Any]]:
+    """Start WORLD fresh interpreters running ``module``'s ``rank_main``; a hang fails the test,
+    never blocks it."""
     Path(job["out"]).mkdir(parents=True)
     code = (
-        "import json, sys; from tests.test_loader_ddp import rank_main; "
+        f"import json, sys; from {module} import rank_main; "
         "rank_main(int(sys.argv[1]), json.loads(sys.argv[2]))"
     )
     procs = [

@@ -290,3 +290,21 @@ def test_the_loader_finds_a_prefix_staged_with_its_slash_by_either_spelling(
     for spec in (source, source.rstrip("/")):
         loader = ShardedLoader(spec, batch_size=4, options=LoaderOptions(dest=str(tmp_path)))
         assert loader.shards.from_source == 0 and len(loader) > 0, spec
+
+
+def test_the_loader_takes_a_remote_sources_counts_from_its_manifest(
+    endpoint: str, prefix: str, local_ds: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Streamed from the store (nothing staged), each shard's samples were counted by reading
+    it whole, on every rank, although ``stager index`` had written their counts beside it."""
+    from stager_loaders import LoaderOptions, ShardedLoader
+
+    source = f"s3://{BUCKET}/{prefix}"
+    indexed = run_cli("stager", "index", source, env=_env(endpoint))
+    assert indexed.returncode == 0, indexed.stderr
+    for key, value in s3_env(endpoint).items():
+        monkeypatch.setenv(key, value)
+    loader = ShardedLoader(source, batch_size=4, options=LoaderOptions(dest=str(tmp_path)))
+    counts = {e.relpath: e.samples for e in build_manifest(resolve_source(str(local_ds))).entries}
+    assert dict(zip(loader.shards.relpaths, loader.shards.samples, strict=True)) == counts
+    assert loader.shards.from_source == len(counts)

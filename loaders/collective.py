@@ -1,0 +1,111 @@
+"""What the ranks of a ``torch.distributed`` group settle together when a loader is built.
+
+Every rank builds its own loader from its own listing. Where those differ (a remote source
+changed between two ranks' listings, nodes that staged different copies, a shard corrupt on one
+node only), each rank plans a different epoch: ranks read the same samples, miss others, and one
+waits in the training step's all-reduce for batches the others never send. So the ranks compare
+one digest of what they see (:func:`agree_on_dataset`), and every rank raises where they differ.
+
+Counting a remote shard's samples reads the whole shard. Every rank counted every shard, so a
+job of N ranks read the dataset N times before its first step: :func:`count_in_shares` has each
+rank count its share and the ranks add up the results, one all-reduce of a count per shard.
+
+Outside an initialised group (one process, or a launcher without ``init_process_group``) both
+are local. Under ``--subset node`` nodes hold different shards on purpose: neither applies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from stager.errors import IntegrityError, SourceError, one_line
+
+__all__ = ["agree_on_dataset", "count_in_shares"]
+
+
+def _group() -> tuple[Any, int, int, str] | None:
+    """``(dist, rank, world, device)`` of an initialised group of more than one rank."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces GPU tensors only
+    return dist, dist.get_rank(), dist.get_world_size(), device
+
+
+def agree_on_dataset(fingerprint: str, source: object, subset: str) -> None:
+    """Raise :class:`SourceError` on every rank unless every rank's shard list and sample
+    counts have this ``fingerprint`` (:func:`stager.plan.ranks.fingerprint`); one all-reduce."""
+    group = _group() if subset != "node" else None
+    if group is not None and not _same_everywhere(group, fingerprint):
+        raise _differ(group[2], source)
+
+
+def _same_everywhere(group: tuple[Any, int, int, str], digest: str) -> bool:
+    """Whether every rank holds this hex ``digest``; one all-reduce of two integers."""
+    import torch
+
+    dist, _, _, device = group
+    mine = int(digest[:15], 16)  # (60 bits: an int64 holds it and its negation)
+    value = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value[0].item()) == -int(value[1].item())
+
+
+def _differ(world: int, source: object) -> SourceError:
+    return SourceError(
+        f"the {world} ranks do not see the same shards and sample counts of {source}: the "
+        "source changed while they listed it, or nodes staged different copies; stage it "
+        "with stage-in before training (every rank then reads one staged copy) and restart"
+    )
+
+
+def count_in_shares(
+    todo: Sequence[int],
+    count: Callable[[int], int],
+    name: Callable[[int], str],
+    subset: str,
+    source: object = "the source",
+) -> tuple[dict[int, int], dict[int, Exception]]:
+    """``count(i)`` for every ``i`` in ``todo``, each rank counting every world-th one: the
+    counts by index, and the errors by index (each rank gets every rank's: an error on one rank
+    alone would leave the others waiting in the reduce). ``name(i)`` names a shard; ranks whose
+    shards to count differ raise :class:`SourceError`, all of them, before any count."""
+    group = _group() if subset != "node" else None
+    if group is not None:
+        names = hashlib.sha256("\0".join(map(name, todo)).encode()).hexdigest()
+        if not _same_everywhere(group, names):
+            raise _differ(group[2], source)
+    rank, world = (group[1], group[2]) if group is not None else (0, 1)
+    counts: dict[int, int] = {}
+    errors: dict[int, Exception] = {}
+    for slot in range(rank, len(todo), world):
+        try:
+            counts[todo[slot]] = count(todo[slot])
+        except Exception as exc:  # noqa: BLE001 - every rank must reach the reduce below
+            errors[todo[slot]] = exc
+    if group is None or not todo:
+        return counts, errors
+    import torch
+
+    dist, _, _, device = group
+    # one entry per shard, set by the rank that counted it: count + 1, -1 corrupt, -2 unreadable
+    found = torch.zeros(len(todo), dtype=torch.int64)
+    for slot, i in enumerate(todo):
+        if i in counts:
+            found[slot] = counts[i] + 1
+        elif i in errors:
+            found[slot] = -1 if isinstance(errors[i], IntegrityError) else -2
+    found = found.to(device)
+    dist.all_reduce(found, op=dist.ReduceOp.SUM)
+    for slot, value in enumerate(found.cpu().tolist()):
+        i = todo[slot]
+        if value > 0:
+            counts[i] = value - 1
+        elif i not in errors:
+            kind = IntegrityError if value == -1 else SourceError
+            what = "is corrupt or not a tar" if value == -1 else "could not be read"
+            errors[i] = kind(f"shard {one_line(name(i))} {what} (counted by rank {slot % world})")
+    return counts, errors

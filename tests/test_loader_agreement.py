@@ -1,0 +1,117 @@
+"""Ranks of a real gloo group settle what they see together (``stager_loaders.collective``).
+
+Each rank lists and counts its source itself. Where the ranks' views differed (a remote source
+changed between their listings, nodes with different staged copies), each planned its own
+epoch: different batch counts (a DDP hang) and samples read twice; every rank now raises. A
+shard counted by reading it whole (streamed, no manifest) is counted by one rank, not by all.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
+
+from .test_loader_ddp import WORLD, run_world
+
+
+def rank_main(rank: int, job: dict[str, Any]) -> None:
+    """One rank: build a streaming loader of its source, read an epoch, write rank<N>.json."""
+    import torch.distributed as dist
+
+    import stager_loaders.readers as readers
+    from stager_loaders import LoaderOptions, ShardedLoader
+
+    counted: list[str] = []
+    real = readers.count_remote_samples
+
+    def counting(location: str) -> int:  # the real count, recorded
+        counted.append(Path(location).name)
+        return real(location)
+
+    readers.count_remote_samples = counting
+    dist.init_process_group(
+        "gloo", init_method=f"file://{job['out']}/rendezvous", rank=rank, world_size=WORLD
+    )
+    try:
+        options = LoaderOptions(dest=job["dest"], force_streaming=True, on_error=job["on_error"])
+        try:
+            loader = ShardedLoader(
+                job["sources"][rank], batch_size=3, to_tuple=("__key__",), options=options
+            )
+            loader.set_epoch(0)
+            out: dict[str, Any] = {"len": len(loader), "keys": [k for (b,) in loader for k in b]}
+        except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
+            out = {"error": type(exc).__name__, "message": str(exc)}
+        out["counted"] = counted
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    Path(job["out"], f"rank{rank}.json").write_text(json.dumps(out))
+
+
+def _world(job: dict[str, Any]) -> list[dict[str, Any]]:
+    return run_world(job, timeout_s=120, module="tests.test_loader_agreement")
+
+
+def _gzipped(root: Path, shards: int, seed: int) -> Path:
+    """``shards`` .tar.gz shards of uneven sizes under ``root/ds`` (streamed: no random access)."""
+    spec = SyntheticSpec(num_shards=shards, samples_per_shard=7, uneven=True, seed=seed)
+    write_synthetic_dataset(root / "plain", spec)
+    (root / "ds").mkdir(parents=True)
+    for tar in sorted((root / "plain").glob("*.tar")):
+        (root / "ds" / (tar.name + ".gz")).write_bytes(gzip.compress(tar.read_bytes()))
+    return root / "ds"
+
+
+def _job(tmp_path: Path, sources: list[Path], on_error: str = "raise") -> dict[str, Any]:
+    return {
+        "sources": [str(s) for s in sources],
+        "dest": str(tmp_path / "scratch"),
+        "out": str(tmp_path / "out"),
+        "on_error": on_error,
+    }
+
+
+def test_each_shard_is_counted_by_one_rank_and_every_rank_plans_the_same_epoch(
+    tmp_path: Path,
+) -> None:
+    source = _gzipped(tmp_path / "a", 5, seed=3)
+    ranks = _world(_job(tmp_path, [source, source]))
+    assert all("error" not in r for r in ranks), ranks
+    assert ranks[0]["len"] == ranks[1]["len"] > 0
+    first, second = (set(r["counted"]) for r in ranks)
+    assert not first & second and len(first | second) == 5  # each counted once, not twice
+    assert abs(len(first) - len(second)) <= 1
+    keys = [k for r in ranks for k in r["keys"]]
+    spec = SyntheticSpec(num_shards=5, samples_per_shard=7, uneven=True, seed=3)
+    expected = sum(spec.shard_sizes())
+    assert len(set(keys)) == expected  # every sample, on one rank (pad repeats a few)
+
+
+def test_ranks_that_see_different_shards_all_raise(tmp_path: Path) -> None:
+    """Rank 1's copy of the source has a shard more (it landed between the two listings)."""
+    ranks = _world(_job(tmp_path, [_gzipped(tmp_path / "a", 4, 3), _gzipped(tmp_path / "b", 5, 3)]))
+    for rank in ranks:
+        assert rank.get("error") == "SourceError", ranks
+        assert "ranks do not see the same shards and sample counts" in rank["message"]
+
+
+def test_a_corrupt_shard_counted_by_one_rank_fails_or_is_left_out_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    """Found by the rank that counted it: the other raises too (it would have waited in the
+    reduce), or, with ``on_error="skip"``, leaves it out as well."""
+    source = _gzipped(tmp_path / "a", 4, seed=3)
+    corrupt = sorted(source.iterdir())[1]  # (counted by rank 1)
+    corrupt.write_bytes(gzip.compress(b"no tar in here" * 100))
+    ranks = _world(_job(tmp_path, [source, source]))
+    for rank in ranks:
+        assert rank.get("error") == "IntegrityError", ranks
+    assert corrupt.name in ranks[0]["message"] and "counted by rank 1" in ranks[0]["message"]
+    ranks = _world({**_job(tmp_path, [source, source], "skip"), "out": str(tmp_path / "o2")})
+    assert ranks[0]["len"] == ranks[1]["len"] > 0, ranks
+    assert not any(k.startswith(corrupt.name) for r in ranks for k in r["keys"])
