@@ -308,3 +308,36 @@ def test_the_loader_takes_a_remote_sources_counts_from_its_manifest(
     counts = {e.relpath: e.samples for e in build_manifest(resolve_source(str(local_ds))).entries}
     assert dict(zip(loader.shards.relpaths, loader.shards.samples, strict=True)) == counts
     assert loader.shards.from_source == len(counts)
+
+
+def test_an_object_rewritten_after_its_listing_is_read_as_it_is_now(
+    endpoint: str, prefix: str, local_ds: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fsspec keeps one filesystem per process with its listings, and s3fs reads an object on
+    the ETag listed: once rewritten, the object could not be read again in that process. A
+    second loader called the shard corrupt (or, skipping, trained without it), and a retry of
+    stage-in's copy expected the old size and read on the old ETag, so none could succeed."""
+    from stager.stagein.oneshard import relisted
+    from stager.stagein.plan import CopyItem
+    from stager_loaders import LoaderOptions, ShardedLoader
+
+    for key, value in s3_env(endpoint).items():
+        monkeypatch.setenv(key, value)
+    source = f"s3://{BUCKET}/{prefix}"
+    options = LoaderOptions(dest=str(tmp_path), on_error="skip")
+    first = ShardedLoader(source, batch_size=4, to_tuple=("__key__",), options=options)
+    shards = sorted(local_ds.glob("*.tar"))
+    # the first shard's object now holds the second's bytes: another size, another ETag
+    _client(endpoint).upload_file(str(shards[1]), BUCKET, f"{prefix}/{shards[0].name}")
+    second = ShardedLoader(source, batch_size=4, to_tuple=("__key__",), options=options)
+    assert second.skipped_shards == [] and len(second) > 0
+    keys = [k for (batch,) in second for k in batch]
+    assert len(keys) >= len(first.shards.relpaths)  # read, not left out as corrupt
+
+    listed = resolve_source(f"{source}/{shards[2].name}").shards[0]
+    item = CopyItem(listed, str(tmp_path / "x.tar"), listed.size, None, False)
+    other = next(s for s in shards if s.stat().st_size != item.size)
+    _client(endpoint).upload_file(str(other), BUCKET, f"{prefix}/{shards[2].name}")
+    now = relisted(resolve_source(source), item)
+    assert now.size == other.stat().st_size != item.size
+    assert now.shard.version != item.shard.version and now.shard.path == item.shard.path

@@ -16,6 +16,7 @@ is drained, and :class:`FanoutError` names the shard and its owner.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import queue
@@ -144,13 +145,22 @@ class Exchange:
         return result
 
     def _read_source(self, item: ExchangeShard) -> CopyResult:
+        size = [item.size]  # as listed: again before each retry (an object rewritten since)
+
+        def on_retry(attempt: int, exc: BaseException) -> None:
+            self._on_retry(attempt, exc)
+            if not item.from_manifest:  # (a manifest's size stays: a change is corruption)
+                with contextlib.suppress(Exception):  # (the retry says what is wrong)
+                    now = self.source.listed_now(item.shard.path)
+                    size[0] = size[0] if now is None else now.size
+
         return call_with_retries(
             lambda: copy_file(
                 self.source.fs,
                 item.shard.path,
                 item.final,
                 url=item.shard.url,
-                expected_size=item.size,
+                expected_size=size[0],
                 expected_hash=item.want_hash,
                 block_bytes=self.options.block_bytes,
                 throttle=self.throttle,
@@ -159,7 +169,7 @@ class Exchange:
                 size_from_manifest=item.from_manifest,
             ),
             self.options.retry,
-            on_retry=self._on_retry,
+            on_retry=on_retry,
         )
 
     # ------------------------------------------------------------------------ main thread

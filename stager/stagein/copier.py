@@ -10,17 +10,17 @@ stay ``.partial`` until the free-space check on those sizes has passed.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from operator import attrgetter
 from typing import TYPE_CHECKING, TextIO
 
-from stager.errors import HashMismatch, ShardFailure, failure_kind, one_line
+from stager.errors import ShardFailure, one_line
 from stager.shards.manifest import ManifestEntry
 from stager.shards.tarparse import TarSampleCounter
 from stager.stagein.feed import ItemFeed
 from stager.stagein.journal import Journal
+from stager.stagein.oneshard import copy_one
 from stager.stagein.options import StageInOptions
 from stager.stagein.pacing import Halt
 from stager.stagein.plan import CopyItem, CopyOutcome, LocalPlan, count_samples_of
@@ -30,15 +30,14 @@ from stager.stagein.settle import settle_sized_later
 from stager.stagein.sizing import DROPPED, UNKNOWN, DeferredPreflight
 from stager.stagein.smallruns import RunLength, SmallRuns
 from stager.stagein.streams import KeptSlots, StreamController
-from stager.storage.copy import CopyResult, copy_file
+from stager.storage.copy import CopyResult
 from stager.storage.copyrun import publish_run
-from stager.storage.retry import call_with_retries
 from stager.storage.sources import SourceSet
 from stager.storage.throttle import Throttle
 from stager.storage.workers import run_in_threads
 
 if TYPE_CHECKING:
-    from stager.stagein.cache import Claim, StageCache
+    from stager.stagein.cache import StageCache
 
 __all__ = ["Copier", "CopyOutcome"]
 
@@ -193,7 +192,7 @@ class Copier:
             self.report.bytes_read_source += n
         self.progress.advance(n)
 
-    def _on_retry(self, attempt: int, exc: BaseException) -> None:
+    def on_retry(self, attempt: int, exc: BaseException) -> None:
         with self.lock:
             self.report.retries += 1
         message = f"[{self.report.node}] retry {attempt} after: {one_line(exc)}"
@@ -260,82 +259,13 @@ class Copier:
         return True
 
     def copy_prepared(self, item: CopyItem) -> None:
-        """Copy one shard (:meth:`_prepare`'d) with :func:`copy_file`, retried where it may help."""
-        if not self.still_wanted(item):
-            return
-        claim: Claim | None = None
-        if self.cache is not None:
-            try:
-                claim = self.cache.claim(item)  # may wait while another job fills the shard
-            except Exception as exc:  # noqa: BLE001 - one report line, as for a copy
-                self.fail(item, one_line(exc), failure_kind(exc))
-                return
-            if claim.served is not None:
-                self.served.add(item.shard.relpath)
-                if claim.samples is not None:
-                    self.served_samples[item.shard.relpath] = claim.samples
-                self.book_run([(item, claim.served, None)], True)
-                return
-        target = claim.target if claim is not None else item.target
-        published = [True]
-        count_in_flight = self.options.count_samples and item.target.endswith(".tar")
-        counters: list[TarSampleCounter] = []
-        sizing = self.sizing
-
-        def publish(partial: str, final_path: str) -> None:
-            if not self.samples_agree(item, counters[0] if counters else None):
-                counted, want = counters[0].samples, self._known_samples(item)
-                raise HashMismatch(  # before the rename: nothing is published under this name
-                    f"{item.shard.url}: holds {counted} samples but the manifest says "
-                    f"{want}; the manifest is stale or wrong: re-run stager index"
-                )
-            if sizing is not None:
-                published[0] = sizing.gate.publish(partial, final_path)
-            else:
-                os.replace(partial, final_path)
-
-        def attempt() -> CopyResult:
-            counters[:] = [TarSampleCounter()] if count_in_flight else []  # fresh per attempt
-            return copy_file(
-                self.source.remote_fs,
-                item.shard.path,
-                target,
-                url=item.shard.url,
-                expected_size=item.size,
-                expected_hash=item.want_hash,
-                block_bytes=self.options.block_bytes,
-                throttle=self.throttle,
-                on_bytes=self.on_bytes,
-                inspect=counters[0] if counters else None,
-                fsync=self.options.fsync,
-                size_from_manifest=item.from_manifest,
-                publish=publish,
-            )
-
-        self.slots.take()  # (again, if given back waiting for the walk, a size or the cache)
-        result = None
-        try:
-            retry, on_retry = self.options.retry, self._on_retry
-            result = call_with_retries(attempt, retry, on_retry=on_retry, sleep=self.halt.pause)
-            if claim is not None:  # copied into the cache: record it, place it in scratch
-                result = claim.publish(result, counters[0].samples if counters else None)
-        except Exception as exc:  # noqa: BLE001 - every failure becomes one report line
-            kind = failure_kind(exc)
-            if kind in ("full", "dest"):
-                self.full.set()  # no later copy can land either
-            self.fail(item, one_line(exc), kind)
-            return
-        finally:
-            timing = (result.first_byte_s, result.last_byte_s, result.cores_used) if result else ()
-            self.slots.finished(*timing)
-            if claim is not None:
-                claim.release()
-        self.run_length.timed(result.seconds)
-        self.book_run([(item, result, counters[0] if counters else None)], published[0])
+        """Copy one shard (:meth:`_prepare`'d) with :func:`copy_file`, retried where it may help
+        (:func:`stager.stagein.oneshard.copy_one`)."""
+        copy_one(self, item)
 
     def samples_agree(self, item: CopyItem, counter: TarSampleCounter | None) -> bool:
         """False where the walk counted other samples than the manifest (or cache) says."""
-        want, counted = self._known_samples(item), counter.samples if counter else None
+        want, counted = self.known_samples(item), counter.samples if counter else None
         return want is None or counted is None or counted == want
 
     def publish_run(self, pairs: list[tuple[str, str]]) -> tuple[bool, list[OSError | None]]:
@@ -345,7 +275,7 @@ class Copier:
             return self.sizing.gate.publish_run(pairs)
         return True, publish_run(pairs)
 
-    def _known_samples(self, item: CopyItem) -> int | None:
+    def known_samples(self, item: CopyItem) -> int | None:
         """The manifest's count, or the cache's for a shard it served."""
         served = self.served_samples.get(item.shard.relpath)
         return served if served is not None else item.want_samples
@@ -360,7 +290,7 @@ class Copier:
         booked = []
         for item, result, counter in copies:
             relpath = item.shard.relpath
-            samples = self._known_samples(item)
+            samples = self.known_samples(item)
             if counter is not None:  # (one that found no tar too: the finish checks the copy)
                 self.outcome.parsed[relpath] = counter  # arrays are built at the end
                 if counter.repeated_member is not None:

@@ -8,14 +8,13 @@ errors become :class:`~stager.errors.SourceError` here, once.
 
 from __future__ import annotations
 
+import contextlib
 import os
-import posixpath
 import stat
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from fnmatch import fnmatchcase
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -45,9 +44,7 @@ __all__ = [
     "display",
     "translate",
     "walk_local",
-    "hidden_part",
-    "leave_out_hidden",
-    "hidden_note",
+    "drop_listings",
     "stat_one",
     "stat_many",
     "info_of",
@@ -176,53 +173,6 @@ def _left_out(others: list[os.DirEntry[str]], directories: list[bool]) -> list[s
     return found
 
 
-def hidden_part(path: str, root: str, pattern: str = "") -> str | None:
-    """Where a listed ``path`` is hidden below ``root``: itself (``root/._a.tar``) or its first
-    hidden directory (``root/.git/``), or None. ``pattern``: a glob's, whose parts that start
-    with ``.`` (``.*.tar``, ``.cache``) may match hidden names, as in the shell. For remote
-    listings and globs, which fsspec makes without leaving hidden names out."""
-    if not path.startswith(root):
-        return None
-    parts = path[len(root) :].strip("/").split("/")
-    dotted = [p for p in pattern[len(root) :].strip("/").split("/") if is_hidden_name(p)]
-    for depth, name in enumerate(parts):
-        if is_hidden_name(name) and not any(fnmatchcase(name, p) for p in dotted):
-            below = "/".join(parts[: depth + 1])
-            return f"{root.rstrip('/')}/{below}" + ("/" if depth < len(parts) - 1 else "")
-    return None
-
-
-def leave_out_hidden(
-    fs: fsspec.AbstractFileSystem | None,
-    listed: list[tuple[str, Info]],
-    root: str,
-    pattern: str = "",
-) -> tuple[list[tuple[str, Info]], list[str]]:
-    """The entries of a remote listing or a glob (fsspec's, which keep hidden names) that are
-    not hidden below ``root`` (:func:`hidden_part`), and what a warning names of the others:
-    hidden shards, and each hidden directory once (not this tool's own ``.stager``)."""
-    hidden = {path: hidden_part(path, root, pattern) for path, _ in listed}
-    parts = {part for part in hidden.values() if part is not None}
-    named = [
-        display(fs, part)
-        for part in sorted(parts)
-        if (part.endswith("/") and not part.endswith(f"/{META_DIR}/"))
-        or is_shard_name(part.lower())
-    ]
-    return [entry for entry in listed if hidden[entry[0]] is None], named
-
-
-def hidden_note(left_out: Sequence[str]) -> str:
-    """What to add to a glob's "no match" where only hidden files matched it."""
-    hidden = [p for p in left_out if is_hidden_name(posixpath.basename(p.rstrip("/")))]
-    if not hidden:
-        return ""
-    return (
-        f"; only hidden names match it ({hidden[0]!r}...): a wildcard matches no name starting "
-        "with '.'; write the '.' in the pattern"
-    )
-
-
 def _is_linked_directory(entry: os.DirEntry[str]) -> bool:
     try:
         return entry.is_dir(follow_symlinks=True)
@@ -334,6 +284,17 @@ def split_fs(url: str) -> tuple[fsspec.AbstractFileSystem | None, str]:
             f"cannot open {url!r}: {exc}; install the fsspec backend (e.g. s3fs)"
         ) from exc
     return (None, path) if protocol_of(fs) == "file" else (fs, path)
+
+
+def drop_listings(fs: fsspec.AbstractFileSystem | None) -> fsspec.AbstractFileSystem | None:
+    """``fs`` with what it cached of earlier listings dropped. fsspec keeps one filesystem per
+    process and arguments, with its listings, and s3fs reads an object on the ETag its listing
+    held: an object rewritten since could never be read again in this process (a retry failed
+    as the first attempt had; a second loader called the shard corrupt)."""
+    if fs is not None:
+        with contextlib.suppress(Exception):  # (a filesystem without a cache has nothing to drop)
+            fs.invalidate_cache()
+    return fs
 
 
 def literal_path_note(spec: str) -> str:

@@ -30,14 +30,14 @@ from stager.layout import (
     no_shards_message,
 )
 from stager.patterns import expand_pattern, is_pattern
+from stager.storage.hidden import hidden_note, leave_out_hidden
 from stager.storage.listing import (
     DIRECTORY,
     OTHER,
     display,
+    drop_listings,
     glob_matches,
-    hidden_note,
     info_of,
-    leave_out_hidden,
     literal_path_note,
     protocol_of,
     read_list,
@@ -150,7 +150,7 @@ def fill_sizes(
 
 
 def _list_urls(urls: list[str], name: str, jobs: int, spec: str, where: str) -> SourceSet:
-    fs, _ = split_fs(urls[0])
+    fs = drop_listings(split_fs(urls[0])[0])
     paths = []
     for url in urls:
         other_fs, path = split_fs(url)
@@ -305,7 +305,7 @@ def _resolve(
     name = name or dataset_name(spec)
     if is_pattern(spec):
         expanded = expand_pattern(spec)
-        fs, _ = split_fs(expanded[0])
+        fs = drop_listings(split_fs(expanded[0])[0])
         paths = [split_fs(u)[1] for u in expanded]
         result = _from_paths(fs, paths, _common_dir(paths), name, jobs, canonical_spec(spec))
         if not result.shards and not result.skipped:
@@ -315,6 +315,7 @@ def _resolve(
             )
         return result
     fs, path = split_fs(spec)
+    drop_listings(fs)  # (listed afresh: an object may have changed since an earlier listing)
     if glob_root(path) is not None:
         return _glob(spec, fs, path, name)
     try:

@@ -4,13 +4,14 @@ staged at a relative path, and the set of them with what the listing left out
 
 from __future__ import annotations
 
+import contextlib
 import posixpath
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from stager.errors import UsageError
-from stager.storage.listing import Info, display, fsspec_view, protocol_of
+from stager.storage.listing import Info, display, fsspec_view, info_of, protocol_of
 from stager.storage.paths import safe_relpath
 
 if TYPE_CHECKING:
@@ -65,6 +66,17 @@ class SourceSet:
     @property
     def total_bytes(self) -> int:
         return sum(s.size or 0 for s in self.shards)
+
+    def listed_now(self, path: str) -> Info | None:
+        """What the object store lists at ``path`` now, its cached listing dropped (a retry
+        of an object rewritten since its listing); None for a local source, whose copy stats
+        what it opens. Raises as ``info`` does."""
+        fs = self.remote_fs
+        if fs is None:
+            return None
+        with contextlib.suppress(Exception):  # (no cache: nothing to drop)
+            fs.invalidate_cache(path)
+        return info_of(fs.info(path))
 
 
 def unique_shards(shards: Sequence[SourceShard], exact: bool = False) -> tuple[SourceShard, ...]:

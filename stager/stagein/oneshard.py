@@ -1,0 +1,120 @@
+"""One shard copied on its own: from the node cache or the source, retried where it may help.
+
+The path for every shard a run of small shards does not take (:mod:`stager.stagein.smallruns`):
+large shards, remote ones, a shard a run refused. Its retries copy the source as it is now: an
+object store's object is listed again before each retry (:func:`relisted`), since a retry of
+an object rewritten after the listing otherwise expected the old size, and s3fs read it on the
+old ETag, which the store refuses, so no retry could succeed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import TYPE_CHECKING
+
+from stager.errors import HashMismatch, failure_kind, one_line
+from stager.shards.tarparse import TarSampleCounter
+from stager.stagein.plan import CopyItem
+from stager.storage.copy import CopyResult, copy_file
+from stager.storage.retry import call_with_retries
+from stager.storage.sources import SourceSet
+
+if TYPE_CHECKING:
+    from stager.stagein.cache import Claim
+    from stager.stagein.copier import Copier
+
+__all__ = ["copy_one", "relisted"]
+
+
+def relisted(source: SourceSet, item: CopyItem) -> CopyItem:
+    """``item`` with the size and version its object store lists now (a manifest's size stays:
+    a different one is the manifest's to refuse); ``item`` itself for a local source."""
+    info = source.listed_now(item.shard.path)
+    if info is None:
+        return item
+    size = item.size if item.from_manifest and item.size is not None else info.size
+    return item.sized(size, info.version)
+
+
+def copy_one(copier: Copier, item: CopyItem) -> None:
+    """Copy ``item`` with :func:`copy_file` and book it, or report why it failed."""
+    if not copier.still_wanted(item):
+        return
+    claim: Claim | None = None
+    if copier.cache is not None:
+        try:
+            claim = copier.cache.claim(item)  # may wait while another job fills the shard
+        except Exception as exc:  # noqa: BLE001 - one report line, as for a copy
+            copier.fail(item, one_line(exc), failure_kind(exc))
+            return
+        if claim.served is not None:
+            copier.served.add(item.shard.relpath)
+            if claim.samples is not None:
+                copier.served_samples[item.shard.relpath] = claim.samples
+            copier.book_run([(item, claim.served, None)], True)
+            return
+    target = claim.target if claim is not None else item.target
+    published = [True]
+    count_in_flight = copier.options.count_samples and item.target.endswith(".tar")
+    counters: list[TarSampleCounter] = []
+    sizing = copier.sizing
+    current = [item]  # as listed: again before each retry (relisted)
+
+    def publish(partial: str, final_path: str) -> None:
+        if not copier.samples_agree(item, counters[0] if counters else None):
+            counted, want = counters[0].samples, copier.known_samples(item)
+            raise HashMismatch(  # before the rename: nothing is published under this name
+                f"{item.shard.url}: holds {counted} samples but the manifest says "
+                f"{want}; the manifest is stale or wrong: re-run stager index"
+            )
+        if sizing is not None:
+            published[0] = sizing.gate.publish(partial, final_path)
+        else:
+            os.replace(partial, final_path)
+
+    def attempt() -> CopyResult:
+        counters[:] = [TarSampleCounter()] if count_in_flight else []  # fresh per attempt
+        listed = current[0]
+        return copy_file(
+            copier.source.remote_fs,
+            listed.shard.path,
+            target,
+            url=listed.shard.url,
+            expected_size=listed.size,
+            expected_hash=listed.want_hash,
+            block_bytes=copier.options.block_bytes,
+            throttle=copier.throttle,
+            on_bytes=copier.on_bytes,
+            inspect=counters[0] if counters else None,
+            fsync=copier.options.fsync,
+            size_from_manifest=listed.from_manifest,
+            publish=publish,
+        )
+
+    def on_retry(number: int, exc: BaseException) -> None:
+        copier.on_retry(number, exc)
+        if claim is None:  # (a cache claim is for the version listed: its copy must be that)
+            with contextlib.suppress(Exception):  # (a failed listing: the retry says what)
+                current[0] = relisted(copier.source, current[0])
+
+    copier.slots.take()  # (again, if given back waiting for the walk, a size or the cache)
+    result = None
+    try:
+        retry = copier.options.retry
+        result = call_with_retries(attempt, retry, on_retry=on_retry, sleep=copier.halt.pause)
+        if claim is not None:  # copied into the cache: record it, place it in scratch
+            result = claim.publish(result, counters[0].samples if counters else None)
+    except Exception as exc:  # noqa: BLE001 - every failure becomes one report line
+        kind = failure_kind(exc)
+        if kind in ("full", "dest"):
+            copier.full.set()  # no later copy can land either
+        copier.fail(item, one_line(exc), kind)
+        return
+    finally:
+        timing = (result.first_byte_s, result.last_byte_s, result.cores_used) if result else ()
+        copier.slots.finished(*timing)
+        if claim is not None:
+            claim.release()
+    copier.run_length.timed(result.seconds)
+    copier.book_run([(current[0], result, counters[0] if counters else None)], published[0])

@@ -1,0 +1,68 @@
+"""Hidden names in listings fsspec makes: left out as the shell's globs leave them out.
+
+A local directory's walk (:func:`stager.storage.listing.walk_local`) neither takes nor enters a
+hidden name. A remote walk and a glob are fsspec's, which keep them: here they are left out
+the same way, and named for the warning, so a source lists the same shards however it is read.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Sequence
+from fnmatch import fnmatchcase
+from typing import TYPE_CHECKING
+
+from stager.layout import META_DIR, is_hidden_name, is_shard_name
+from stager.storage.listing import Info, display
+
+if TYPE_CHECKING:
+    import fsspec
+
+__all__ = ["hidden_part", "leave_out_hidden", "hidden_note"]
+
+
+def hidden_part(path: str, root: str, pattern: str = "") -> str | None:
+    """Where a listed ``path`` is hidden below ``root``: itself (``root/._a.tar``) or its first
+    hidden directory (``root/.git/``), or None. ``pattern``: a glob's, whose parts that start
+    with ``.`` (``.*.tar``, ``.cache``) may match hidden names, as in the shell. For remote
+    listings and globs, which fsspec makes without leaving hidden names out."""
+    if not path.startswith(root):
+        return None
+    parts = path[len(root) :].strip("/").split("/")
+    dotted = [p for p in pattern[len(root) :].strip("/").split("/") if is_hidden_name(p)]
+    for depth, name in enumerate(parts):
+        if is_hidden_name(name) and not any(fnmatchcase(name, p) for p in dotted):
+            below = "/".join(parts[: depth + 1])
+            return f"{root.rstrip('/')}/{below}" + ("/" if depth < len(parts) - 1 else "")
+    return None
+
+
+def leave_out_hidden(
+    fs: fsspec.AbstractFileSystem | None,
+    listed: list[tuple[str, Info]],
+    root: str,
+    pattern: str = "",
+) -> tuple[list[tuple[str, Info]], list[str]]:
+    """The entries of a remote listing or a glob (fsspec's, which keep hidden names) that are
+    not hidden below ``root`` (:func:`hidden_part`), and what a warning names of the others:
+    hidden shards, and each hidden directory once (not this tool's own ``.stager``)."""
+    hidden = {path: hidden_part(path, root, pattern) for path, _ in listed}
+    parts = {part for part in hidden.values() if part is not None}
+    named = [
+        display(fs, part)
+        for part in sorted(parts)
+        if (part.endswith("/") and not part.endswith(f"/{META_DIR}/"))
+        or is_shard_name(part.lower())
+    ]
+    return [entry for entry in listed if hidden[entry[0]] is None], named
+
+
+def hidden_note(left_out: Sequence[str]) -> str:
+    """What to add to a glob's "no match" where only hidden files matched it."""
+    hidden = [p for p in left_out if is_hidden_name(posixpath.basename(p.rstrip("/")))]
+    if not hidden:
+        return ""
+    return (
+        f"; only hidden names match it ({hidden[0]!r}...): a wildcard matches no name starting "
+        "with '.'; write the '.' in the pattern"
+    )
