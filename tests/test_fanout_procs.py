@@ -140,15 +140,20 @@ class Nodes:
         *extra: str,
         ranks: list[int] | None = None,
         timeout_s: float = 60,
+        port: int | None = None,
+        sources: dict[int, Path] | None = None,
+        job_id: str = "4711",
         **env_extra: str,
     ) -> dict[int, subprocess.Popen]:
+        """``port``: the rendezvous port (to start ranks in several calls); ``sources``: a
+        source of its own for some ranks."""
         self.runs += 1
         self.count_log.write_text("")
-        port = _free_port()
+        port = port or _free_port()
         procs = {}
         for rank in range(self.num_nodes) if ranks is None else ranks:
             env = clean_env(
-                SLURM_JOB_ID="4711",
+                SLURM_JOB_ID=job_id,
                 SLURM_NODEID=str(rank),
                 SLURM_JOB_NUM_NODES=str(self.num_nodes),
                 SLURM_JOB_NODELIST="localhost",
@@ -160,7 +165,7 @@ class Nodes:
             )
             argv = [
                 str(BIN / "stage-in"),
-                f"countfile://{src}",
+                f"countfile://{(sources or {}).get(rank, src)}",
                 "--fanout",
                 "--dest",
                 str(self.dest(rank)),
@@ -353,3 +358,82 @@ def test_fanout_writes_the_loader_index_so_the_first_loader_walks_no_tar_header(
         assert sum(len(b) for (b,) in loader) == sum(
             SyntheticSpec(num_shards=9, samples_per_shard=24, uneven=True, seed=5).shard_sizes()
         )
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_nodes_that_list_other_versions_or_sources_or_chunks_stop_every_node(
+    fanout_dataset: Path, tmp_path: Path
+) -> None:
+    """The handshake compared shard names and sizes only. A node that listed the source before
+    a same-size rewrite, holding a copy of the old bytes, sent them to a node that listed the
+    new version, which recorded them as that version: old bytes trusted on every node, kept by
+    every rerun. Nodes given different sources, or different chunk sizes, mixed datasets or
+    crashed. Each now stops every node (exit 10), and a rerun stages the current bytes."""
+    src = tmp_path / "src" / "ds"
+    shutil.copytree(fanout_dataset, src)
+    nodes = Nodes(tmp_path, 2)
+    assert all(code == 0 for code, _ in _finish(nodes.start(src)).values())
+    victim = sorted(src.glob("*.tar"))[0]
+    other = sorted(src.glob("*.tar"))[1]
+    port = _free_port()
+    first = nodes.start(src, ranks=[0], port=port)  # lists the old bytes, holds a copy of them
+    deadline = time.monotonic() + 60
+    while not _listening(port):  # (node 0 listens once its listing is done)
+        assert first[0].poll() is None and time.monotonic() < deadline, _finish(first)
+        time.sleep(0.05)
+    rewritten = bytearray(victim.read_bytes())
+    rewritten[-4096] ^= 0xFF  # (in the end-of-archive padding: still a tar, same size)
+    victim.write_bytes(bytes(rewritten))
+    second = nodes.start(src, ranks=[1], port=port)  # lists the new version
+    results = _finish({**first, **second})
+    for rank, (code, err) in results.items():
+        assert code == 10, (rank, err)
+        assert "nodes listed different shards" in _error_lines(err)[0], err
+    results = _finish(nodes.start(src))
+    assert all(code == 0 for code, _ in results.values()), results
+    for rank in range(2):
+        _assert_identical(src, nodes.dest(rank) / "ds")
+
+    elsewhere = tmp_path / "elsewhere" / "ds"  # the same names and sizes, other bytes
+    shutil.copytree(src, elsewhere)
+    (elsewhere / victim.name).write_bytes(other.read_bytes()[: victim.stat().st_size])
+    (tmp_path / "fresh").mkdir()
+    fresh = Nodes(tmp_path / "fresh", 2)  # (scratch holding nothing yet)
+    results = _finish(fresh.start(src, sources={1: elsewhere}))
+    assert [code for code, _ in results.values()] == [10, 10], results
+    chunks = _finish(
+        {
+            **fresh.start(src, "--fanout-chunk-kib", "64", ranks=[0], port=(port := _free_port())),
+            **fresh.start(src, "--fanout-chunk-kib", "128", ranks=[1], port=port),
+        }
+    )
+    for code, err in chunks.values():
+        assert code == 10 and "different --fanout-chunk-kib (node-0: 64, node-1: 128)" in err, err
+
+
+def test_a_node_of_another_job_on_the_same_port_does_not_join_its_group(
+    fanout_dataset: Path, tmp_path: Path
+) -> None:
+    """Ports come from job ids, and two jobs' can collide: a node of job B that reached job A's
+    rendezvous was paired with A's peers and hung in gloo's connect past every timeout. Keyed
+    by job and dataset, it finds no peer of its own there and falls back; A is undisturbed."""
+    nodes = Nodes(tmp_path, 2)
+    port = _free_port()
+    job_a = nodes.start(fanout_dataset, "--bw-limit", "0.2", port=port)  # (a few seconds long)
+    deadline = time.monotonic() + 60
+    while not _listening(port):
+        assert time.monotonic() < deadline, _finish(job_a)
+        time.sleep(0.05)
+    (tmp_path / "b").mkdir()
+    other = Nodes(tmp_path / "b", 2)
+    job_b = other.start(fanout_dataset, ranks=[1], port=port, timeout_s=3, job_id="4712")
+    code, err = _finish(job_b)[1]
+    assert code == 0 and "falling back to plain per-node copying" in err, err
+    _assert_identical(fanout_dataset, other.dest(1) / "ds")
+    for rank, (code, err) in _finish(job_a).items():
+        assert code == 0 and "fan-out on" in err, (rank, err)
+        _assert_identical(fanout_dataset, nodes.dest(rank) / "ds")

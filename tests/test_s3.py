@@ -196,6 +196,7 @@ def test_missing_prefix_is_a_source_error(endpoint: str, tmp_path: Path) -> None
     )
     assert result.returncode == EXIT_SOURCE
     assert "no-such-prefix" in result.stderr and "Traceback" not in result.stderr
+    assert "check the URL (the bucket and prefix)" in result.stderr  # (not "is it mounted?")
 
 
 def test_a_server_that_drops_connections_mid_response_is_retried(

@@ -122,9 +122,15 @@ class NodeGroup:
 
 
 def form_group(
-    host: str, port: int, node: int, num_nodes: int, options: FanoutOptions
+    host: str, port: int, node: int, num_nodes: int, options: FanoutOptions, tag: str = ""
 ) -> NodeGroup:
-    """Join the node group or raise :class:`GroupUnavailable` (torch missing, peers absent)."""
+    """Join the node group or raise :class:`GroupUnavailable` (torch missing, peers absent).
+
+    ``tag`` (the job and dataset) names the group's keys in the rendezvous store: two fan-outs
+    whose ports collide (derived from job ids, or the same job staging two datasets) cannot
+    join each other's group, which paired a node with another job's peers and hung it in
+    gloo's connect past every timeout; a node that reaches another's store finds no peer of
+    its own there and falls back when forming times out."""
     try:
         import torch
         import torch.distributed as dist
@@ -138,12 +144,16 @@ def form_group(
     try:
         # The default group lives only for forming and the handshake, under the short timeout;
         # the exchange runs on a second group of the same nodes with the long per-op timeout.
+        forming = timedelta(seconds=options.form_timeout_s)
+        store = dist.TCPStore(
+            host, port, num_nodes, is_master=node == 0, timeout=forming, wait_for_workers=False
+        )
         dist.init_process_group(
             "gloo",
-            init_method=url,
+            store=dist.PrefixStore(f"stager-fanout/{tag}/", store),
             rank=node,
             world_size=num_nodes,
-            timeout=timedelta(seconds=options.form_timeout_s),
+            timeout=forming,
         )
         exchange = dist.new_group(
             ranks=list(range(num_nodes)),

@@ -180,8 +180,9 @@ def _run_fanout(
         return node_label(slurm, node)
 
     forming = time.monotonic()
-    with form_group(endpoint[0], endpoint[1], slurm.node, slurm.num_nodes, fanout) as group:
-        have = _handshake(group, items, refusal is None, label)
+    tag = f"{slurm.job_id}/{staged.name}"
+    with form_group(*endpoint, slurm.node, slurm.num_nodes, fanout, tag) as group:
+        have = _handshake(group, items, refusal is None, label, (source.spec, fanout.chunk_bytes))
         report.fanout_form_s = time.monotonic() - forming
         if refusal is not None:
             raise refusal
@@ -232,25 +233,32 @@ def _handshake(
     items: Sequence[ExchangeShard],
     ready: bool,
     label: Callable[[int], str],
+    asked: tuple[str, int],
 ) -> list[list[bool]]:
     """All-gather (shard-list digest, preflight verdict, have-bitmap); refuse any disagreement.
+    ``asked``: the source spec and chunk size, which every node must share too.
 
     Runs under the short form timeout: a failure here still means "no group", so every node
     falls back rather than some exchanging and some not.
     """
     torch = group.torch
-    digest = shard_list_digest([(it.shard.relpath, it.size) for it in items])
-    meta = torch.tensor([digest, int(ready), len(items)], dtype=torch.int64)
+    spec, chunk_bytes = asked
+    listed = [(it.shard.relpath, it.size, it.shard.version, it.want_hash) for it in items]
+    digest = shard_list_digest(listed, spec)
+    meta = torch.tensor([digest, int(ready), len(items), chunk_bytes], dtype=torch.int64)
     # packbits of zero shards is empty; gloo wants at least one element, so pad one byte.
     bits = numpy.packbits(numpy.array([it.have for it in items] + [False], dtype=bool))
     try:
         metas = [m.tolist() for m in group.all_gather(meta, forming=True)]
+        if any(m[3] != metas[0][3] for m in metas):
+            chunks = ", ".join(f"{label(r)}: {m[3] // 1024}" for r, m in enumerate(metas))
+            raise FanoutError(f"nodes were given different --fanout-chunk-kib ({chunks})")
         if any(m[0] != metas[0][0] or m[2] != metas[0][2] for m in metas):
             counts = ", ".join(f"{label(r)}: {m[2]}" for r, m in enumerate(metas))
             raise FanoutError(
-                f"nodes listed different shards ({counts} shards, or different sizes); the source "
-                "changed "
-                "while the job started? rerun once it is stable"
+                f"nodes listed different shards ({counts} shards, or other sizes or versions), "
+                "or were given different sources: the source changed while the job started? "
+                "rerun once it is stable, with one SOURCE for every node"
             )
         gathered = group.all_gather(torch.from_numpy(bits), forming=True)
     except FanoutError:

@@ -114,16 +114,26 @@ def _broadcast_order(
     return tuple(i for _, _, i in sorted(ready))
 
 
-def shard_list_digest(entries: Sequence[tuple[str, int | None]]) -> int:
-    """A signed 64-bit digest of (relpath, size) pairs: nodes compare it before exchanging.
+def shard_list_digest(
+    entries: Sequence[tuple[str, int | None] | tuple[str, int | None, str | None, str | None]],
+    context: str = "",
+) -> int:
+    """A signed 64-bit digest of (relpath, size[, version, expected hash]) entries and a
+    ``context`` (the source asked for): nodes compare it before exchanging.
 
-    Nodes list the source independently; if a shard appeared or changed size in between, their
-    plans would disagree and the collectives would pair up wrong shards. Signed so it fits an
-    int64 tensor.
+    Nodes list the source independently; if a shard appeared, or changed size or version in
+    between, or the nodes were given different sources, their plans would disagree: the
+    collectives would pair up wrong shards, and a node holding a copy of the old bytes would
+    send them as the new version (a same-size rewrite), recorded so on every node. Signed so it
+    fits an int64 tensor.
     """
     hasher = xxhash.xxh3_64()
-    for relpath, size in entries:
+    hasher.update(context.encode("utf-8", "surrogateescape") + b"\0\0")
+    for relpath, size, *more in entries:
         hasher.update(relpath.encode("utf-8", "surrogateescape"))
-        hasher.update(b"\0%d\n" % (-1 if size is None else size))
+        hasher.update(b"\0%d" % (-1 if size is None else size))
+        for text in more:  # (versions and hashes hold no NUL)
+            hasher.update(b"\0" + (b"-" if text is None else text.encode("utf-8", "replace")))
+        hasher.update(b"\n")
     value = hasher.intdigest()
     return value - (1 << 64) if value >= 1 << 63 else value

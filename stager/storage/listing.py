@@ -86,14 +86,13 @@ def translate(exc: BaseException, url: str) -> SourceError:
     root = url.rstrip("/")
     if isinstance(failed, str) and failed.rstrip("/") not in ("", root, root.split("://")[-1]):
         where = f"{one_line(failed)} (under the source {url})"
+    remote = "://" in url and not url.startswith("file://")
     if isinstance(exc, FileNotFoundError):
-        return SourceError(
-            f"source not found: {where}; check the path (is the filesystem mounted?)"
-        )
+        check = "the URL (the bucket and prefix)" if remote else "the path (is it mounted?)"
+        return SourceError(f"source not found: {where}; check {check}")
     if isinstance(exc, PermissionError):
-        return SourceError(
-            f"source not readable: {where} (permission denied); check its mode and owner"
-        )
+        check = "the credentials and the bucket's policy" if remote else "its mode and owner"
+        return SourceError(f"source not readable: {where} (permission denied); check {check}")
     return SourceError(f"cannot list source {url}: {exc}; check the URL and credentials")
 
 
