@@ -257,3 +257,29 @@ def test_single_node_template_with_torchrun(slurm_cluster, jobs) -> None:
         / "state.pt"
     )
     _assert_same_model(job.ckpt_dest / "step-00000020" / "state.pt", ref_state)
+
+
+def test_usr1_during_stage_in_is_acted_on_at_once(slurm_cluster, jobs) -> None:
+    """bash runs a trap only once the foreground command ends: with stage-in in the foreground,
+    the pre-timeout warning waited for the whole copy, too late to checkpoint or requeue. The
+    template's steps are backgrounded and waited on, so the trap runs while stage-in copies."""
+    data = slurm_cluster.shared_dir / "datasets" / "train set"
+    job = _submit(
+        slurm_cluster,
+        "usr1 while staging",
+        "train-multi-node.sbatch",
+        data,
+        TWO_NODES,
+        TRAIN,
+        STAGE_IN_ARGS="--bw-limit 0.002 --jobs 1",  # (minutes for the dataset, at this pace)
+        REQUEUE_ON_SIGNAL="0",
+    )
+    _wait_for_log(slurm_cluster, job, "run 1 on 2 node(s)")
+    time.sleep(3)  # (stage-in started, far from done)
+    signalled = time.monotonic()
+    slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job.job_id])
+    _wait_done(slurm_cluster, job, timeout_s=120)
+    text = job.text()
+    assert "USR1 at" in text and "no checkpoint on scratch yet" in text, text
+    assert "stage-in: 4 files, 4 copied" not in text, text  # (stopped, not waited for)
+    assert time.monotonic() - signalled < 60, text
