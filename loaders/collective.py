@@ -11,7 +11,9 @@ job of N ranks read the dataset N times before its first step: :func:`count_in_s
 rank count its share and the ranks add up the results, one all-reduce of a count per shard.
 
 Outside an initialised group (one process, or a launcher without ``init_process_group``) both
-are local. Under ``--subset node`` nodes hold different shards on purpose: neither applies.
+are local, and so for a loader of a world other than the group's (``LoaderOptions(rank=0,
+world_size=1)`` on rank 0 alone, for a validation pass there: a collective on one rank would
+wait forever). Under ``--subset node`` nodes hold different shards on purpose: neither applies.
 """
 
 from __future__ import annotations
@@ -21,24 +23,28 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from stager.errors import IntegrityError, SourceError, one_line
+from stager.plan.ranks import WorldLayout
 
 __all__ = ["agree_on_dataset", "count_in_shares"]
 
 
-def _group() -> tuple[Any, int, int, str] | None:
-    """``(dist, rank, world, device)`` of an initialised group of more than one rank."""
+def _group(layout: WorldLayout) -> tuple[Any, int, int, str] | None:
+    """``(dist, rank, world, device)`` of an initialised group of more than one rank, which is
+    the world the loader's ``layout`` shares its samples over."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    if (dist.get_world_size(), dist.get_rank()) != (layout.world_size, layout.rank):
         return None
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces GPU tensors only
     return dist, dist.get_rank(), dist.get_world_size(), device
 
 
-def agree_on_dataset(fingerprint: str, source: object, subset: str) -> None:
+def agree_on_dataset(fingerprint: str, source: object, subset: str, layout: WorldLayout) -> None:
     """Raise :class:`SourceError` on every rank unless every rank's shard list and sample
     counts have this ``fingerprint`` (:func:`stager.plan.ranks.fingerprint`); one all-reduce."""
-    group = _group() if subset != "node" else None
+    group = _group(layout) if subset != "node" else None
     if group is not None and not _same_everywhere(group, fingerprint):
         raise _differ(group[2], source)
 
@@ -67,13 +73,14 @@ def count_in_shares(
     count: Callable[[int], int],
     name: Callable[[int], str],
     subset: str,
+    layout: WorldLayout,
     source: object = "the source",
 ) -> tuple[dict[int, int], dict[int, Exception]]:
     """``count(i)`` for every ``i`` in ``todo``, each rank counting every world-th one: the
     counts by index, and the errors by index (each rank gets every rank's: an error on one rank
     alone would leave the others waiting in the reduce). ``name(i)`` names a shard; ranks whose
     shards to count differ raise :class:`SourceError`, all of them, before any count."""
-    group = _group() if subset != "node" else None
+    group = _group(layout) if subset != "node" else None
     if group is not None:
         names = hashlib.sha256("\0".join(map(name, todo)).encode()).hexdigest()
         if not _same_everywhere(group, names):

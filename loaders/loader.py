@@ -139,7 +139,7 @@ class ShardedLoader(DataLoader):
                 source, dest=options.dest, name=options.name, on_error=options.on_error
             )
             self.reader: Reader = open_reader(
-                self.shards, options, pipeline, collate_fn, num_workers, self._to_tuple
+                self.shards, options, pipeline, collate_fn, num_workers, self._to_tuple, self.layout
             )
         #: (the reader's list: a streaming reader adds to it as it reads)
         self.skipped_shards: list[str] = self.reader.skipped_shards
@@ -152,7 +152,8 @@ class ShardedLoader(DataLoader):
                 "train on"
             )
         self.fingerprint = fingerprint(self.shards.relpaths, self.shard_samples)
-        agree_on_dataset(self.fingerprint, source, self.shards.subset)  # (else epochs differ)
+        # (else each rank plans its own epoch)
+        agree_on_dataset(self.fingerprint, source, self.shards.subset, self.layout)
         self.plan_options = PlanOptions(
             batch_size=batch_size,
             seed=seed,

@@ -178,7 +178,10 @@ class StreamingReader:
         pipeline: SamplePipeline,
         collate_fn: Collate | None,
         workers: int,
+        layout: WorldLayout | None = None,
     ):
+        """``layout``: the world the loader shares samples over, whose ranks count the shards
+        with no count in shares (one, alone, where None)."""
         self.locations = list(shards.locations)
         self.skipped_shards: list[str] = []
         counts = list(shards.samples)
@@ -189,6 +192,7 @@ class StreamingReader:
             lambda i: count_remote_samples(self.locations[i]),
             lambda i: shards.relpaths[i],
             shards.subset,
+            layout or WorldLayout(1),
         )
         for i in todo:
             error = errors.get(i)
@@ -273,6 +277,7 @@ def open_reader(
     collate_fn: Collate | None,
     workers: int,
     to_tuple: tuple[str, ...] | None,
+    layout: WorldLayout | None = None,
 ) -> Reader:
     """The staged reader when every shard allows random access, else the streaming one; the
     growing reader while stage-in --background still copies (stager_loaders.staging)."""
@@ -287,4 +292,4 @@ def open_reader(
     if shards.random_access and not options.force_streaming:
         return StagedReader(shards, options, pipeline, collate_fn)
     pipeline = pipeline or SamplePipeline(None, None, to_tuple)
-    return StreamingReader(shards, options, pipeline, collate_fn, workers)
+    return StreamingReader(shards, options, pipeline, collate_fn, workers, layout)

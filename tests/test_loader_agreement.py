@@ -38,7 +38,11 @@ def rank_main(rank: int, job: dict[str, Any]) -> None:
     )
     try:
         options = LoaderOptions(dest=job["dest"], force_streaming=True, on_error=job["on_error"])
+        if job.get("solo"):  # rank 0 alone reads the whole dataset (a validation pass there)
+            options = LoaderOptions(**{**vars(options), "rank": 0, "world_size": 1})
         try:
+            if job.get("solo") and rank != 0:
+                raise LookupError("no loader on this rank")
             loader = ShardedLoader(
                 job["sources"][rank], batch_size=3, to_tuple=("__key__",), options=options
             )
@@ -115,3 +119,12 @@ def test_a_corrupt_shard_counted_by_one_rank_fails_or_is_left_out_on_every_rank(
     ranks = _world({**_job(tmp_path, [source, source], "skip"), "out": str(tmp_path / "o2")})
     assert ranks[0]["len"] == ranks[1]["len"] > 0, ranks
     assert not any(k.startswith(corrupt.name) for r in ranks for k in r["keys"])
+
+
+def test_a_loader_built_on_one_rank_for_itself_alone_runs_no_collective(tmp_path: Path) -> None:
+    """A validation loader on rank 0 only (``rank=0, world_size=1``) in a group of two: a
+    collective there would wait forever for a rank that builds no loader."""
+    source = _gzipped(tmp_path / "a", 3, seed=3)
+    ranks = _world({**_job(tmp_path, [source, source]), "solo": True})
+    assert ranks[1]["error"] == "LookupError" and "error" not in ranks[0], ranks
+    assert len(ranks[0]["counted"]) == 3 and len(set(ranks[0]["keys"])) == len(ranks[0]["keys"])
