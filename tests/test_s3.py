@@ -274,6 +274,16 @@ def test_keys_that_would_land_on_one_path_are_refused_naming_both(
     assert "two source files would be staged as 'x/y.tar'" in result.stderr, result.stderr
     assert "x//y.tar" in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert not list(tmp_path.rglob("*.tar*"))
+    # a key naming a file that another key needs as a directory: retried as "changing" before
+    client = _client(endpoint)
+    shard = str(sorted(local_ds.glob("*.tar"))[0])
+    for key in ("sub.tar", "sub.tar/in.tar"):
+        client.upload_file(shard, BUCKET, f"{key_prefix}-kd/{key}")
+    client.close()
+    spec = f"s3://{BUCKET}/{key_prefix}-kd"
+    result = run_cli("stage-in", spec, "--dest", str(tmp_path), *FAST, env=_env(endpoint))
+    assert result.returncode == EXIT_USAGE, result.stderr
+    assert "'sub.tar' would be a file and a directory" in result.stderr, result.stderr
 
 
 def test_the_loader_finds_a_prefix_staged_with_its_slash_by_either_spelling(

@@ -119,6 +119,10 @@ def test_1_two_files_landing_on_one_path_are_refused_naming_both() -> None:
     # An object store's keys are exact: "r/a/./x.tar" and "r/a/x.tar" are two objects
     with pytest.raises(UsageError, match=r"/r/a/\./x\.tar.*/r/a/x\.tar"):
         unique_shards([a, same], exact=True)
+    # ... and a key can name a file another key needs as a directory
+    inner = SourceShard("s3://b/a/x.tar/y.tar", "b/a/x.tar/y.tar", "a/x.tar/y.tar", 1)
+    with pytest.raises(UsageError, match=r"'a/x\.tar' would be a file and a directory"):
+        unique_shards([same, inner], exact=True)
 
 
 # -- 2. a staged copy is recognised by its identity, not its name ---------------------------------

@@ -81,7 +81,8 @@ class SourceSet:
 
 def unique_shards(shards: Sequence[SourceShard], exact: bool = False) -> tuple[SourceShard, ...]:
     """Collapse entries naming the same file; refuse two files that would land on one path.
-    ``exact``: an object store's keys (``x//y.tar`` is not ``x/y.tar`` there)."""
+    ``exact``: an object store's keys (``x//y.tar`` is not ``x/y.tar`` there), where a key can
+    also name a file that another's path needs as a directory (``a.tar``, ``a.tar/b.tar``)."""
     by_relpath: dict[str, SourceShard] = {}
     out: list[SourceShard] = []
     for shard in shards:
@@ -94,6 +95,16 @@ def unique_shards(shards: Sequence[SourceShard], exact: bool = False) -> tuple[S
                 f"two source files would be staged as {shard.relpath!r}: {seen.url!r} and "
                 f"{shard.url!r}; stage them as separate datasets or rename one"
             )
+    for shard in out if exact else ():
+        parts = shard.relpath.split("/")
+        for depth in range(1, len(parts)):
+            above = by_relpath.get("/".join(parts[:depth]))
+            if above is not None:
+                raise UsageError(
+                    f"{above.url!r} and {shard.url!r} cannot both be staged: {above.relpath!r} "
+                    "would be a file and a directory; stage them as separate datasets or "
+                    "rename one"
+                )
     return tuple(out)
 
 
