@@ -69,22 +69,32 @@ def _differ(world: int, source: object) -> SourceError:
 
 
 def count_in_shares(
-    todo: Sequence[int],
+    known: Sequence[int | None],
     count: Callable[[int], int],
     name: Callable[[int], str],
     subset: str,
     layout: WorldLayout,
     source: object = "the source",
 ) -> tuple[dict[int, int], dict[int, Exception]]:
-    """``count(i)`` for every ``i`` in ``todo``, each rank counting every world-th one: the
-    counts by index, and the errors by index (each rank gets every rank's: an error on one rank
-    alone would leave the others waiting in the reduce). ``name(i)`` names a shard; ranks whose
-    shards to count differ raise :class:`SourceError`, all of them, before any count."""
+    """``count(i)`` for each shard ``i`` whose count is None in ``known`` on any rank, each
+    rank counting every world-th one: the counts by index, and the errors by index (each rank
+    gets every rank's: an error on one rank alone would leave the others waiting in the
+    reduce). ``name(i)`` names shard ``i``; ranks whose shard lists differ raise
+    :class:`SourceError`, all of them, before any count. Which shards to count is decided
+    together: a manifest one rank could not read (a store's 503) costs counting, not the run."""
     group = _group(layout) if subset != "node" else None
+    todo = [i for i, n in enumerate(known) if n is None]
     if group is not None:
-        names = hashlib.sha256("\0".join(map(name, todo)).encode()).hexdigest()
-        if not _same_everywhere(group, names):
+        import torch
+
+        dist, _, _, device = group
+        names = "\0".join(name(i) for i in range(len(known)))
+        if not _same_everywhere(group, hashlib.sha256(names.encode()).hexdigest()):
             raise _differ(group[2], source)
+        unknown = torch.tensor([n is None for n in known], dtype=torch.int64, device=device)
+        if len(known):
+            dist.all_reduce(unknown, op=dist.ReduceOp.MAX)
+        todo = [i for i, flag in enumerate(unknown.cpu().tolist()) if flag]
     rank, world = (group[1], group[2]) if group is not None else (0, 1)
     counts: dict[int, int] = {}
     errors: dict[int, Exception] = {}
@@ -95,9 +105,6 @@ def count_in_shares(
             errors[todo[slot]] = exc
     if group is None or not todo:
         return counts, errors
-    import torch
-
-    dist, _, _, device = group
     # one entry per shard, set by the rank that counted it: count + 1, -1 corrupt, -2 unreadable
     found = torch.zeros(len(todo), dtype=torch.int64)
     for slot, i in enumerate(todo):

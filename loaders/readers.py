@@ -185,16 +185,15 @@ class StreamingReader:
         self.locations = list(shards.locations)
         self.skipped_shards: list[str] = []
         counts = list(shards.samples)
-        todo = [i for i, n in enumerate(counts) if n is None]
         # (each rank counts its share: a count reads the whole shard)
         counted, errors = count_in_shares(
-            todo,
+            counts,
             lambda i: count_remote_samples(self.locations[i]),
             lambda i: shards.relpaths[i],
             shards.subset,
             layout or WorldLayout(1),
         )
-        for i in todo:
+        for i in sorted(counted.keys() | errors.keys()):
             error = errors.get(i)
             if error is not None and (
                 options.on_error != "skip" or not isinstance(error, IntegrityError)

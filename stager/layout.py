@@ -36,6 +36,7 @@ from stager.patterns import expand_pattern
 __all__ = [
     "META_DIR",
     "is_hidden_name",
+    "hidden_in_manifest",
     "PARTIAL_SUFFIX",
     "SHARD_SUFFIXES",
     "CORRUPT_META",
@@ -137,6 +138,14 @@ def left_out_warnings(left_out: Sequence[str], done: str = "staged") -> list[str
             "or a list"
         )
     return lines
+
+
+def hidden_in_manifest(relpaths: Sequence[str]) -> str:
+    """The warning for shards a manifest lists that a walk leaves out as hidden."""
+    return (
+        f"not staged: {_first(relpaths)}, listed in the manifest but hidden (a name starting "
+        "with '.', which a walk leaves out); re-run stager index, or name them in --from-list"
+    )
 
 
 def _first(paths: Sequence[str]) -> str:

@@ -151,3 +151,22 @@ def test_importing_the_fanout_modules_does_not_import_torch() -> None:
         "sys.exit('torch' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_nodes_compare_a_local_files_version_by_its_modification_time() -> None:
+    """A per-node copy (``cp -a``) or a FUSE mount numbering inodes itself gives the same bytes
+    another inode and change time on each node: only the modification time is compared, or
+    such a fan-out stopped on every run; an object store's token is compared whole."""
+    from stager.storage.identity import node_neutral
+
+    here, there = "11:1700000000000000000:1800000000000000001", "97:1700000000000000000:1900"
+    rewritten = "11:1700000000000000005:1800000000000000009"
+    listed = [("a.tar", 10, node_neutral(here, True), None)]
+    assert shard_list_digest(listed) == shard_list_digest(
+        [("a.tar", 10, node_neutral(there, True), None)]
+    )
+    assert shard_list_digest(listed) != shard_list_digest(
+        [("a.tar", 10, node_neutral(rewritten, True), None)]
+    )
+    assert node_neutral('"etag-1"', False) == '"etag-1"' and node_neutral(None, True) is None
+    assert shard_list_digest(listed, "file:///a") != shard_list_digest(listed, "file:///b")

@@ -318,6 +318,14 @@ def test_a_directory_copied_from_a_mac_stages_without_its_appledouble_files(
     loader = ShardedLoader(str(src), batch_size=1, shuffle=False)
     assert len(list(loader)) == 2 * 2  # a.tar and sub/d.tar, two samples each
 
+    # A dotted pattern part names hidden names at its own depth only, as the shell does
+    (src / ".git" / "._c.tar").write_bytes(b"\x00\x05\x16\x07" + b"\0" * 4000)
+    dotted = resolve_source(f"{src}/.*/*.tar")
+    assert [s.relpath for s in dotted.shards] == [".git/c.tar"]
+    # A dotted pattern part names hidden names at its own depth only, as the shell does
+    (src / ".git" / "._c.tar").write_bytes(b"\x00\x05\x16\x07" + b"\0" * 4000)
+    dotted = resolve_source(f"{src}/.*/*.tar")
+    assert [s.relpath for s in dotted.shards] == [".git/c.tar"]
     named = tmp_path / "named"
     done = run_cli("stage-in", f"{src}/.b.tar", "--dest", str(named), "--quiet")
     assert done.returncode == 0, done.stderr
@@ -326,6 +334,21 @@ def test_a_directory_copied_from_a_mac_stages_without_its_appledouble_files(
     done = run_cli("stage-in", "--from-list", str(listed), "--name", "l", "--dest", str(named))
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in (named / "l").rglob("*.tar")) == ["a.tar", "c.tar"]
+
+    # A manifest written before walks left hidden names out lists .b.tar: not "missing"
+    from stager.shards.build import build_manifest, write_manifest
+
+    named_all = resolve_source(
+        [str(src / "a.tar"), str(src / "sub" / "d.tar"), str(src / ".b.tar")]
+    )
+    write_manifest(build_manifest(named_all), str(src / "stager-manifest.json"))
+    done = run_cli("stage-in", str(src), "--dest", str(tmp_path / "m"), "--quiet")
+    assert done.returncode == 0, done.stderr
+    assert (
+        "'.b.tar' and 0 more" not in done.stderr
+        and "listed in the manifest but hidden" in done.stderr
+    )
+    (src / "stager-manifest.json").unlink()
 
     only = tmp_path / "only"
     (only / ".cache").mkdir(parents=True)

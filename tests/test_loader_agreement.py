@@ -128,3 +128,29 @@ def test_a_loader_built_on_one_rank_for_itself_alone_runs_no_collective(tmp_path
     ranks = _world({**_job(tmp_path, [source, source]), "solo": True})
     assert ranks[1]["error"] == "LookupError" and "error" not in ranks[0], ranks
     assert len(ranks[0]["counted"]) == 3 and len(set(ranks[0]["keys"])) == len(ranks[0]["keys"])
+
+
+def test_counts_one_rank_lacks_are_counted_in_shares_and_every_rank_trains(
+    tmp_path: Path,
+) -> None:
+    """Rank 0 reads the counts from the manifest beside its source; rank 1 cannot (a store's
+    503, a manifest not yet visible on that node): the shards to count are decided together,
+    where the ranks' lists of shards to count differed and both raised."""
+    import shutil
+
+    from stager.shards.build import build_manifest, write_manifest
+    from stager.storage.sources import resolve_source
+
+    with_manifest = _gzipped(tmp_path / "a", 4, seed=3)
+    write_manifest(
+        build_manifest(resolve_source(str(with_manifest))),
+        str(with_manifest / "stager-manifest.json"),
+    )
+    without = tmp_path / "b" / "ds"
+    shutil.copytree(with_manifest, without, ignore=shutil.ignore_patterns("stager-manifest.*"))
+    ranks = _world(_job(tmp_path, [with_manifest, without]))
+    assert all("error" not in r for r in ranks), ranks
+    assert ranks[0]["len"] == ranks[1]["len"] > 0
+    assert sorted(ranks[0]["counted"] + ranks[1]["counted"]) == sorted(
+        p.name for p in without.iterdir()
+    )

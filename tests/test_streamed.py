@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import stager.stagein.copier
+import stager.stagein.oneshard
 from stager.errors import EXIT_SOURCE, EXIT_USAGE, StagerError
 from stager.layout import StagedDataset
 from stager.shards.manifest import Manifest
@@ -63,7 +63,7 @@ def _gate_second_directory(monkeypatch: pytest.MonkeyPatch, before) -> list[obje
 def _copies_signal(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
     """Events set when the first copy starts, and when the first copy has ended."""
     started, ended = threading.Event(), threading.Event()
-    real = stager.stagein.copier.copy_file
+    real = stager.stagein.oneshard.copy_file
 
     def copy_file(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - the copier's call
         started.set()
@@ -72,7 +72,7 @@ def _copies_signal(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, th
         finally:
             ended.set()
 
-    monkeypatch.setattr(stager.stagein.copier, "copy_file", copy_file)
+    monkeypatch.setattr(stager.stagein.oneshard, "copy_file", copy_file)
     return started, ended
 
 

@@ -325,19 +325,20 @@ def test_a_thread_that_keeps_its_slot_copies_the_next_shard_itself(
     afresh, its caches cold): 16 x 64 MB from a tmpfs copied ~45% slower than at a fixed
     count."""
     import stager.stagein.copier as copier
+    import stager.stagein.oneshard as oneshard
 
     clean_process_env(monkeypatch)
     src = tmp_path / "ds"
     write_synthetic_dataset(src, SyntheticSpec(num_shards=12, samples_per_shard=2))
     threads: set[str] = set()
-    real_copy = copier.copy_file
+    real_copy = oneshard.copy_file
 
     def copy(*args, **kwargs):  # type: ignore[no-untyped-def]
         threads.add(threading.current_thread().name)
         time.sleep(0.02)  # a copy long enough for idle threads to start and queue up
         return real_copy(*args, **kwargs)
 
-    monkeypatch.setattr(copier, "copy_file", copy)
+    monkeypatch.setattr(oneshard, "copy_file", copy)
     monkeypatch.setattr(copier, "StreamController", _TwoOfEight)
     brace = "{" + ",".join(sorted(p.name for p in src.glob("*.tar"))) + "}"
     result = run_main(capsys, "stage-in", f"{src}/{brace}", "--dest", str(tmp_path / "dst"))

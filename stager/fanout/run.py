@@ -50,6 +50,7 @@ from stager.stagein.options import StageInOptions
 from stager.stagein.progress import Progress
 from stager.stagein.report import StageInReport
 from stager.stagein.run import copy_per_node, new_report, prepare, stage_in, staged_dataset
+from stager.storage.identity import node_neutral
 from stager.storage.paths import safe_join
 from stager.storage.sources import SourceSet
 
@@ -182,7 +183,8 @@ def _run_fanout(
     forming = time.monotonic()
     tag = f"{slurm.job_id}/{staged.name}"
     with form_group(*endpoint, slurm.node, slurm.num_nodes, fanout, tag) as group:
-        have = _handshake(group, items, refusal is None, label, (source.spec, fanout.chunk_bytes))
+        asked = (source.spec, fanout.chunk_bytes, source.is_local)
+        have = _handshake(group, items, refusal is None, label, asked)
         report.fanout_form_s = time.monotonic() - forming
         if refusal is not None:
             raise refusal
@@ -233,17 +235,21 @@ def _handshake(
     items: Sequence[ExchangeShard],
     ready: bool,
     label: Callable[[int], str],
-    asked: tuple[str, int],
+    asked: tuple[str, int, bool],
 ) -> list[list[bool]]:
     """All-gather (shard-list digest, preflight verdict, have-bitmap); refuse any disagreement.
-    ``asked``: the source spec and chunk size, which every node must share too.
+    ``asked``: the source spec and chunk size, which every node must share too, and whether the
+    source is local (its versions are then compared by their modification times only).
 
     Runs under the short form timeout: a failure here still means "no group", so every node
     falls back rather than some exchanging and some not.
     """
     torch = group.torch
-    spec, chunk_bytes = asked
-    listed = [(it.shard.relpath, it.size, it.shard.version, it.want_hash) for it in items]
+    spec, chunk_bytes, local = asked
+    listed = [
+        (it.shard.relpath, it.size, node_neutral(it.shard.version, local), it.want_hash)
+        for it in items
+    ]
     digest = shard_list_digest(listed, spec)
     meta = torch.tensor([digest, int(ready), len(items), chunk_bytes], dtype=torch.int64)
     # packbits of zero shards is empty; gloo wants at least one element, so pad one byte.

@@ -24,7 +24,14 @@ from typing import TextIO
 
 from stager.errors import ShardFailure, SourceError
 from stager.gcpause import collection_paused
-from stager.layout import StagedDataset, left_out_warnings, not_regular_message, skipped_message
+from stager.layout import (
+    StagedDataset,
+    hidden_in_manifest,
+    is_hidden_name,
+    left_out_warnings,
+    not_regular_message,
+    skipped_message,
+)
 from stager.shards.manifest import ManifestEntry
 from stager.shards.tarparse import load_scanner
 from stager.slurm import SlurmEnv
@@ -208,7 +215,11 @@ def prepare(
             )
         if source.walked and options.subset == "all" and aligned is None:
             listed = {s.relpath for s in shards}
-            for relpath in sorted(expected.keys() - listed):
+            absent = sorted(expected.keys() - listed)
+            hidden = [r for r in absent if any(map(is_hidden_name, r.split("/")))]
+            if hidden:  # (a manifest written before walks left hidden names out)
+                warn(log, node, hidden_in_manifest(hidden))
+            for relpath in sorted(set(absent) - set(hidden)):
                 report.add_failure(
                     ShardFailure(
                         f"{source.root_url.rstrip('/')}/{relpath}",

@@ -23,18 +23,38 @@ __all__ = ["hidden_part", "leave_out_hidden", "hidden_note"]
 
 def hidden_part(path: str, root: str, pattern: str = "") -> str | None:
     """Where a listed ``path`` is hidden below ``root``: itself (``root/._a.tar``) or its first
-    hidden directory (``root/.git/``), or None. ``pattern``: a glob's, whose parts that start
-    with ``.`` (``.*.tar``, ``.cache``) may match hidden names, as in the shell. For remote
+    hidden directory (``root/.git/``), or None. ``pattern``: a glob's. As in the shell, a part
+    of the path may be hidden where the pattern's part at its depth starts with ``.`` and
+    matches it (``.*.tar``, ``.cache``); a ``**`` matches no hidden directory. For remote
     listings and globs, which fsspec makes without leaving hidden names out."""
     if not path.startswith(root):
         return None
     parts = path[len(root) :].strip("/").split("/")
-    dotted = [p for p in pattern[len(root) :].strip("/").split("/") if is_hidden_name(p)]
+    wanted = pattern[len(root) :].strip("/").split("/") if pattern else []
     for depth, name in enumerate(parts):
-        if is_hidden_name(name) and not any(fnmatchcase(name, p) for p in dotted):
+        if is_hidden_name(name) and not _named(name, depth, len(parts), wanted):
             below = "/".join(parts[: depth + 1])
             return f"{root.rstrip('/')}/{below}" + ("/" if depth < len(parts) - 1 else "")
     return None
+
+
+def _named(name: str, depth: int, depths: int, wanted: list[str]) -> bool:
+    """Whether the pattern's part at ``depth`` of a path ``depths`` parts long names a hidden
+    ``name``: counted from the front before a ``**``, from the back after it."""
+    if "**" in wanted:
+        star = wanted.index("**")
+        after = len(wanted) - star - 1
+        if depth < star:
+            part = wanted[depth]
+        elif depth >= depths - after:
+            part = wanted[len(wanted) - (depths - depth)]
+        else:
+            return False  # (under the **)
+    elif depth < len(wanted):
+        part = wanted[depth]
+    else:
+        return False
+    return is_hidden_name(part) and fnmatchcase(name, part)
 
 
 def leave_out_hidden(

@@ -22,7 +22,14 @@ import stat
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["local_version", "local_identity", "version_of", "remote_version", "is_regular"]
+__all__ = [
+    "local_version",
+    "local_identity",
+    "version_of",
+    "node_neutral",
+    "remote_version",
+    "is_regular",
+]
 
 #: fsspec ``info`` fields that change when an object's bytes change, by backend:
 #: s3fs (ETag, VersionId, LastModified), gcsfs (generation, md5Hash, updated), adlfs (etag,
@@ -50,6 +57,13 @@ def local_version(st: os.stat_result) -> str:
 def local_identity(st: os.stat_result) -> tuple[int, int, int]:
     """What :func:`local_version` is made of, to compare two stats without the string."""
     return st.st_ino, st.st_mtime_ns, st.st_ctime_ns
+
+
+def node_neutral(version: str | None, local: bool) -> str | None:
+    """The part of a version that every node sees alike for the same bytes: a local file's
+    modification time, whose inode and change time differ on a per-node copy (``cp -a``) or a
+    FUSE mount that numbers inodes itself; an object store's whole token."""
+    return version.split(":")[1] if local and version and version.count(":") == 2 else version
 
 
 def version_of(inode: int, mtime_ns: int, ctime_ns: int) -> str:

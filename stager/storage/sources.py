@@ -229,7 +229,9 @@ def _walk(
             walked=True,
         )
     if not result.shards:
-        listed = some_file_names(root) if fs is None else [p[len(root) :] for p in found]
+        listed = (
+            some_file_names(root) if fs is None else [p[len(root) :].lstrip("/") for p in found]
+        )
         raise SourceError(no_shards_message(spec, listed, result.skipped))
     return result
 
