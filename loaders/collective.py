@@ -63,8 +63,10 @@ def _same_everywhere(group: tuple[Any, int, int, str], digest: str) -> bool:
 def _differ(world: int, source: object) -> SourceError:
     return SourceError(
         f"the {world} ranks do not see the same shards and sample counts of {source}: the "
-        "source changed while they listed it, or nodes staged different copies; stage it "
-        "with stage-in before training (every rank then reads one staged copy) and restart"
+        "source changed while they listed it, nodes staged different copies (or found other "
+        "shards corrupt), or some read a staged copy and others the source; let stage-in "
+        "finish on every node (every rank then reads one staged copy of one version) and "
+        "restart"
     )
 
 

@@ -208,7 +208,11 @@ def probe_loader(
                 decode=decode,
                 map=map_fn,
                 to_tuple=tuple(to_tuple) if to_tuple else None,
-                options=LoaderOptions(persistent_workers=count > 0, dest=dest, name=name),
+                # a world of one: probed on one rank of a job, it must not wait in the loader's
+                # collectives for ranks that build no loader
+                options=LoaderOptions(
+                    persistent_workers=count > 0, dest=dest, name=name, rank=0, world_size=1
+                ),
             )
             num_samples = int(loader.shard_samples.sum())
             samples, nbytes, epoch = 0, 0, 0

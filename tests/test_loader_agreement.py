@@ -41,6 +41,13 @@ def rank_main(rank: int, job: dict[str, Any]) -> None:
         if job.get("solo"):  # rank 0 alone reads the whole dataset (a validation pass there)
             options = LoaderOptions(**{**vars(options), "rank": 0, "world_size": 1})
         try:
+            if job.get("probe"):  # the doctor's probe, on rank 0 alone
+                if rank != 0:
+                    raise LookupError("no probe on this rank")
+                from stager_loaders.doctor import probe_loader
+
+                probe = probe_loader(job["sources"][0], workers=[0], seconds=0.2, dest=job["dest"])
+                raise LookupError(f"probed {probe.num_samples} samples")
             if job.get("solo") and rank != 0:
                 raise LookupError("no loader on this rank")
             loader = ShardedLoader(
@@ -154,3 +161,11 @@ def test_counts_one_rank_lacks_are_counted_in_shares_and_every_rank_trains(
     assert sorted(ranks[0]["counted"] + ranks[1]["counted"]) == sorted(
         p.name for p in without.iterdir()
     )
+
+
+def test_the_doctors_probe_on_one_rank_of_a_group_waits_for_no_other(tmp_path: Path) -> None:
+    """``probe_loader`` run in a training job on rank 0 only built a loader of the group's
+    world, whose collectives waited for ranks that build none."""
+    source = _gzipped(tmp_path / "a", 3, seed=3)
+    ranks = _world({**_job(tmp_path, [source, source]), "probe": True})
+    assert ranks[0]["error"] == "LookupError" and "probed" in ranks[0]["message"], ranks
