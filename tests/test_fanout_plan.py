@@ -12,8 +12,10 @@ import sys
 import pytest
 
 from stager.errors import UsageError
-from stager.fanout.exchange import HEADER_BYTES, _decode_header, _encode_header
 from stager.fanout.group import PORT_BASE, PORT_SPAN, FanoutOptions, fanout_port, resolve_endpoint
+from stager.fanout.header import HEADER_BYTES
+from stager.fanout.header import decode as _decode_header
+from stager.fanout.header import encode as _encode_header
 from stager.plan.fanout import SKIP, plan_fanout, shard_list_digest
 from stager.slurm import SlurmEnv
 

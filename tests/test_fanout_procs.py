@@ -437,3 +437,21 @@ def test_a_node_of_another_job_on_the_same_port_does_not_join_its_group(
     for rank, (code, err) in _finish(job_a).items():
         assert code == 0 and "fan-out on" in err, (rank, err)
         _assert_identical(fanout_dataset, nodes.dest(rank) / "ds")
+
+
+def test_an_owner_whose_own_scratch_fails_leaves_the_shard_to_the_others_to_read(
+    fanout_dataset: Path, tmp_path: Path
+) -> None:
+    """node1's scratch has a directory where each shard would land: its copies fail there,
+    on its side only. The shards it owned failed on every healthy node too, as if the source
+    had ("its owner could not read it", exit 3); node0 now reads them from the source itself."""
+    nodes = Nodes(tmp_path, 2)
+    for shard in _shards(fanout_dataset):
+        (nodes.dest(1) / "ds" / shard / "in-the-way").mkdir(parents=True)
+    results = _finish(nodes.start(fanout_dataset))
+    code, err = results[0]
+    assert code == 0, (err, results[1])
+    _assert_identical(fanout_dataset, nodes.dest(0) / "ds")
+    code, err = results[1]  # (its own scratch: exit 5, one line, no traceback; it crashed)
+    assert code == 5 and "cannot place it in scratch" in _error_lines(err)[0], err
+    assert nodes.source_bytes_read() >= _total(fanout_dataset)  # (each of node1's, by node0)

@@ -4,7 +4,8 @@ Per shard, in the plan's order (the same on every node), its owner broadcasts a 
 header (status, size, hash or failure reason) and then the bytes in ``chunk_bytes`` uint8
 tensors. Receivers that need the shard write ``<name>.partial``, hash as they go, and rename
 only when size and hash match the owner's (and the source manifest's, when there is one);
-receivers that already hold it take part in the collective and drop the bytes.
+receivers that already hold it take part in the collective and drop the bytes. An owner whose
+own scratch fails a shard says so, and each receiver then reads that shard from the source.
 
 Concurrency: each owner's source reads (``copy_file``: .partial, verify, rename) run ahead in a
 thread pool in the order the plan will broadcast them, while the main thread broadcasts; on
@@ -20,7 +21,6 @@ import contextlib
 import errno
 import os
 import queue
-import struct
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,6 +32,7 @@ from typing import Any, TextIO
 import numpy
 
 from stager.errors import FanoutError, ShardFailure, failure_kind, one_line
+from stager.fanout import header as wire
 from stager.fanout.group import FanoutOptions, NodeGroup
 from stager.plan.fanout import FanoutPlan
 from stager.shards.manifest import ManifestEntry
@@ -46,11 +47,8 @@ from stager.storage.retry import call_with_retries
 from stager.storage.sources import SourceSet, SourceShard
 from stager.storage.throttle import Throttle
 
-__all__ = ["ExchangeShard", "ExchangeOutcome", "Exchange", "HEADER_BYTES"]
+__all__ = ["ExchangeShard", "ExchangeOutcome", "Exchange"]
 
-HEADER_BYTES = 512
-_HEADER = struct.Struct("<qqH")
-_OK, _FAILED, _CORRUPT = 0, 1, 2  # header status: sent / unreadable / failed its check
 _BUFFERS = 4  # chunks in flight between the receiving main thread and the writer
 
 
@@ -79,14 +77,8 @@ class _Cancelled(Exception):
     """Raised inside a source read when the exchange has failed: stop reading."""
 
 
-def _encode_header(status: int, size: int, text: str) -> bytes:
-    payload = text.encode("utf-8", "replace")[: HEADER_BYTES - _HEADER.size]
-    return (_HEADER.pack(status, size, len(payload)) + payload).ljust(HEADER_BYTES, b"\0")
-
-
-def _decode_header(raw: bytes) -> tuple[int, int, str]:
-    status, size, length = _HEADER.unpack_from(raw)
-    return status, size, raw[_HEADER.size : _HEADER.size + length].decode("utf-8", "replace")
+def _names_scratch(exc: BaseException, item: ExchangeShard) -> bool:  # (this node's own)
+    return str(getattr(exc, "filename", "")).startswith(str(item.final.parent))
 
 
 class Exchange:
@@ -122,10 +114,11 @@ class Exchange:
         self.free: queue.Queue[Any] = queue.Queue()
         for _ in range(_BUFFERS):
             self.free.put(self.torch.empty(fanout.chunk_bytes, dtype=self.torch.uint8))
-        self.header = self.torch.empty(HEADER_BYTES, dtype=self.torch.uint8)
+        self.header = self.torch.empty(wire.HEADER_BYTES, dtype=self.torch.uint8)
         self.pending: queue.Queue[Any] | None = None  # the writer's queue while a receive runs
+        self.late: dict[int, Future[CopyResult]] = {}  # read here: the owner's scratch failed
+        self.readers: ThreadPoolExecutor | None = None
 
-    # ------------------------------------------------------------ source reads (pool threads)
     def _on_bytes(self, n: int) -> None:
         if self.stop.is_set():
             raise _Cancelled("fan-out stopped")
@@ -133,28 +126,21 @@ class Exchange:
             self.report.bytes_read_source += n
         self.progress.advance(n)
 
-    def _on_retry(self, attempt: int, exc: BaseException) -> None:
-        with self.lock:
-            self.report.retries += 1
-        print(f"[{self.me}] retry {attempt} after: {one_line(exc)}", file=self.log, flush=True)
-
     def _read(self, item: ExchangeShard) -> CopyResult:
-        """Copy ``item`` from the source (ahead of its broadcast) and journal it at once."""
-        result = self._read_source(item)
-        self._journal(item, result.size, result.hash)
-        return result
-
-    def _read_source(self, item: ExchangeShard) -> CopyResult:
+        """Copy ``item`` from the source (ahead of its broadcast, or where its owner's scratch
+        failed) and journal it at once."""
         size = [item.size]  # as listed: again before each retry (an object rewritten since)
 
         def on_retry(attempt: int, exc: BaseException) -> None:
-            self._on_retry(attempt, exc)
+            with self.lock:
+                self.report.retries += 1
+            print(f"[{self.me}] retry {attempt} after: {one_line(exc)}", file=self.log, flush=True)
             if not item.from_manifest:  # (a manifest's size stays: a change is corruption)
                 with contextlib.suppress(Exception):  # (the retry says what is wrong)
                     now = self.source.listed_now(item.shard.path)
                     size[0] = size[0] if now is None else now.size
 
-        return call_with_retries(
+        result = call_with_retries(
             lambda: copy_file(
                 self.source.fs,
                 item.shard.path,
@@ -171,13 +157,14 @@ class Exchange:
             self.options.retry,
             on_retry=on_retry,
         )
+        self._journal(item, result.size, result.hash)
+        return result
 
-    # ------------------------------------------------------------------------ main thread
     def run(self) -> ExchangeOutcome:
         rank = self.group.node
         mine = self.plan.reads_of(rank)
         streams = max(1, min(self.fanout.read_streams, self.options.jobs, len(mine)))
-        readers = ThreadPoolExecutor(max_workers=streams, thread_name_prefix="fanout-read")
+        self.readers = readers = ThreadPoolExecutor(streams, thread_name_prefix="fanout-read")
         writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fanout-write")
         # Submitted in broadcast order; the pool starts them FIFO, so reads run ahead of sends.
         reads = {i: readers.submit(self._read, self.items[i]) for i in mine}
@@ -188,6 +175,7 @@ class Exchange:
                     self._send(i, reads.get(i))
                 else:
                     self._receive(i, owner, writer)
+            self._finish_late()
             self._collective(self.group.barrier, "finishing after", len(self.items) - 1, rank)
         finally:
             self.stop.set()
@@ -196,6 +184,16 @@ class Exchange:
             readers.shutdown(wait=True, cancel_futures=True)
             writer.shutdown(wait=True)
         return self.outcome
+
+    def _finish_late(self) -> None:
+        for i, late in self.late.items():
+            try:
+                result = late.result()
+            except Exception as exc:  # noqa: BLE001 - that shard fails here, as any copy
+                failure = ShardFailure(self.items[i].shard.url, one_line(exc), failure_kind(exc))
+                self.outcome.failures.append(failure)
+            else:
+                self._staged(i, result.size, result.hash)
 
     def _collective(self, call: Callable[[], None], what: str, index: int, owner: int) -> None:
         try:
@@ -218,7 +216,7 @@ class Exchange:
         self._collective(
             lambda: self.group.broadcast(self.header, owner), "announcing", index, owner
         )
-        return _decode_header(view.tobytes())
+        return wire.decode(view.tobytes())
 
     def _send(self, index: int, read: Future[CopyResult] | None) -> None:
         item, rank = self.items[index], self.group.node
@@ -233,13 +231,15 @@ class Exchange:
             handle = open(item.final, "rb", buffering=0)  # noqa: SIM115 - closed below
         except Exception as exc:  # noqa: BLE001 - the shard fails everywhere; the fan-out goes on
             reason, kind = one_line(exc), failure_kind(exc)
+            kind = "dest" if kind == "source" and _names_scratch(exc, item) else kind
             self.outcome.failures.append(ShardFailure(item.shard.url, reason, kind))
-            status = _CORRUPT if kind == "corrupt" else _FAILED
-            self._broadcast_header(index, rank, _encode_header(status, 0, reason))
+            status = {"dest": wire.OWNER_SCRATCH, "full": wire.OWNER_SCRATCH}.get(kind, wire.FAILED)
+            status = wire.CORRUPT if kind == "corrupt" else status  # (else the others read it)
+            self._broadcast_header(index, rank, wire.encode(status, 0, reason))
             return
         if read is not None:
             self._staged(index, size, digest)
-        self._broadcast_header(index, rank, _encode_header(_OK, size, digest))
+        self._broadcast_header(index, rank, wire.encode(wire.OK, size, digest))
         buf = self.free.get()
         try:
             for offset in range(0, size, self.fanout.chunk_bytes):
@@ -261,15 +261,14 @@ class Exchange:
     def _receive(self, index: int, owner: int, writer: ThreadPoolExecutor) -> None:
         item = self.items[index]
         status, size, text = self._broadcast_header(index, owner)
-        if status != _OK:
+        if status == wire.OWNER_SCRATCH and not item.have and self.readers is not None:
+            self.late[index] = self.readers.submit(self._read, item)  # (the source is fine)
+            return
+        if status != wire.OK:
             if not item.have:
-                self.outcome.failures.append(
-                    ShardFailure(
-                        item.shard.url,
-                        f"its owner {self.node_label(owner)} could not read it: {text}",
-                        "corrupt" if status == _CORRUPT else "source",
-                    )
-                )
+                kind = "corrupt" if status == wire.CORRUPT else "source"
+                reason = f"its owner {self.node_label(owner)} could not read it: {text}"
+                self.outcome.failures.append(ShardFailure(item.shard.url, reason, kind))
             return
         writing: Future[tuple[int, str]] | None = None
         if not item.have:
@@ -301,14 +300,10 @@ class Exchange:
         self.pending = None
         try:
             written, digest = writing.result()
-        except OSError as exc:
-            self.outcome.failures.append(
-                ShardFailure(
-                    item.shard.url,
-                    self._write_reason(exc, item),
-                    "full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "source",
-                )
-            )
+        except OSError as exc:  # (writing into this node's scratch)
+            kind = "full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "dest"
+            failure = ShardFailure(item.shard.url, self._write_reason(exc, item), kind)
+            self.outcome.failures.append(failure)
             return
         problem = None
         if item.size is not None and written != item.size:
@@ -329,7 +324,13 @@ class Exchange:
                 ShardFailure(item.shard.url, f"{problem}; rerun stage-in --fanout", "corrupt")
             )
             return
-        os.replace(partial_path(item.final), item.final)
+        try:
+            os.replace(partial_path(item.final), item.final)
+        except OSError as exc:  # (a directory in its way, ...: this node's scratch; it crashed)
+            discard(partial_path(item.final))
+            reason = f"cannot place it in scratch: {one_line(exc)}"
+            self.outcome.failures.append(ShardFailure(item.shard.url, reason, "dest"))
+            return
         self._journal(item, written, digest)
         self._staged(index, written, digest)
 
@@ -357,7 +358,6 @@ class Exchange:
             )
         return f"cannot write {item.final}: {one_line(exc)}"
 
-    # ------------------------------------------------------------------------- writer thread
     def _write(self, partial: Path, algorithm: str, chunks: queue.Queue[Any]) -> tuple[int, str]:
         """Drain ``chunks`` to ``partial`` until ``None``; always hand every buffer back."""
         hasher = new_hasher(algorithm)
