@@ -75,6 +75,12 @@ def test_restore_again_is_a_no_op_and_replaces_a_stale_local_copy(tmp_path: Path
     assert marker.stat().st_mtime_ns == before  # not copied again
     (path / "part-0.bin").write_bytes(b"local edits")  # a local copy that no longer matches
     assert restore_here(dest, tmp_path / "local") == path and same_tree(new, path)
+    # changed in place at the same size: trusted by its size before, and loaded damaged
+    data = bytearray((path / "part-0.bin").read_bytes())
+    data[0] ^= 0xFF
+    with open(path / "part-0.bin", "r+b") as damaged:
+        damaged.write(bytes(data[:1]))
+    assert restore_here(dest, tmp_path / "local") == path and same_tree(new, path)
 
 
 def test_all_ranks_restoring_at_once_copy_once_and_print_one_path(tmp_path: Path) -> None:

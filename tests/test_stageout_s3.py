@@ -75,3 +75,23 @@ def test_s3_round_trip_keep_and_marker_visibility(endpoint: str, tmp_path: Path)
     assert got.returncode == 0, got.stderr
     assert Path(got.stdout.strip()).name == "step-1"
     assert same_tree(scratch / "step-1", Path(got.stdout.strip()))
+
+
+def test_an_unreachable_store_is_one_line_and_exit_5(tmp_path: Path) -> None:
+    """botocore's EndpointConnectionError is no OSError: stage-out and restore ended in a
+    traceback (exit 1), and a --watch died at its first pass with the store away."""
+    from stager.errors import EXIT_DEST
+
+    from .s3server import free_port
+
+    env = clean_env(**s3_env(f"http://127.0.0.1:{free_port()}"))  # (nothing listens there)
+    env["AWS_MAX_ATTEMPTS"] = "1"
+    ckpt = write_ckpt_file(tmp_path / "scratch" / "last.pt", seed=1)
+    dest = f"s3://nobody-{uuid.uuid4().hex[:6]}/exp"
+    for argv in (
+        ("stage-out", str(ckpt), dest),
+        ("stage-in", "--checkpoint", dest, "--dest", str(tmp_path / "local")),
+    ):
+        done = run_cli(*argv, env=env, timeout=240)
+        assert done.returncode == EXIT_DEST, (argv, done.stderr)
+        assert "Traceback" not in done.stderr and "is not reachable" in done.stderr, done.stderr

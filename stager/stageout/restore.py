@@ -33,6 +33,7 @@ from stager.stageout.store import CommitStore
 from stager.stageout.stores import open_store
 from stager.storage.copy import copy_file
 from stager.storage.dest import ensure_private_dir
+from stager.storage.identity import local_version
 from stager.storage.lock import NodeLock
 from stager.storage.paths import PARTIAL_SUFFIX, safe_join
 
@@ -46,17 +47,27 @@ def _restored_marker(root: Path, name: str) -> Path:
 
 
 def _already_restored(root: Path, record: CommitRecord) -> bool:
-    """The local copy was restored from this exact content and its files still have their sizes."""
+    """The local copy was restored from this exact content and no file of it has changed since
+    (each file's size and version, ``inode:mtime:ctime``, as restored: a file changed in place
+    at the same size was trusted by its size, and a requeued job loaded the damaged copy)."""
     try:
         payload = json.loads(_restored_marker(root, record.name).read_text())
     except (OSError, ValueError):
         return False
     if not isinstance(payload, dict) or payload.get("content_id") != record.content_id:
         return False
+    versions = payload.get("versions")
     try:
-        return all(safe_join(root, e.relpath).stat().st_size == e.size for e in record.entries)
+        found = {e.relpath: _version(root, e.relpath, e.size) for e in record.entries}
     except OSError:
         return False
+    return isinstance(versions, dict) and found == versions
+
+
+def _version(root: Path, relpath: str, size: int) -> str | None:
+    """The restored file's version, or None where its size is not the record's."""
+    st = safe_join(root, relpath).stat()
+    return local_version(st) if st.st_size == size else None
 
 
 def _copy_record(store: CommitStore, record: CommitRecord, staging: Path) -> None:
@@ -82,7 +93,9 @@ def _publish(root: Path, staging: Path, record: CommitRecord) -> Path:
     os.rename(staging / record.name, target)
     marker.parent.mkdir(exist_ok=True)
     tmp = marker.with_name(marker.name + PARTIAL_SUFFIX)
-    tmp.write_text(json.dumps({"content_id": record.content_id, "source": record.name}))
+    versions = {e.relpath: _version(root, e.relpath, e.size) for e in record.entries}
+    payload = {"content_id": record.content_id, "source": record.name, "versions": versions}
+    tmp.write_text(json.dumps(payload))
     os.replace(tmp, marker)
     return target
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import fsspec
 
-from stager.errors import CheckpointError, DestinationError, StagerError
+from stager.errors import CheckpointError, DestinationError, StagerError, one_line
 from stager.layout import META_DIR
 from stager.stageout.record import CommitRecord, check_checkpoint_name
 from stager.storage.throttle import Throttle
@@ -126,6 +126,21 @@ def dest_errors(url: str, doing: str) -> Iterator[None]:
             f"destination {url} is not usable ({doing}: {reason}); check the path or pass another "
             "DEST"
         ) from exc
+    except Exception as exc:
+        # A store's client raises its own (botocore's EndpointConnectionError is no OSError): a
+        # traceback and exit 1, and the end of a --watch, where a pass is to be retried.
+        if type(exc).__module__.split(".")[0] not in _STORE_CLIENTS:
+            raise
+        raise DestinationError(
+            f"destination {url} is not reachable ({doing}: {one_line(exc)}); check the endpoint, "
+            "the credentials and the network"
+        ) from exc
+
+
+#: Packages whose exceptions are a store's failures (object-store clients and their transport).
+_STORE_CLIENTS = frozenset(
+    {"botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "google", "adlfs", "azure", "urllib3"}
+)
 
 
 @dataclass
