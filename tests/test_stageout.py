@@ -451,3 +451,21 @@ def test_checkpoint_changing_during_the_copy_is_not_committed(tmp_path: Path) ->
     assert records(dest) == {} and not (dest / "step-1").exists() and staging_entries(dest) == []
     out = run_cli("stage-out", str(ckpt), str(dest))  # once it is stable, it goes through
     assert out.returncode == 0 and same_tree(ckpt, dest / "step-1")
+
+
+def test_keep_says_when_it_skips_the_newest_checkpoint_here(tmp_path: Path) -> None:
+    """A checkpoint committed with files dated in the future (a clock ahead) ranks first: a
+    later ``--keep 1`` skipped every newer checkpoint without a line, under exit 0."""
+    scratch, dest = tmp_path / "scratch", tmp_path / "persist"
+    skewed = write_ckpt_dir(scratch / "step-100", seed=1)
+    set_mtime(skewed, time.time() + 3600)
+    assert stage(dest, skewed, keep=1) == ["committed"]
+    later = write_ckpt_dir(scratch / "step-200", seed=2)
+    log = io.StringIO()
+    from stager.stageout.run import StageOutOptions, stage_out
+
+    outcomes = stage_out([str(later)], str(dest), StageOutOptions(log=log, keep=1))
+    assert [o.status for o in outcomes] == ["skipped-keep"]
+    warning = [line for line in log.getvalue().splitlines() if "warning" in line]
+    assert len(warning) == 1 and "step-200" in warning[0] and "step-100 (" in warning[0], log
+    assert "dated in the future" in warning[0]

@@ -36,7 +36,8 @@ from typing import TextIO
 from stager.errors import CheckpointError, DeadlineTooShort, IntegrityError, UsageError
 from stager.slurm import SlurmEnv
 from stager.stageout.deadline import Deadline
-from stager.stageout.record import KIND_DIR, CommitRecord, plan_keep, plan_prune
+from stager.stageout.keep import newest_skipped, prune
+from stager.stageout.record import KIND_DIR, CommitRecord, plan_keep
 from stager.stageout.snapshot import (
     Snapshot,
     has_files,
@@ -188,8 +189,10 @@ def stage_out(
     mtimes = {p: newest_mtime_ns(p) for p in candidates}
     paths = sorted(mtimes, key=lambda p: (mtimes[p], p.name), reverse=True)
     if options.keep is not None:
-        ranked = [(p.name, m) for p, m in mtimes.items()]
-        wanted = set(plan_keep(ranked, store.records(), options.keep))
+        ranked, records = [(p.name, m) for p, m in mtimes.items()], store.records()
+        wanted = set(plan_keep(ranked, records, options.keep))
+        if paths and paths[0].name not in wanted:  # (the newest here: DEST's are dated later)
+            say(newest_skipped(paths[0].name, mtimes[paths[0]], records, options.keep), False)
         dropped = [p for p in paths if p.name not in wanted]
         outcomes += [Outcome(p.name, SKIPPED_KEEP, url=store.display(p.name)) for p in dropped]
         paths = [p for p in paths if p.name in wanted]
@@ -237,16 +240,6 @@ def check_outside_checkpoints(
                 f"the destination {store.url} is inside {where}, where the checkpoints are: "
                 "each run would stage its own copies again; pass a DEST outside it"
             )
-
-
-def prune(store: CommitStore, keep: int) -> list[str]:
-    """Remove all but the ``keep`` newest committed checkpoints; never the newest."""
-    if keep < 1:
-        raise UsageError("--keep must be at least 1: the newest checkpoint is never pruned")
-    names = plan_prune(store.records(), keep)
-    for name in names:
-        store.remove(name)
-    return names
 
 
 def _stage_one(
