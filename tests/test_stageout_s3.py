@@ -6,10 +6,13 @@ scripts: upload to final keys, record last, readers trust only records.
 
 from __future__ import annotations
 
+import os
 import uuid
 from pathlib import Path
 
 import pytest
+
+from stager.errors import EXIT_CHECKPOINT
 
 from .conftest import clean_env, run_cli
 from .s3server import moto_server, s3_env
@@ -95,3 +98,29 @@ def test_an_unreachable_store_is_one_line_and_exit_5(tmp_path: Path) -> None:
         done = run_cli(*argv, env=env, timeout=240)
         assert done.returncode == EXIT_DEST, (argv, done.stderr)
         assert "Traceback" not in done.stderr and "is not reachable" in done.stderr, done.stderr
+
+
+def test_a_failed_restage_of_a_committed_name_keeps_the_commit(
+    endpoint: str, tmp_path: Path
+) -> None:
+    """``last.pt`` committed, then staged out again: uploads went to the final keys, so the
+    old commit was withdrawn before the upload, and an upload given up (here: past its
+    deadline) left no checkpoint at all; restore then started from scratch (exit 9)."""
+    env = clean_env(**s3_env(endpoint))
+    dest = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/exp"
+    scratch = tmp_path / "scratch"
+    ckpt = write_ckpt_file(scratch / "last.pt", seed=1)
+    first = ckpt.read_bytes()
+    assert run_cli("stage-out", str(ckpt), dest, env=env).returncode == 0
+    ckpt.write_bytes(os.urandom(12 << 20))  # the next save, larger
+    slow = ("--bw-limit", "2", "--deadline-s", "2", "--assume-mbps", "10000")
+    given_up = run_cli("stage-out", *slow, str(ckpt), dest, env=env)
+    assert given_up.returncode == EXIT_CHECKPOINT, given_up.stderr
+    local = tmp_path / "local"
+    got = run_cli("stage-in", "--checkpoint", dest, "--dest", str(local), env=env)
+    assert got.returncode == 0, got.stderr
+    assert Path(got.stdout.strip()).read_bytes() == first
+    again = run_cli("stage-out", str(ckpt), dest, env=env)  # and the new one, once it can
+    assert again.returncode == 0, again.stderr
+    got = run_cli("stage-in", "--checkpoint", dest, "--dest", str(tmp_path / "l2"), env=env)
+    assert Path(got.stdout.strip()).read_bytes() == ckpt.read_bytes()

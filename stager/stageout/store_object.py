@@ -1,15 +1,21 @@
 """Publishing by commit marker, for object stores (s3://, gs://, memory://...) that cannot rename.
 
-Files are uploaded straight to their final keys and their stored sizes checked; the record is
-uploaded last in one PUT, and that PUT is the commit. An attempt given up removes its uploads,
-so only a kill -9 leaves keys behind, which the next run removes (:meth:`clean_stale`).
+Files are uploaded under the attempt's staging keys and their stored sizes checked; the commit
+copies them to their final keys inside the store (no bytes through this node), then uploads
+the record in one PUT, and that PUT is the commit. A checkpoint committed under the same name
+stays committed while the new one uploads: uploaded straight to the final keys, a re-stage
+had to un-commit it first, and an upload that then failed (a deadline, a source that changed,
+the store gone) left no checkpoint of that name, and a requeued job started from scratch. An
+attempt given up removes its staging keys, so only a kill -9 leaves keys behind, which the next
+run removes (:meth:`clean_stale`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import posixpath
 
-from stager.errors import IntegrityError, StagerError
+from stager.errors import IntegrityError
 from stager.stageout.record import CommitRecord
 from stager.stageout.store import Attempt, CommitStore, dest_errors, signals_deferred
 from stager.storage.hashing import new_hasher
@@ -29,18 +35,11 @@ class ObjectCommitStore(CommitStore):
     def _write_small(self, path: str, payload: bytes) -> None:
         self.fs.pipe_file(path, payload)  # one PUT: atomic on object stores
 
-    def begin(self, name: str) -> Attempt:
-        attempt = super().begin(name)
-        existing = self.record(name)
-        if existing is not None:
-            # Uploads overwrite NAME's keys in place: un-commit first so no reader pairs the
-            # old record with new bytes.
-            with dest_errors(self.url, f"replacing {name}"):
-                self._remove_record(name)
-        return attempt
+    def _staged(self, attempt: Attempt, relpath: str) -> str:
+        return posixpath.join(attempt.staging, "data", relpath)
 
     def put_file(self, attempt, src, relpath, size, hash_, *, throttle, on_bytes) -> None:
-        remote = self.path(relpath)
+        remote = self._staged(attempt, relpath)
         algorithm = hash_.split(":", 1)[0]
         hasher = new_hasher(algorithm)
         copied = 0
@@ -79,30 +78,32 @@ class ObjectCommitStore(CommitStore):
                 self._finish(attempt)
                 return False  # another copier committed the same bytes first
             with signals_deferred():
-                if record.kind == "dir":
-                    wanted = {self.path(e.relpath) for e in record.entries}
-                    with contextlib.suppress(FileNotFoundError):
-                        for key in self.fs.find(self.path(record.name)):
-                            if key.rstrip("/") not in wanted:
-                                self.fs.rm_file(key)  # left from an older content of the same name
+                if existing is not None:  # (NAME's keys change now: no reader pairs old and new)
+                    self._remove_record(record.name)
+                try:
+                    self._place(attempt, record)
+                except BaseException:
+                    with contextlib.suppress(Exception):  # (neither the old nor the new)
+                        self._remove_data(record.name)
+                    raise
                 self._write_small(self.record_path(record.name), record.to_json().encode())
                 self._finish(attempt)
         return True
 
-    def abandon(self, attempt: Attempt) -> None:
-        """Uploads went to NAME's final keys: remove them too, unless NAME is committed (by a
-        concurrent copier) or another live attempt is uploading it."""
-        with contextlib.suppress(OSError, StagerError):
-            others = [
-                a
-                for a in self._attempts()
-                if a[0] != attempt.token and a[2].get("name") == attempt.name
-            ]
-            if self.record(attempt.name) is None and not any(
-                self._is_live(t, i, s) for t, s, i in others
-            ):
-                self._remove_data(attempt.name)
-        super().abandon(attempt)
+    def _place(self, attempt: Attempt, record: CommitRecord) -> None:
+        """Copy the attempt's uploads to their final keys, inside the store; remove the keys of
+        an older content of the same name that the new one does not have."""
+        for entry in record.entries:
+            final = self.path(entry.relpath)
+            self.fs.copy(self._staged(attempt, entry.relpath), final)
+            if self.fs.size(final) != entry.size:
+                raise IntegrityError(f"{self.display(entry.relpath)}: copied short in the store")
+        if record.kind == "dir":
+            wanted = {self.path(e.relpath) for e in record.entries}
+            with contextlib.suppress(FileNotFoundError):
+                for key in self.fs.find(self.path(record.name)):
+                    if key.rstrip("/") not in wanted:
+                        self.fs.rm_file(key)  # left from an older content of the same name
 
     def _remove_record(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):
