@@ -13,10 +13,12 @@ with a warning. A staged copy of another source under the same name is refused.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +28,9 @@ import numpy as np
 from stager.errors import IntegrityError, SourceError, StagerError, UsageError
 from stager.layout import CORRUPT_META, StagedDataset, canonical_root, dataset_name
 from stager.shards.indexkey import changed_ns
-from stager.shards.manifest import MANIFEST_NAMES, Manifest, find_manifest, read_columns
+from stager.shards.manifest import read_columns
 from stager.shards.tarindex import any_compressed
+from stager.stagein.sourcemanifest import manifest_beside
 from stager.stagein.status import PlanFacts
 from stager.storage.dest import resolve_dest_root
 from stager.storage.sources import SourceSet, resolve_source
@@ -171,43 +174,21 @@ def _source_refs(source: SourceSet, samples: dict[str, int | None]) -> dict[str,
 
 def _source_samples(source: SourceSet) -> dict[str, int | None]:
     """The sample counts of the manifest beside the source (``stager index``), if any: without
-    them a streamed shard is counted by reading it whole, remote ones too."""
-    if not source.shards:
-        return {}
-    first = source.shards[0]
-    root = first.path[: len(first.path) - len(first.relpath)]
+    them a streamed shard is counted by reading it whole, remote ones too. One that cannot be
+    read costs that counting, not correctness."""
     try:
-        manifest = _local_manifest(root) if source.is_local else _remote_manifest(source, root)
+        with contextlib.ExitStack() as stack:
+            scratch = None
+            if not source.is_local:  # (fetched, then read by its suffix)
+                made = tempfile.TemporaryDirectory(prefix="stager-manifest-")
+                scratch = Path(stack.enter_context(made))
+            manifest = manifest_beside(source, scratch)
+    except SourceError as exc:  # (the store failed: counted instead)
+        log.warning("the manifest beside %s could not be read (%s)", source.root_url, exc)
+        return {}
     except StagerError:
         return {}
     return {} if manifest is None else {e.relpath: e.samples for e in manifest.entries}
-
-
-def _local_manifest(root: str) -> Manifest | None:
-    found = find_manifest(root)
-    return None if found is None else Manifest.read(found)
-
-
-def _remote_manifest(source: SourceSet, root: str) -> Manifest | None:
-    """The first manifest beside a remote source, read through a temporary file (a manifest is
-    read by its suffix, JSON or Parquet); None where there is none or it cannot be read (the
-    shards are then counted, which costs time, not correctness)."""
-    import tempfile
-
-    for name in MANIFEST_NAMES:
-        try:
-            with source.fs.open(f"{root.rstrip('/')}/{name}", "rb") as handle:
-                data = handle.read()
-        except FileNotFoundError:
-            continue
-        except Exception as exc:  # noqa: BLE001 - any failure of the store: counted instead
-            log.warning("the manifest beside %s could not be read (%s)", source.root_url, exc)
-            return None
-        with tempfile.TemporaryDirectory(prefix="stager-manifest-") as scratch:
-            local = Path(scratch, name)
-            local.write_bytes(data)
-            return Manifest.read(local)
-    return None
 
 
 def _check_same_root(meta: dict[str, str], spec: str | list[str] | None, where: Path) -> None:

@@ -36,6 +36,8 @@ from stager.patterns import expand_pattern
 __all__ = [
     "META_DIR",
     "is_hidden_name",
+    "has_hidden_part",
+    "hidden_worth_naming",
     "hidden_in_manifest",
     "PARTIAL_SUFFIX",
     "SHARD_SUFFIXES",
@@ -102,14 +104,28 @@ def is_hidden_name(name: str) -> bool:
     return name.startswith(".")
 
 
+def has_hidden_part(path: str) -> bool:
+    """True for a relative path a walk leaves out: one of its parts is hidden."""
+    return any(map(is_hidden_name, path.split("/")))
+
+
+def hidden_worth_naming(name: str, directory: bool) -> bool:
+    """Whether a hidden entry a listing left out goes in its warning: a directory (not this
+    tool's own ``.stager``), or a file named like a shard (in any case)."""
+    return name != META_DIR if directory else is_shard_name(name.lower())
+
+
 def left_out_warnings(left_out: Sequence[str], done: str = "staged") -> list[str]:
     """The warnings for what a walk saw but did not take (``SourceSet.left_out``): a source of
     ``a.tar`` and ``B.TAR``, or with a subdirectory that is a symlink, or with hidden shards or
     directories, or with a directory named like a shard (``train.tar/``), staged only part of
     what it holds without a word. One line per kind, naming the first; directories end in
     ``/``."""
-    hidden = sorted(p for p in left_out if is_hidden_name(posixpath.basename(p.rstrip("/"))))
-    others = [p for p in left_out if not is_hidden_name(posixpath.basename(p.rstrip("/")))]
+    hidden: list[str] = []
+    others: list[str] = []
+    for path in left_out:
+        (hidden if is_hidden_name(posixpath.basename(path.rstrip("/"))) else others).append(path)
+    hidden.sort()
     files = sorted(p for p in others if not p.endswith("/"))
     # (a walk takes a name like a shard's unasked, and its stat finds a directory)
     shard_like = sorted(p for p in others if p.endswith("/") and is_shard_name(p[:-1]))
@@ -192,7 +208,7 @@ def no_shards_message(spec: str, names: Iterable[str], skipped: Sequence[str] = 
                 "suffixes not in lower case, and suffixes are matched as written; rename them "
                 "to lower case"
             )
-        if hidden is None and is_shard_name(base) and any(map(is_hidden_name, name.split("/"))):
+        if hidden is None and is_shard_name(base) and has_hidden_part(name):
             hidden = name
     if hidden is not None:
         return (

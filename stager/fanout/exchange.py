@@ -233,9 +233,7 @@ class Exchange:
             reason, kind = one_line(exc), failure_kind(exc)
             kind = "dest" if kind == "source" and _names_scratch(exc, item) else kind
             self.outcome.failures.append(ShardFailure(item.shard.url, reason, kind))
-            status = {"dest": wire.OWNER_SCRATCH, "full": wire.OWNER_SCRATCH}.get(kind, wire.FAILED)
-            status = wire.CORRUPT if kind == "corrupt" else status  # (else the others read it)
-            self._broadcast_header(index, rank, wire.encode(status, 0, reason))
+            self._broadcast_header(index, rank, wire.encode(wire.status_of(kind), 0, reason))
             return
         if read is not None:
             self._staged(index, size, digest)

@@ -26,8 +26,8 @@ from stager.errors import ShardFailure, SourceError
 from stager.gcpause import collection_paused
 from stager.layout import (
     StagedDataset,
+    has_hidden_part,
     hidden_in_manifest,
-    is_hidden_name,
     left_out_warnings,
     not_regular_message,
     skipped_message,
@@ -216,7 +216,7 @@ def prepare(
         if source.walked and options.subset == "all" and aligned is None:
             listed = {s.relpath for s in shards}
             absent = sorted(expected.keys() - listed)
-            hidden = [r for r in absent if any(map(is_hidden_name, r.split("/")))]
+            hidden = [r for r in absent if has_hidden_part(r)]
             if hidden:  # (a manifest written before walks left hidden names out)
                 warn(log, node, hidden_in_manifest(hidden))
             for relpath in sorted(set(absent) - set(hidden)):

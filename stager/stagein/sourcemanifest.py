@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from stager.errors import SourceError, UsageError, one_line
 from stager.layout import StagedDataset
 from stager.shards.manifest import MANIFEST_NAMES, Manifest, find_manifest
-from stager.stagein.options import StageInOptions
 from stager.storage.listing import display
 from stager.storage.sources import SourceSet
 
-__all__ = ["load_source_manifest"]
+if TYPE_CHECKING:
+    from stager.stagein.options import StageInOptions
+
+__all__ = ["load_source_manifest", "manifest_beside"]
 
 
 def load_source_manifest(
@@ -32,6 +35,13 @@ def load_source_manifest(
         if "://" not in options.manifest:
             return Manifest.read(options.manifest)
         return _read_fetched(options.manifest, _fetch_url(options.manifest, staged))
+    return manifest_beside(source, staged.source_manifest_dir)
+
+
+def manifest_beside(source: SourceSet, scratch: Path | None) -> Manifest | None:
+    """The manifest ``stager index`` wrote beside ``source``, or None; a remote one is fetched
+    into ``scratch`` first (read by its suffix, JSON or Parquet). Raises :class:`SourceError`
+    where one is there but cannot be read (stage-in and the loader both look here)."""
     if not source.shards:
         return None
     first = source.shards[0]
@@ -39,13 +49,14 @@ def load_source_manifest(
     if source.is_local:
         found = find_manifest(root)
         return Manifest.read(found) if found else None
+    assert scratch is not None, "a remote manifest is fetched to scratch"
     for candidate in MANIFEST_NAMES:  # a remote dataset: fetch the first manifest found beside it
         remote = root.rstrip("/") + "/" + candidate
         url = display(source.remote_fs, remote)
         try:
             if source.fs.info(remote).get("type") != "file":
                 continue
-            local = staged.source_manifest_dir / os.path.basename(remote)
+            local = scratch / os.path.basename(remote)
             local.parent.mkdir(parents=True, exist_ok=True)
             source.fs.get_file(remote, str(local))
         except FileNotFoundError:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING
 
-from stager.layout import META_DIR, is_hidden_name, is_shard_name
+from stager.layout import hidden_worth_naming, is_hidden_name
 from stager.storage.listing import Info, display
 
 if TYPE_CHECKING:
@@ -71,8 +71,7 @@ def leave_out_hidden(
     named = [
         display(fs, part)
         for part in sorted(parts)
-        if (part.endswith("/") and not part.endswith(f"/{META_DIR}/"))
-        or is_shard_name(part.lower())
+        if hidden_worth_naming(posixpath.basename(part.rstrip("/")), part.endswith("/"))
     ]
     return [entry for entry in listed if hidden[entry[0]] is None], named
 

@@ -20,10 +20,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from stager.errors import SourceError, UsageError, one_line
 from stager.layout import (
-    META_DIR,
     SHARD_SUFFIXES,
+    hidden_worth_naming,
     is_hidden_name,
-    is_shard_name,
     is_shard_name_but_for_case,
 )
 from stager.storage.identity import local_version, remote_version
@@ -158,10 +157,8 @@ def _left_out(others: list[os.DirEntry[str]], directories: list[bool]) -> list[s
     found = []
     for entry, is_directory in zip(others, directories, strict=True):
         if is_hidden_name(entry.name):
-            if is_directory and entry.name != META_DIR:
-                found.append(entry.path + "/")
-            elif not is_directory and is_shard_name(entry.name.lower()):
-                found.append(entry.path)
+            if hidden_worth_naming(entry.name, is_directory):
+                found.append(entry.path + ("/" if is_directory else ""))
             continue
         if is_directory:
             continue

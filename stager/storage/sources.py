@@ -98,16 +98,8 @@ def _from_paths(
         else:
             shards.append(shard_at(fs, path, root, info))
     where = display(fs, root or "/")
-    return SourceSet(
-        where,
-        name,
-        unique_shards(shards, fs is not None),
-        tuple(missing),
-        fs,
-        spec,
-        (*skipped,),
-        named=True,
-    )
+    distinct = unique_shards(shards, exact=fs is not None)  # (keys: x//y.tar is not x/y.tar)
+    return SourceSet(where, name, distinct, tuple(missing), fs, spec, tuple(skipped), named=True)
 
 
 def fill_sizes(
