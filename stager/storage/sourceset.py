@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from stager.errors import UsageError
+from stager.errors import UnsafePath, UsageError
 from stager.storage.listing import Info, display, fsspec_view, info_of, protocol_of
 from stager.storage.paths import safe_relpath
 
@@ -109,6 +109,16 @@ def unique_shards(shards: Sequence[SourceShard], exact: bool = False) -> tuple[S
 
 
 def shard_at(fs: fsspec.AbstractFileSystem | None, path: str, root: str, info: Info) -> SourceShard:
-    """The shard at ``path`` (as ``fs`` names it), staged at its path relative to ``root``."""
+    """The shard at ``path`` (as ``fs`` names it), staged at its path relative to ``root``.
+
+    An object store's key is a name, not a path: ``a/../b.tar`` is its own key, which
+    ``posixpath.relpath`` would turn into ``b.tar`` (another key, read by the loader's source
+    fallback), so such a key is refused by name.
+    """
+    if fs is not None and root and ".." in path.removeprefix(root).split("/"):
+        raise UnsafePath(
+            f"key {display(fs, path)!r} has a '..' part and cannot be staged under its own name; "
+            "rename it, or stage it as a separate dataset"
+        )
     relpath = safe_relpath(posixpath.relpath(path, root) if root else path)
     return SourceShard(display(fs, path), path, relpath, info.size, info.version)
