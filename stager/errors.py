@@ -110,7 +110,7 @@ EXIT_CODES: dict[int, str] = {
     EXIT_STAGING_STOPPED: "--background: the copier stopped (signal, or died) before staging "
     "everything",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C; SIGTERM in a foreground stage-in or a one-shot "
-    "stage-out); rerun to resume",
+    "stage-out; a --fanout stage-in dies by SIGTERM, 143); rerun to resume",
 }
 
 
