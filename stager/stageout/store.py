@@ -16,12 +16,13 @@ Two ways to publish, one per kind of storage, one module each:
   the record is written (temp file, fsync, rename, fsync of the directory). A kill leaves at
   most a staging directory, or ``NAME`` without a record for a moment; readers ignore both.
 * **marker** (:mod:`stager.stageout.store_object`, object stores, which cannot rename): files are
-  uploaded to their final keys and checked by size; the record is uploaded last and is the
-  commit marker.
+  uploaded under the attempt's staging keys and checked by size; the commit copies them to
+  their final keys inside the store, and the record, uploaded last, is the commit marker.
 
-Re-staging a name whose committed content differs (``last.pt`` saved again) first removes the
-old record, so readers never pair an old record with new bytes; until the new record lands they
-fall back to the next newest checkpoint. :func:`dest_errors` is the single boundary where
+Re-staging a name whose committed content differs (``last.pt`` saved again) removes the old
+record before the new content takes its place (the rename, or the copy inside the store), so
+readers never pair an old record with new bytes; until the new record lands they fall back to
+the next newest checkpoint. :func:`dest_errors` is the single boundary where
 fsspec/OS errors at the destination become :class:`DestinationError`.
 """
 

@@ -26,7 +26,8 @@ _BLOCK = 4 << 20
 
 
 class ObjectCommitStore(CommitStore):
-    """An object store (s3://, gs://, memory://...): upload to final keys, record last."""
+    """An object store (s3://, gs://, memory://...): upload to staging keys, copy to the final
+    keys at commit, record last."""
 
     def check_writable(self) -> None:
         with dest_errors(self.url, "checking the destination"):
