@@ -455,3 +455,39 @@ def test_an_owner_whose_own_scratch_fails_leaves_the_shard_to_the_others_to_read
     code, err = results[1]  # (its own scratch: exit 5, one line, no traceback; it crashed)
     assert code == 5 and "cannot place it in scratch" in _error_lines(err)[0], err
     assert nodes.source_bytes_read() >= _total(fanout_dataset)  # (each of node1's, by node0)
+
+
+def test_a_node_that_fails_before_the_exchange_stops_every_node_at_once(
+    fanout_dataset: Path, tmp_path: Path
+) -> None:
+    """node1 fails before the exchange: its source is missing, its scratch is a file, its
+    scratch is too small. It never joined the group, so node0 waited --fanout-timeout for it,
+    then read the whole dataset from the source itself (the load a fan-out keeps off NFS),
+    while the step failed on node1 anyway. node1 now says so in the handshake: node0 stops
+    (exit 10, one line naming node1) and reads nothing; node1 exits with its own error."""
+    failed = "failed before the exchange, so nobody copied anything; see their error line, fix "
+    failed += "what it says, and rerun"
+    full = "lack scratch space for the dataset, so nobody copied anything; see their error line, "
+    full += "free space there or pass --dest, and rerun"
+    cases = {
+        "source": (3, "source not found", failed),
+        "scratch": (5, "scratch-node1", failed),
+        "space": (6, "not enough", full),
+    }
+    with mount_tmpfs(tmp_path / "tmpfs", "1m") as small:
+        for case, (code1, says1, says0) in cases.items():
+            (tmp_path / case).mkdir()
+            nodes = Nodes(tmp_path / case, 2)
+            sources = {1: tmp_path / "missing" / "ds"} if case == "source" else None
+            if case == "scratch":
+                nodes.dest(1).write_text("a file where node1's scratch should be")
+            if case == "space":
+                nodes.dest = lambda rank, n=nodes: small if rank else n.tmp / "scratch"  # type: ignore[method-assign]
+            results = _finish(nodes.start(fanout_dataset, sources=sources, timeout_s=30))
+            code, err = results[1]
+            assert code == code1 and says1 in _error_lines(err)[0], (case, err)
+            code, err = results[0]
+            assert code == 10, (case, err)
+            assert _error_lines(err) == [f"stage-in: error: node(s) node-1 {says0}"], (case, err)
+            assert "falling back" not in err, (case, err)
+            assert nodes.source_bytes_read() == 0, case

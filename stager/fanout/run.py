@@ -14,33 +14,30 @@ Run as one task per node (``srun --ntasks-per-node=1 stage-in --fanout SRC``). P
 6. end as plain stage-in ends (:mod:`stager.stagein.finish`): samples counted, the staged
    manifest and the loader's index written, the same exit code for the same failure.
 
-If the group cannot form (peers absent, torch missing), the node falls back to plain per-node
-copying after a one-line warning: slower for the source, never wrong. Once the group has
+A node that fails before the exchange (its listing of the source, its scratch, the space it
+needs) still joins the group to say so in the handshake (:mod:`stager.fanout.handshake`), so
+every node stops at once. If the group cannot form (peers absent, torch missing), the node
+falls back to plain per-node copying after a one-line warning: slower for the source, never
+wrong. Once the group has
 formed, a failing peer makes every other node exit non-zero (:class:`FanoutError`); verified
 shards stay, so a rerun resumes and reads from the source only what no node holds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import TextIO
 
-import numpy
-
-from stager.errors import (
-    FanoutError,
-    GroupUnavailable,
-    ScratchFull,
-    UsageError,
-    one_line,
-)
+from stager.errors import GroupUnavailable, UsageError, one_line
 from stager.fanout.exchange import Exchange, ExchangeShard
-from stager.fanout.group import FanoutOptions, NodeGroup, form_group, resolve_endpoint
+from stager.fanout.group import FanoutOptions, form_group, resolve_endpoint
+from stager.fanout.handshake import failure_told_to_peers, handshake
 from stager.layout import StagedDataset
-from stager.plan.fanout import plan_fanout, shard_list_digest
+from stager.plan.fanout import plan_fanout
 from stager.shards.manifest import ManifestEntry
 from stager.slurm import SlurmEnv
 from stager.stagein.finish import Staging, finish
@@ -50,11 +47,11 @@ from stager.stagein.options import StageInOptions
 from stager.stagein.progress import Progress
 from stager.stagein.report import StageInReport
 from stager.stagein.run import copy_per_node, new_report, prepare, stage_in, staged_dataset
-from stager.storage.identity import node_neutral
+from stager.storage.dest import ensure_private_dir
 from stager.storage.paths import safe_join
 from stager.storage.sources import SourceSet
 
-__all__ = ["fanout_stage_in", "FanoutOptions"]
+__all__ = ["fanout_stage_in", "FanoutOptions", "told_to_peers"]
 
 
 def node_label(slurm: SlurmEnv, node: int) -> str:
@@ -88,7 +85,10 @@ def fanout_stage_in(
         )
     log = options.log or sys.stderr
     endpoint = resolve_endpoint(slurm, fanout, env)
-    staged = staged_dataset(source, options)
+    with told_to_peers(slurm, fanout, lambda: options.name or source.name, env):
+        staged = staged_dataset(source, options)
+        ensure_private_dir(staged.root)  # (again in run_once_per_node: a read-only scratch
+        ensure_private_dir(staged.dir)  # fails here, where the peers are told)
 
     def work(heartbeat: Callable[[], None]) -> StageInReport:
         # torch takes seconds to import: do it while this node plans and verifies its shards.
@@ -157,25 +157,22 @@ def _run_fanout(
     log: TextIO,
     heartbeat: Callable[[], None] = lambda: None,
 ) -> None:
-    run, local, expected = prepare(
-        source,
-        options,
-        slurm,
-        list(source.shards),
-        staged,
-        report,
-        log,
-        size_later=False,
-        heartbeat=heartbeat,
-    )
-    items = _exchange_items(run, expected, local.kept)
-    report.bytes_total = sum(it.size or 0 for it in items)
-    needed = sum(it.size or 0 for it in items if not it.have)
-    refusal: ScratchFull | None = None
-    try:
+    with told_to_peers(slurm, fanout, lambda: staged.name):  # (scratch full, too)
+        run, local, expected = prepare(
+            source,
+            options,
+            slurm,
+            list(source.shards),
+            staged,
+            report,
+            log,
+            size_later=False,
+            heartbeat=heartbeat,
+        )
+        items = _exchange_items(run, expected, local.kept)
+        report.bytes_total = sum(it.size or 0 for it in items)
+        needed = sum(it.size or 0 for it in items if not it.have)
         preflight(staged.dir, needed, options, slurm.node_name)
-    except ScratchFull as exc:
-        refusal = exc  # told to the peers in the handshake, so they stop too instead of hanging
 
     def label(node: int) -> str:
         return node_label(slurm, node)
@@ -184,10 +181,8 @@ def _run_fanout(
     tag = f"{slurm.job_id}/{staged.name}"
     with form_group(*endpoint, slurm.node, slurm.num_nodes, fanout, tag) as group:
         asked = (source.spec, fanout.chunk_bytes, source.is_local)
-        have = _handshake(group, items, refusal is None, label, asked)
+        have = handshake(group, items, label, asked)
         report.fanout_form_s = time.monotonic() - forming
-        if refusal is not None:
-            raise refusal
         plan = plan_fanout([it.size for it in items], have)
         progress = Progress(
             needed,
@@ -230,53 +225,22 @@ def _run_fanout(
     finish(run)
 
 
-def _handshake(
-    group: NodeGroup,
-    items: Sequence[ExchangeShard],
-    ready: bool,
-    label: Callable[[int], str],
-    asked: tuple[str, int, bool],
-) -> list[list[bool]]:
-    """All-gather (shard-list digest, preflight verdict, have-bitmap); refuse any disagreement.
-    ``asked``: the source spec and chunk size, which every node must share too, and whether the
-    source is local (its versions are then compared by their modification times only).
+def told_to_peers(
+    slurm: SlurmEnv,
+    fanout: FanoutOptions,
+    dataset_name: Callable[[], str],
+    env: Mapping[str, str] | None = None,
+) -> contextlib.AbstractContextManager[None]:
+    """A block whose failure (a :class:`StagerError`) this node tells its peers in the
+    handshake before raising it (:mod:`stager.fanout.handshake`): every node stops at once,
+    where the peers waited for it and then each read the whole dataset from the source.
 
-    Runs under the short form timeout: a failure here still means "no group", so every node
-    falls back rather than some exchanging and some not.
+    ``dataset_name`` is called only on failure (the group's key names the dataset); where it
+    fails in turn (a --from-list this node cannot read), the peers are not told.
     """
-    torch = group.torch
-    spec, chunk_bytes, local = asked
-    listed = [
-        (it.shard.relpath, it.size, node_neutral(it.shard.version, local), it.want_hash)
-        for it in items
-    ]
-    digest = shard_list_digest(listed, spec)
-    meta = torch.tensor([digest, int(ready), len(items), chunk_bytes], dtype=torch.int64)
-    # packbits of zero shards is empty; gloo wants at least one element, so pad one byte.
-    bits = numpy.packbits(numpy.array([it.have for it in items] + [False], dtype=bool))
-    try:
-        metas = [m.tolist() for m in group.all_gather(meta, forming=True)]
-        if any(m[3] != metas[0][3] for m in metas):
-            chunks = ", ".join(f"{label(r)}: {m[3] // 1024}" for r, m in enumerate(metas))
-            raise FanoutError(f"nodes were given different --fanout-chunk-kib ({chunks})")
-        if any(m[0] != metas[0][0] or m[2] != metas[0][2] for m in metas):
-            counts = ", ".join(f"{label(r)}: {m[2]}" for r, m in enumerate(metas))
-            raise FanoutError(
-                f"nodes listed different shards ({counts} shards, or other sizes or versions), "
-                "or were given different sources: the source changed while the job started? "
-                "rerun once it is stable, with one SOURCE for every node"
-            )
-        gathered = group.all_gather(torch.from_numpy(bits), forming=True)
-    except FanoutError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - torch errors while forming: no group
-        raise GroupUnavailable(f"handshake failed ({one_line(exc)[:300]})") from exc
-    refusing = [label(r) for r, m in enumerate(metas) if not m[1] and r != group.node]
-    if refusing and ready:
-        raise FanoutError(
-            f"node(s) {', '.join(refusing)} lack scratch space for the dataset, so nobody copied "
-            "anything; "
-            "see their error line, free space there or pass --dest"
-        )
-    count = len(items)
-    return [numpy.unpackbits(t.numpy())[:count].astype(bool).tolist() for t in gathered]
+    return failure_told_to_peers(
+        lambda: (resolve_endpoint(slurm, fanout, env), f"{slurm.job_id}/{dataset_name()}"),
+        slurm.node,
+        slurm.num_nodes,
+        fanout,
+    )

@@ -284,10 +284,12 @@ def _run(args: argparse.Namespace) -> int:
                 select=select,
             )
         elif args.fanout:
-            from stager.fanout.run import fanout_stage_in  # numpy and, later, torch: when asked
+            from stager.fanout.run import fanout_stage_in, told_to_peers  # (numpy, then torch)
 
-            source = list_source()
-            report = fanout_stage_in(source, options, fanout_options_from_args(args), slurm=slurm)
+            fanout = fanout_options_from_args(args)
+            with told_to_peers(slurm, fanout, lambda: background_dataset(args, options).name):
+                source = list_source()  # (a source missing on one node: every node stops)
+            report = fanout_stage_in(source, options, fanout, slurm=slurm)
         else:  # a directory's first run copies while its walk goes on
             spec = None if args.from_list else args.source  # a list's shards are named
             with sigterm_interrupts():  # the copies in flight end without a .partial left
