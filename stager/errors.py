@@ -13,6 +13,7 @@ The tree (exit codes are fixed by the class, never set on an instance)::
     │   └── ShardsCorrupt              shards failed an integrity check           exit 4
     ├── DestinationError(OSError)      scratch or destination unusable            exit 5
     │   ├── ScratchFull                not enough free space                      exit 6
+    │   ├── PathBlocked                something in the way of one shard's name   exit 5
     │   └── UnsafePath                 a path escapes its root / is not ours      exit 5
     ├── CheckpointError                stage-out or restore failed                exit 7
     │   ├── DeadlineTooShort           too little time left to commit one         exit 7
@@ -66,6 +67,7 @@ __all__ = [
     "ShardsCorrupt",
     "DestinationError",
     "ScratchFull",
+    "PathBlocked",
     "UnsafePath",
     "CheckpointError",
     "DeadlineTooShort",
@@ -265,6 +267,11 @@ class ScratchFull(DestinationError):
         self.free_bytes = free_bytes
         self.where = where
         super().__init__(message)
+
+
+class PathBlocked(DestinationError):
+    """Something in scratch is in the way of one shard's name (a directory of that name): that
+    shard fails, and the others go on, where a scratch that is unusable stops every copy."""
 
 
 class UnsafePath(DestinationError):

@@ -234,6 +234,31 @@ def test_a_shard_whose_temporary_name_is_a_source_directory_is_named_not_an_errn
     assert not staged.exists() or staged.read_bytes() == current
 
 
+@pytest.mark.parametrize("where", ["final name", "temporary name"])
+def test_a_directory_in_the_way_in_scratch_fails_that_shard_alone_as_scratch_s(
+    tmp_path: Path, where: str
+) -> None:
+    """A directory in scratch with a shard's final name: its rename failed, which was taken
+    for the source's fault, retried and reported as exit 3 with an errno. It is scratch's:
+    exit 5, one line naming the path; the other shards are staged (a scratch that is unusable
+    stops every copy, one blocked name does not)."""
+    src = tmp_path / "ds"
+    write_synthetic_dataset(src, SyntheticSpec(num_shards=6, samples_per_shard=3))
+    blocked = tmp_path / "s" / "ds" / "train-000002.tar"
+    if where == "temporary name":
+        blocked = blocked.with_name(blocked.name + ".partial")
+    (blocked / "in-the-way").mkdir(parents=True)
+    result = run_cli("stage-in", str(src), "--dest", str(tmp_path / "s"), "--jobs", "1", *FAST)
+    assert result.returncode == EXIT_DEST, result.stderr
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and str(blocked) in errors[0], result.stderr
+    assert "a directory has that name" in errors[0] and "Errno" not in result.stderr
+    for shard in sorted(src.glob("*.tar")):
+        if shard.name != "train-000002.tar":
+            assert (tmp_path / "s" / "ds" / shard.name).read_bytes() == shard.read_bytes()
+    assert not list((tmp_path / "s").rglob("*.tar.partial")) or where == "temporary name"
+
+
 @pytest.mark.parametrize("manifest", [False, True])
 @pytest.mark.parametrize("change", ["replaced", "written in place", "linked, then written"])
 def test_a_staged_file_changed_after_its_record_is_not_trusted_by_its_name(

@@ -13,7 +13,7 @@ import contextlib
 import os
 from typing import TYPE_CHECKING
 
-from stager.errors import HashMismatch, failure_kind, one_line
+from stager.errors import HashMismatch, PathBlocked, failure_kind, one_line
 from stager.shards.tarparse import TarSampleCounter
 from stager.stagein.plan import CopyItem
 from stager.storage.copy import CopyResult, copy_file
@@ -107,7 +107,7 @@ def copy_one(copier: Copier, item: CopyItem) -> None:
             result = claim.publish(result, counters[0].samples if counters else None)
     except Exception as exc:  # noqa: BLE001 - every failure becomes one report line
         kind = failure_kind(exc)
-        if kind in ("full", "dest"):
+        if kind in ("full", "dest") and not isinstance(exc, PathBlocked):
             copier.full.set()  # no later copy can land either
         copier.fail(item, one_line(exc), kind)
         return

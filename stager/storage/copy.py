@@ -16,7 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from stager.errors import DestinationError, HashMismatch, ScratchFull, SizeMismatch, SourceError
+from stager.errors import (
+    DestinationError,
+    HashMismatch,
+    PathBlocked,
+    ScratchFull,
+    SizeMismatch,
+    SourceError,
+)
 from stager.storage import bytepath
 from stager.storage.bytepath import (
     Progress,
@@ -157,7 +164,7 @@ def _open_partial(partial: str) -> _Fd:
             os.makedirs(os.path.dirname(partial), exist_ok=True)
             return _Fd(partial, _WRITE_FLAGS)
     except IsADirectoryError as exc:
-        raise DestinationError(
+        raise PathBlocked(
             f"cannot write {partial}: a directory has that name (the source has one beside the "
             "shard, or it was made in scratch); rename or remove it"
         ) from exc
@@ -270,7 +277,12 @@ def copy_file(
                 f"{url}: hash {digest} does not match the manifest's {expected_hash}; "
                 "the source changed or is corrupt (re-run stager index if the change is intended)"
             )
-        (publish or os.replace)(partial, os.fspath(final))
+        try:
+            (publish or os.replace)(partial, os.fspath(final))
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise  # (scratch full, below)
+            raise _placing_error(exc, os.fspath(final)) from exc
     except OSError as exc:
         full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
         written = _size_of(partial, progress.copied) if full else 0
@@ -296,6 +308,16 @@ def copy_file(
         version=version,
         process_cpu_s=time.process_time() - cpu_started,
     )
+
+
+def _placing_error(exc: OSError, final: str) -> DestinationError:
+    """The rename of a checked copy to its final name failed: scratch's doing, never the
+    source's (it was reported as a source error, retried, and exited 3)."""
+    if exc.errno in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST):
+        why = "a directory has that name (made in scratch?); rename or remove it"
+        return PathBlocked(f"cannot place {final} in scratch: {why}")
+    why = f"{exc.strerror or exc}; check the destination, or pass --dest elsewhere"
+    return DestinationError(f"cannot place {final} in scratch: {why}")
 
 
 def _opened_stat(src: object, url: str) -> os.stat_result | None:
