@@ -327,3 +327,28 @@ def test_shard_whose_size_differs_from_the_manifest_fails_as_integrity_without_r
     assert f"FAILED {shard}:" in result.stderr and "the manifest lists" in result.stderr
     assert json.loads(report.read_text())["retries"] == 0
     assert not (tmp_path / "s" / "ds" / shard.name).exists()
+
+
+def test_a_sparse_member_is_refused_by_index_as_by_stage_in_and_the_loader(tmp_path: Path) -> None:
+    """GNU tar's --sparse stores a member's bytes in pieces; the loader reads members by
+    offset, so stage-in and the loader refuse such a shard. stager index wrote a manifest for
+    it, exit 0, and every stage-in then failed the shard against that manifest."""
+    import subprocess
+
+    src, ds = tmp_path / "src", tmp_path / "ds"
+    src.mkdir()
+    ds.mkdir()
+    with open(src / "0001.bin", "wb") as handle:
+        handle.seek(1 << 20)
+        handle.write(b"x")
+    (src / "0001.cls").write_text("1")
+    tar = ["tar", "--sparse", "--format=gnu", "-cf", str(ds / "a.tar"), "-C", str(src), "."]
+    subprocess.run(tar, check=True)
+    with tarfile.open(ds / "a.tar") as made:
+        assert any(m.issparse() for m in made)  # (the tar is sparse)
+    result = run_cli("stager", "index", str(ds))
+    assert result.returncode == EXIT_INTEGRITY, result.stderr
+    assert "is a sparse file (tar --sparse)" in result.stderr
+    assert not list(ds.glob("stager-manifest*"))
+    staged = run_cli("stage-in", str(ds), "--dest", str(tmp_path / "s"), "--quiet")
+    assert staged.returncode == EXIT_INTEGRITY and "sparse" in staged.stderr, staged.stderr

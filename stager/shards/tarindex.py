@@ -220,11 +220,7 @@ def index_with_tarfile(path: Path, fileobj: BinaryIO | None = None) -> TarIndex:
                 if not info.isfile():
                     continue
                 if info.issparse():  # (its size is the expanded one, not the stored bytes)
-                    raise IntegrityError(
-                        f"{path}: member {info.name!r} is a sparse file (tar --sparse): its "
-                        "bytes are not stored in one piece, which the loader reads by offset; "
-                        "re-create the shard without --sparse"
-                    )
+                    raise _sparse_member(str(path), info.name)
                 if info.offset_data + info.size > file_size:
                     raise IntegrityError(
                         f"{path}: member {info.name!r} is truncated "
@@ -290,6 +286,13 @@ class _TailReader:
         return self._recent[start : start + count]
 
 
+def _sparse_member(shard: str, member: str) -> IntegrityError:
+    return IntegrityError(
+        f"{shard}: member {member!r} is a sparse file (tar --sparse): its bytes are not stored "
+        "in one piece, which the loader reads by offset; re-create the shard without --sparse"
+    )
+
+
 def count_samples_stream(stream: BinaryIO, name: str, *, compressed: bool = False) -> int:
     """Count the samples of a tar read sequentially from ``stream``, to its very end.
 
@@ -309,6 +312,8 @@ def count_samples_stream(stream: BinaryIO, name: str, *, compressed: bool = Fals
         with tarfile.open(fileobj=reader, mode="r|") as tar:  # type: ignore[call-overload]
             for info in tar:
                 last_name = info.name
+                if not compressed and info.issparse():  # (as the loader's index refuses it)
+                    raise _sparse_member(name, info.name)
                 parts = split_key(info.name) if info.isfile() else None
                 if parts and parts[0] != last_key:
                     count += 1
