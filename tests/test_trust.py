@@ -276,6 +276,32 @@ def test_6_a_manifest_entry_missing_from_the_source_fails_naming_it(tmp_path: Pa
     assert len(failed) == 1 and "train-000001.tar" in failed[0] and "manifest" in failed[0]
 
 
+@pytest.mark.parametrize("cache", [False, True])
+def test_6_a_source_changed_after_indexing_fails_a_rerun_as_it_fails_a_first_run(
+    tmp_path: Path, capsys, cache: bool
+) -> None:
+    """With a manifest, a rerun compared the staged copy with the manifest's hash only: a
+    source rewritten since (a plain cp over it, same size) left the old bytes staged, exit 0,
+    where a first run of the same source fails the shard (exit 4). A staged copy is kept only
+    while its source is the version it was copied from: the rerun fails it too, and the stale
+    copy is gone."""
+    src = _indexed(tmp_path)
+    extra = ["--cache", str(tmp_path / "cache")] if cache else []
+    dest = tmp_path / "s"
+    first = run_main(capsys, "stage-in", str(src), "--dest", str(dest), *FAST, *extra)
+    assert first.returncode == 0, first.stderr
+    victim = src / "train-000000.tar"
+    shutil.copyfile(src / "train-000001.tar", victim)  # (the same size: synthetic shards are)
+    for target in (dest, tmp_path / "fresh"):
+        result = run_main(capsys, "stage-in", str(src), "--dest", str(target), *FAST, *extra)
+        assert result.returncode == EXIT_INTEGRITY, result.stderr
+        failed = [line for line in result.stderr.splitlines() if line.startswith("FAILED")]
+        assert len(failed) == 1 and victim.name in failed[0], result.stderr
+        assert not (target / "ds" / victim.name).exists()
+        kept = target / "ds" / "train-000002.tar"
+        assert kept.read_bytes() == (src / "train-000002.tar").read_bytes()
+
+
 def test_6_a_wrong_sample_count_fails_stage_in_and_the_loader_keeps_the_good_shards(
     tmp_path: Path, capsys
 ) -> None:

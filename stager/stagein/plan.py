@@ -175,6 +175,13 @@ def sized_while_copying(
     return {r for r in unsized if r in undescribed and not os.path.lexists(os.path.join(base, r))}
 
 
+def _source_changed(shard: SourceShard, before: ManifestEntry | None) -> bool:
+    """Whether the source now reports another version than the staged copy was made from."""
+    if shard.version is None or before is None or before.version is None:
+        return False  # (not stat'ed, or copied from a source that reported no version)
+    return before.version != shard.version
+
+
 def _kept_entry(
     shard: SourceShard,
     final: Path,
@@ -186,7 +193,8 @@ def _kept_entry(
 ) -> ManifestEntry | None:
     """The entry for a staged file that holds the source's current bytes, else None (copy it).
 
-    With a manifest hash, the bytes are compared by hash. Without one, the staged copy must
+    With a manifest hash, the bytes are compared by hash, and the source must still be the
+    version the copy was made from where both are known. Without one, the staged copy must
     have been made from the source version the source reports now (inode, mtime and ctime;
     an ETag for object stores): a rewrite at the same size is copied again. Only a source
     that reports no version at all is trusted by size alone. A staged file changed since its
@@ -204,6 +212,8 @@ def _kept_entry(
     if changed:
         previous_hash = None  # what the record says of its bytes no longer holds
     if want_hash is not None:
+        if _source_changed(shard, before):  # (the copy would be refused by the manifest now)
+            return None
         have_hash = previous_hash
         if have_hash != want_hash:
             have_hash = hash_file(final, want_hash.split(":", 1)[0])

@@ -184,14 +184,20 @@ def prepare(
     # run for those not staged yet. With a cache every shard's version is needed: a cached copy
     # is served by identity.
     all_hashed = manifest is not None and all(map(attrgetter("hash"), manifest.entries))
+    # A staged shard is kept only while its source is the version it was copied from: a
+    # manifest's hash says what the bytes were, not that the source still holds them (a rerun
+    # kept bytes the source had replaced, where a fresh run failed on them). So a rerun stats
+    # the sources of the shards it finds staged; a first run stats none of them.
+    present = staged_names.files
+    restat = present.intersection(relpaths) if present else set()
     if options.cache_dir is not None:
         shards = fill_sizes(source, shards, options.jobs, skipped=skipped, directories=directories)
         aligned = None  # fill_sizes may have dropped some
-    elif not ((manifest is None or all_hashed) and undescribed <= sized_later):
+    elif not ((manifest is None or all_hashed) and undescribed <= sized_later and not restat):
         # (else nothing is left to size now: described shards have hashes, the rest are
-        # sized while copying)
+        # sized while copying, and none is staged yet)
         hashed = {relpath for relpath, entry in expected.items() if entry.hash}
-        known = hashed | sized_later
+        known = (hashed | sized_later) - restat
         shards = fill_sizes(
             source, shards, options.jobs, known=known, skipped=skipped, directories=directories
         )
