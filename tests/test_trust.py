@@ -201,6 +201,29 @@ def test_2_a_shard_rewritten_at_the_same_size_and_mtime_is_copied_again(
     assert (dest / "ds" / victim.name).read_bytes() == bytes(data)
 
 
+def test_2_a_shard_published_but_not_recorded_by_a_killed_run_goes_once_the_source_drops_it(
+    tmp_path: Path, capsys
+) -> None:
+    """A kill between a run's renames and its journal line leaves final-named shards no record
+    names. Once the source dropped them, a rerun left them staged for good (only recorded
+    files were removed): final-named files that are no source shard's bytes. Now a rerun
+    removes staged shards that neither a record nor the source names; other names stay."""
+    src = tmp_path / "ds"
+    write_synthetic_dataset(src, SyntheticSpec(num_shards=3, samples_per_shard=4))
+    dest = tmp_path / "scratch"
+    assert run_main(capsys, "stage-in", str(src), "--dest", str(dest), *FAST).returncode == 0
+    staged = dest / "ds"
+    dropped = staged / "sub" / "train-000009.tar"  # (as a killed run's rename left it)
+    dropped.parent.mkdir()
+    shutil.copyfile(src / "train-000001.tar", dropped)
+    (staged / "notes.txt").write_text("not a shard: never touched")
+    result = run_main(capsys, "stage-in", str(src), "--dest", str(dest), *FAST)
+    assert result.returncode == 0, result.stderr
+    assert not dropped.exists()
+    assert (staged / "notes.txt").exists()
+    assert sorted(p.name for p in staged.glob("*.tar")) == sorted(p.name for p in src.glob("*.tar"))
+
+
 def test_2_outside_a_job_stage_in_says_where_it_staged(tmp_path: Path) -> None:
     src = tmp_path / "ds"
     write_synthetic_dataset(src, SyntheticSpec(num_shards=2, samples_per_shard=2))

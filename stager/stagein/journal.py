@@ -6,7 +6,8 @@ killed with ``kill -9`` (a preemption, a time limit) never gets there, so each c
 entry here right after its rename, and the next run reads the manifest and then this journal,
 the newer facts winning. A kill between the rename and the append loses one line (a run of
 small shards, :mod:`stager.stagein.smallruns`, appends its lines in one write after its renames:
-up to a run's lines): those shards are copied again, never trusted without their version. A
+up to a run's lines): those shards are copied again, never trusted without their version, or
+removed where the source no longer lists them (:func:`stager.stagein.plan.remove_unlisted`). A
 line cut by a kill is ignored. The journal is removed once the manifest holding its entries is
 written.
 """

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -19,7 +19,7 @@ from operator import attrgetter
 from pathlib import Path
 
 from stager.errors import IntegrityError, StagerError, UsageError
-from stager.layout import PARTIAL_SUFFIX, StagedDataset
+from stager.layout import PARTIAL_SUFFIX, StagedDataset, has_hidden_part, is_shard_name
 from stager.shards import tarindex
 from stager.shards.manifest import Manifest, ManifestEntry
 from stager.shards.tarparse import TarSampleCounter
@@ -345,20 +345,31 @@ def _first_run_items(
 
 
 def remove_unlisted(
-    staged: StagedDataset, previous: dict[str, ManifestEntry], shards: Sequence[SourceShard]
+    staged: StagedDataset,
+    previous: dict[str, ManifestEntry],
+    shards: Sequence[SourceShard],
+    found: Iterable[str] = (),
 ) -> int:
-    """Delete staged files of the last run that this run's source no longer lists.
+    """Delete staged files of earlier runs that this run's source no longer lists.
 
     A shard removed from the source (or from this node's subset) must not stay behind under
-    its final name: a file there always holds a source shard's current bytes. Only files the
-    last run recorded are touched, never anything else in the directory.
+    its final name: a file there always holds a source shard's current bytes. Files the last
+    runs recorded are removed, and, of the names ``found`` in the staged tree, those named like
+    shards that no record names: a run killed between a rename and its journal line published
+    them unrecorded (up to a run of small shards), and nothing removed them once the source had
+    dropped them. Nothing else in the directory is touched.
     """
-    if not previous:
-        return 0  # nothing recorded: a first run
     current = {s.relpath for s in shards}
+    unrecorded = [
+        r
+        for r in found
+        if r not in previous and r not in current and is_shard_name(r) and not has_hidden_part(r)
+    ]  # (hidden: .stager/ is this tool's; a hidden shard is staged only when named)
+    if not previous and not unrecorded:
+        return 0  # nothing recorded and nothing left unrecorded: a first run
     join = SafeJoiner(staged.dir)
     removed = 0
-    for relpath in previous.keys() - current:
+    for relpath in (previous.keys() - current) | set(unrecorded):
         try:
             path = join(relpath)
             if path.is_file() and not path.is_symlink():

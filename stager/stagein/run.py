@@ -234,7 +234,7 @@ def prepare(
                 )
     clean_partials(staged.dir)
     previous = read_previous(staged)
-    remove_unlisted(staged, previous, shards)
+    remove_unlisted(staged, previous, shards, staged_names.files)
     times = RecordTimes.of(staged)
     plan = plan_local(
         *(shards, staged, expected, previous, options, heartbeat, aligned, staged_names),
