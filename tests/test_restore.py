@@ -101,3 +101,37 @@ def test_all_ranks_restoring_at_once_copy_once_and_print_one_path(tmp_path: Path
     assert len({out for out, _ in outs}) == 1
     assert same_tree(new, Path(outs[0][0].strip()))
     assert not list(local.glob(".stager-restore-*"))
+
+
+def test_a_sigterm_mid_restore_is_one_line_exit_130_and_leaves_nothing_partial(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """scancel or a requeue during restore: the process died by the signal (exit 143, no
+    line) and left its staging directory with a ``.partial`` in it. The signal now stops the
+    copy as in stage-in: one line, exit 130, nothing partial; a rerun restores whole."""
+    import os
+    import signal
+
+    import stager.stageout.restore as restore_module
+    from stager.errors import EXIT_INTERRUPTED
+
+    from .inproc import clean_process_env, run_main
+
+    clean_process_env(monkeypatch)
+    _, new, dest = _two_committed(tmp_path)
+    real = restore_module.copy_file
+
+    def signalled_mid_copy(*args, **kwargs):  # (the signal arrives with the first bytes)
+        kwargs["on_bytes"] = lambda _n: os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(restore_module, "copy_file", signalled_mid_copy)
+    local = tmp_path / "local"
+    result = run_main(capsys, "stage-in", "--checkpoint", str(dest), "--dest", str(local))
+    assert result.returncode == EXIT_INTERRUPTED, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "stage-in: interrupted (SIGTERM); rerun to resume"
+    ]
+    assert sorted(p.name for p in local.iterdir()) == [".stager-restore.lock"]
+    monkeypatch.setattr(restore_module, "copy_file", real)
+    assert same_tree(new, restore_here(dest, local))

@@ -29,7 +29,7 @@ from stager.errors import (
 )
 from stager.layout import RESTORE_LOCK, RESTORE_STAGING_PREFIX, RESTORED_DIR
 from stager.stageout.record import CommitRecord, newest_first
-from stager.stageout.store import CommitStore
+from stager.stageout.store import CommitStore, signals_deferred
 from stager.stageout.stores import open_store
 from stager.storage.copy import copy_file
 from stager.storage.dest import ensure_private_dir
@@ -141,7 +141,8 @@ def restore_checkpoint(
             try:
                 staging.mkdir()
                 _copy_record(store, record, staging)
-                return _publish(root, staging, record)
+                with signals_deferred():  # (a SIGTERM between its renames: the old copy lost)
+                    return _publish(root, staging, record)
             except (IntegrityError, SourceError, FileNotFoundError) as exc:
                 damaged.append(record.name)
                 print(

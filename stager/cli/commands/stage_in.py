@@ -345,6 +345,7 @@ def _restore(args: argparse.Namespace) -> int:
         raise UsageError(
             "--checkpoint takes no SOURCE or --from-list; it restores from the DEST it names"
         )
-    path = restore_checkpoint(args.checkpoint, resolve_dest_root(args.dest))
+    with sigterm_interrupts():  # (scancel, a requeue: one line, exit 130, nothing partial left)
+        path = restore_checkpoint(args.checkpoint, resolve_dest_root(args.dest))
     print(os.path.abspath(path), flush=True)
     return 0
