@@ -349,3 +349,40 @@ def test_watch_says_every_commit_even_in_the_same_words(tmp_path: Path) -> None:
     commits = [line for line in log.getvalue().splitlines() if "committed last.ckpt" in line]
     assert len(commits) == 4, log.getvalue()
     assert (tmp_path / "out" / "last.ckpt").read_bytes() == b"v004"
+
+
+@pytest.mark.parametrize("store", ["posix", "object"])
+def test_a_file_gone_mid_copy_skips_its_checkpoint_and_the_rest_of_all_is_committed(
+    tmp_path: Path, store: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file of a checkpoint removed while the checkpoint was copied (a trainer replacing
+    it) ended the whole --all run in stage-in's words (`source shard not found`, exit 3, and
+    for an object store a destination error), the other checkpoints uncommitted. It is a
+    checkpoint that changed: its own line, the others committed, exit 7 (docs/stage-out.md)."""
+    import io
+
+    from stager.stageout import store_object, store_posix
+    from stager.stageout.run import CHANGED, COMMITTED, StageOutOptions, check_outcomes, stage_out
+
+    from .test_stageout import write_ckpt_dir
+
+    ckpts = tmp_path / "ck"
+    settled = write_ckpt_dir(ckpts / "step-1", seed=1)
+    moving = write_ckpt_dir(ckpts / "step-2", seed=2)
+    os.utime(settled, (1_700_000_000, 1_700_000_000))
+    cls = store_posix.LocalCommitStore if store == "posix" else store_object.ObjectCommitStore
+    real = cls.put_file
+
+    def trainer_removes_a_file(self, attempt, src, relpath, *args, **kwargs):
+        if relpath.startswith("step-2/"):
+            (moving / "optim" / "part-3.bin").unlink(missing_ok=True)
+        return real(self, attempt, src, relpath, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "put_file", trainer_removes_a_file)
+    dest = str(tmp_path / "dest") if store == "posix" else f"memory://gone-{os.getpid()}/run"
+    log = io.StringIO()
+    outcomes = stage_out([settled, moving], dest, StageOutOptions(log=log))
+    assert {o.name: o.status for o in outcomes} == {"step-1": COMMITTED, "step-2": CHANGED}
+    with pytest.raises(Exception) as raised:
+        check_outcomes(outcomes)
+    assert getattr(raised.value, "exit_code", None) == EXIT_CHECKPOINT

@@ -33,7 +33,13 @@ from functools import partial
 from pathlib import Path
 from typing import TextIO
 
-from stager.errors import CheckpointError, DeadlineTooShort, IntegrityError, UsageError
+from stager.errors import (
+    CheckpointError,
+    DeadlineTooShort,
+    IntegrityError,
+    SourceError,
+    UsageError,
+)
 from stager.slurm import SlurmEnv
 from stager.stageout.deadline import Deadline
 from stager.stageout.keep import newest_skipped, prune
@@ -342,7 +348,7 @@ def _copy_and_commit(
             job_id=slurm.job_id,
         )
         committed = store.commit(attempt, record)
-    except IntegrityError:
+    except (IntegrityError, SourceError):  # (a file of it gone, or no longer a file: changed)
         store.abandon(attempt)
         if _still_matches(snap):
             raise  # the bytes at the destination are wrong: a real integrity failure

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import posixpath
 
-from stager.errors import IntegrityError
+from stager.errors import IntegrityError, SourceError
 from stager.stageout.record import CommitRecord
 from stager.stageout.store import Attempt, CommitStore, dest_errors, signals_deferred
 from stager.storage.hashing import new_hasher
@@ -44,8 +44,12 @@ class ObjectCommitStore(CommitStore):
         algorithm = hash_.split(":", 1)[0]
         hasher = new_hasher(algorithm)
         copied = 0
+        try:
+            source_file = open(src, "rb")  # (the checkpoint's side: not the destination's)
+        except OSError as exc:
+            raise SourceError(f"checkpoint file {src} cannot be read: {exc.strerror}") from exc
         with dest_errors(self.url, f"uploading {relpath}"):
-            with open(src, "rb") as source:
+            with source_file as source:
                 sink = self.fs.open(remote, "wb")
                 try:
                     while block := source.read(_BLOCK):
