@@ -21,6 +21,7 @@ import os
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +37,7 @@ from stager.storage.dest import resolve_dest_root
 from stager.storage.sources import SourceSet, resolve_source
 
 from .packedstrings import PackedStrings
+from .selection import staged_selection
 
 __all__ = ["ShardRef", "DatasetShards", "resolve_dataset"]
 
@@ -238,14 +240,21 @@ def _from_staged(
     columns = read_columns(StagedDataset.of(dataset_dir).manifest_path)
     _check_same_root(columns.meta, spec, dataset_dir)
     subset = columns.meta.get("subset", "all")
+    root = columns.meta.get("source", "")
+    failures = _failures(dataset_dir)
+    failures += _recorded_corrupt(columns.meta, failures)
+    selection = staged_selection(columns.meta.get("spec"), root, spec, dataset_dir)
+    unstaged: list[str] = []  # named by the SOURCE (a file, a list), not in the staged copy
+    if selection is not None:
+        columns, failures, unstaged = selection.apply(columns, failures, root)
+        if not columns.relpaths and not unstaged and not failures:
+            raise SourceError(f"no shard of the staged copy {dataset_dir} matches {spec}")
     # str concatenation: pathlib costs ~30 us per shard and os.path.join ~3 us (0.3 s at 100k);
     # relpaths are canonical and relative (checked by read_columns)
     prefix = os.fspath(dataset_dir).rstrip("/") + "/"
     locations = PackedStrings.prefixed(prefix, columns.relpaths)
     mtimes, missing = _staged_mtimes(locations, columns.sizes)
-    failures = _failures(dataset_dir)
-    failures += _recorded_corrupt(columns.meta, failures)
-    if not missing and not failures:
+    if not missing and not failures and not unstaged:
         count = len(locations)
         return DatasetShards(
             PackedStrings(columns.relpaths),
@@ -257,10 +266,9 @@ def _from_staged(
             dataset_dir,
             np.column_stack([np.asarray(columns.sizes, np.int64), np.asarray(mtimes, np.int64)]),
         )
-    root = columns.meta.get("source", "")
     absolute_root = "://" in root or root.startswith("/")
     gone = set(missing)
-    if gone and not absolute_root:
+    if (gone or unstaged) and not absolute_root:
         raise SourceError(
             f"{dataset_dir}: {len(gone)} staged shard(s) are missing and the manifest names no "
             "absolute source to read them from; re-run stage-in"
@@ -271,6 +279,9 @@ def _from_staged(
             zip(columns.relpaths, locations, columns.samples, columns.sizes, mtimes, strict=True)
         )
     ]
+    if unstaged:
+        refs += [_from_source(root, rel, None) for rel in unstaged]
+        refs.sort(key=attrgetter("relpath"))
     return _merge_failures(
         refs, failures, root if absolute_root else "", subset, dataset_dir, on_error
     )

@@ -47,6 +47,7 @@ __all__ = [
     "canonical_spec",
     "canonical_root",
     "source_root",
+    "source_path",
     "glob_root",
     "is_shard_name",
     "no_shards_message",
@@ -225,15 +226,18 @@ def is_bookkeeping(name: str) -> bool:
     return name.startswith(_RESERVED_PREFIX)
 
 
-def _path_of(url: str) -> str:
+def source_path(url: str) -> str:
     """The path part of a source URL; a local one made absolute (against the working directory,
-    without touching the disk) and with ``..`` folded."""
+    without touching the disk), with ``..`` folded and a leading ``//`` made one (POSIX leaves
+    its meaning open and keeps it; Linux reads it as ``/``, and ``//nfs/ds`` was another
+    dataset than ``/nfs/ds``)."""
     if url.startswith("file://"):
         url = url[len("file://") :]
     if "://" in url:
         return url.split("://", 1)[1]
     path = os.path.expanduser(url)
-    return posixpath.normpath(path if path.startswith("/") else posixpath.join(os.getcwd(), path))
+    path = posixpath.normpath(path if path.startswith("/") else posixpath.join(os.getcwd(), path))
+    return "/" + path.lstrip("/") if path.startswith("//") else path
 
 
 def _common_dir(dirs: Sequence[str]) -> str:
@@ -259,10 +263,10 @@ def source_root(spec: str | Sequence[str]) -> str:
         urls = list(spec)
         if not urls:
             raise UsageError("an empty list of shards names no dataset")
-        return _common_dir([posixpath.dirname(_path_of(u)) for u in urls])
+        return _common_dir([posixpath.dirname(source_path(u)) for u in urls])
     if "{" in spec and "}" in spec:
-        return _common_dir([posixpath.dirname(_path_of(u)) for u in expand_pattern(spec)])
-    path = _path_of(spec)
+        return _common_dir([posixpath.dirname(source_path(u)) for u in expand_pattern(spec)])
+    path = source_path(spec)
     root = glob_root(path)
     if root is not None:
         return posixpath.normpath(root)
@@ -292,7 +296,7 @@ def canonical_spec(spec: str, *, listed: bool = False) -> str:
     if "://" in spec and not spec.startswith("file://"):
         text = spec.rstrip("/")
     else:
-        text = "file://" + _path_of(spec)
+        text = "file://" + source_path(spec)
     return f"list:{text}" if listed else text
 
 
