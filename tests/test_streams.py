@@ -258,12 +258,21 @@ def test_stage_in_reports_transfer_without_the_local_rename(
 def test_files_whole_in_their_first_read_start_from_the_ratio() -> None:
     """No transfer time to measure (T = 0): the rate search starts from the ratio with T taken
     as 0.1 ms, which behind 10 ms round trips is the ceiling; local files start low."""
-    remote = StreamController(32, floor=4)
-    _feed(remote, first_byte_s=0.010, last_byte_s=0.010)
-    assert remote.limit == 32
-    local = StreamController(32, floor=4)
+    for cores in (2, 16):
+        remote = StreamController(32, floor=4, cores=cores)
+        _feed(remote, first_byte_s=0.010, last_byte_s=0.010)
+        assert remote.limit == 32
+    local = StreamController(32, floor=4, cores=16)
     _feed(local, first_byte_s=0.0002, last_byte_s=0.0002)
     assert local.limit == 4  # floor: (0.2 + 0.1) / 0.1 rounds up to 3
+    # below the floor where the cores are fewer than it: (0.2 + 0.1) / 0.1, not 4
+    for cores, start in ((1, 3), (2, 3)):
+        few = StreamController(32, floor=4, cores=cores)
+        _feed(few, first_byte_s=0.0002, last_byte_s=0.0002)
+        assert few.limit == start, cores
+    fastest = StreamController(32, floor=4, cores=2)  # (a tmpfs: the ratio asks for 2)
+    _feed(fastest, first_byte_s=0.00002, last_byte_s=0.00002)
+    assert fastest.limit == 2
 
 
 def test_a_kept_slot_never_exceeds_the_limit() -> None:

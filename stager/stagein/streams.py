@@ -50,6 +50,10 @@ __all__ = ["StreamController", "KeptSlots", "DEFAULT_JOBS"]
 DEFAULT_JOBS = 64
 
 
+#: The transfer time taken for files that arrive whole in their first read (too short to time):
+#: the ceiling of a transfer behind NFS round trips.
+_UNTIMED_S = 1e-4
+
 #: Copies during which the process kept at least this share of the cores busy saturate them;
 #: copies that each keep this share of a core busy are bound by the CPU.
 SATURATED = 0.8
@@ -193,8 +197,17 @@ class StreamController:
             return self.target()
         if self._probe is None:
             self._probe = RateProbe(self.ceiling)
-            self._probe.start(self.target())
+            self._probe.start(self._probe_start())
         return self._probe.completed(time.monotonic(), files)
+
+    def _probe_start(self) -> int:
+        """Where the rate search starts: the model's target, but no more streams than the
+        cores where the files' latency asks for fewer (a memory-speed source, where streams
+        past the cores only pass the interpreter around, and the search had too few windows in
+        a short run to come down from the floor: 10,000 x 20 KB from a tmpfs on 2 cores took
+        ~0.70 s from 4 streams, ~0.54 s at 2). Behind a server's latency it is the target."""
+        wanted = math.ceil((_median(self._latency_s) + _UNTIMED_S) / _UNTIMED_S)
+        return max(1, min(self.target(), max(self.cores, wanted)))
 
     def target(self) -> int:
         """The stream count the current window of timings asks for."""
@@ -202,7 +215,7 @@ class StreamController:
             return self.limit
         latency = _median(self._latency_s)
         measured = _median(self._transfer_s)
-        transfer = max(measured, 1e-4)
+        transfer = max(measured, _UNTIMED_S)
         wanted = math.ceil((latency + transfer) / transfer)
         floor = self.floor
         if latency < transfer:
