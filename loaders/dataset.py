@@ -29,7 +29,7 @@ from stager.shards.loader_index import FlatIndex
 from stager.shards.tarheader import name_text
 
 from .packedstrings import PackedStrings
-from .samples import SamplePipeline, select_fields
+from .samples import SamplePipeline, select_columns
 from .shardio import open_shards
 
 __all__ = ["StagedTarDataset", "PackedBatch"]
@@ -111,7 +111,7 @@ class PackedBatch:
         columns = self.columns()
         if to_tuple is None:
             return columns
-        return select_fields(columns, to_tuple)
+        return select_columns(columns, to_tuple)
 
 
 class StagedTarDataset(Dataset):

@@ -42,6 +42,7 @@ __all__ = [
     "make_decoder",
     "decode_sample",
     "select_fields",
+    "select_columns",
     "collate_samples",
     "INSTALL_HINTS",
 ]
@@ -160,11 +161,41 @@ def select_fields(sample: dict[str, Any], to_tuple: Sequence[str]) -> tuple[Any,
                 out.append(sample[name])
                 break
         else:
-            raise KeyError(
-                f"sample {sample.get('__key__')!r} has none of {spec!r} (has {sorted(sample)}); "
-                "name members the samples have in to_tuple ('jpg;png' takes the first present)"
-            )
+            raise _none_of(sample.get("__key__"), spec, sorted(sample))
     return tuple(out)
+
+
+def select_columns(columns: dict[str, list[Any]], to_tuple: Sequence[str]) -> tuple[list[Any], ...]:
+    """:func:`select_fields` over a raw batch's columns (``None`` where a sample lacks that
+    member): for each sample the first alternative it has, so ``"jpg;png"`` gives a batch of
+    both its JPEGs and its PNGs (it took the first column present, and left ``None`` for every
+    sample of the other kind). A sample with none raises the same :class:`KeyError`."""
+    keys = columns["__key__"]
+    out: list[list[Any]] = []
+    for spec in to_tuple:
+        present = []
+        for name in spec.split(";"):
+            if name in columns or (name := name.lower()) in columns:
+                present.append(columns[name])
+        if present and all(value is not None for value in present[0]):
+            out.append(present[0])  # (every sample has the first alternative: the usual case)
+            continue
+        picked = []
+        for i, key in enumerate(keys):
+            value = next((column[i] for column in present if column[i] is not None), None)
+            if value is None:
+                has = sorted(k for k, column in columns.items() if column[i] is not None)
+                raise _none_of(key, spec, has)
+            picked.append(value)
+        out.append(picked)
+    return tuple(out)
+
+
+def _none_of(key: object, spec: str, has: list[str]) -> KeyError:
+    return KeyError(
+        f"sample {key!r} has none of {spec!r} (has {has}); name members the samples have in "
+        "to_tuple ('jpg;png' takes the first present)"
+    )
 
 
 #: What torch's default_collate can stack; anything else (PIL images, custom objects) stays a list.
@@ -226,8 +257,14 @@ def collate_samples(samples: list[Any]) -> Any:
     if isinstance(first, tuple):
         return tuple(collate_samples(list(column)) for column in zip(*samples, strict=True))
     if isinstance(first, dict):
-        return {k: collate_samples([s[k] for s in samples]) for k in first}
-    if isinstance(first, (bytes, str)) or first is None or not isinstance(first, _COLLATABLE):
+        # Every member any sample has, None where one lacks it, as a raw batch gives them: the
+        # first sample's keys raised KeyError when it had more, and dropped the others' extra
+        # members (a caption) when it had fewer, by the shuffle's order.
+        keys = dict.fromkeys(k for s in samples for k in s)
+        return {k: collate_samples([s.get(k) for s in samples]) for k in keys}
+    if isinstance(first, (bytes, str)) or not isinstance(first, _COLLATABLE):
+        return list(samples)
+    if any(s is None for s in samples):
         return list(samples)
     if isinstance(first, (torch.Tensor, np.ndarray)) and len({tuple(s.shape) for s in samples}) > 1:
         same_dtype = len({s.dtype for s in samples}) == 1

@@ -206,3 +206,69 @@ print("ok")
     )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
     assert "not writable" not in result.stderr
+
+
+def _tar(path: Path, members: list[tuple[str, bytes]], gz: bool = False) -> None:
+    import gzip
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(gzip.compress(buf.getvalue()) if gz else buf.getvalue())
+
+
+def _batches(ds: Path, tmp_path: Path, **kwargs: object) -> list:
+    options = LoaderOptions(dest=str(tmp_path / "nowhere"), rank=0, world_size=1)
+    loader = ShardedLoader(ds, batch_size=4, shuffle=False, options=options, **kwargs)
+    return list(loader)
+
+
+@pytest.mark.parametrize("decode", [None, "bytes-callable"])
+def test_alternatives_in_to_tuple_are_chosen_per_sample_in_raw_batches_too(
+    tmp_path: Path, decode: str | None
+) -> None:
+    """``to_tuple=("jpg;png", "cls")`` (the README's advice for mixed data) on raw batches
+    took the first column present for the whole batch: every PNG of a batch holding a JPEG
+    became None. Each sample now gets its own alternative, as decoded batches and webdataset
+    give; a sample with none raises the same KeyError on both paths."""
+    ds = tmp_path / "mixed"
+    exts = ["jpg", "png", "jpg", "png"]
+    _tar(
+        ds / "s.tar",
+        [
+            m
+            for i, e in enumerate(exts)
+            for m in ((f"{i}.{e}", b"I%d" % i), (f"{i}.cls", b"%d" % i))
+        ],
+    )
+    dec = None if decode is None else (lambda sample: sample)
+    ((images, _),) = _batches(ds, tmp_path, decode=dec, to_tuple=("jpg;png", "cls"))
+    assert [bytes(memoryview(np.asarray(x))) for x in images] == [b"I0", b"I1", b"I2", b"I3"]
+    _tar(ds / "s.tar", [("0.jpg", b"x"), ("0.cls", b"0"), ("1.txt", b"t"), ("1.cls", b"1")])
+    with pytest.raises(KeyError, match=r"sample '1' has none of 'jpg;png' \(has \[.*'cls'.*\]\)"):
+        _batches(ds, tmp_path, decode=dec, to_tuple=("jpg;png", "cls"))
+
+
+def test_samples_with_other_members_batch_alike_whatever_their_order_and_path(
+    tmp_path: Path,
+) -> None:
+    """A batch of samples with different members (an optional caption) raised KeyError, or
+    dropped the extra member, depending on the shuffle's order, on decode and on .tar.gz; raw
+    .tar batches gave None. Every path now gives every member, None where a sample lacks it."""
+    got = set()
+    for gz in (False, True):
+        for order in (["a.jpg", "a.cls", "b.jpg"], ["b.jpg", "a.jpg", "a.cls"]):
+            for dec in (None, lambda sample: sample):
+                ds = tmp_path / f"d{len(got)}-{gz}-{order[0]}-{dec is None}"
+                _tar(ds / ("s.tar.gz" if gz else "s.tar"), [(n, b"7") for n in order], gz)
+                (batch,) = _batches(ds, tmp_path, decode=dec)
+                by_key = {
+                    key: tuple(k for k in ("jpg", "cls") if batch[k][i] is not None)
+                    for i, key in enumerate(batch["__key__"])
+                }
+                got.add(tuple(sorted(by_key.items())))
+    assert got == {(("a", ("jpg", "cls")), ("b", ("jpg",)))}
