@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stager.errors import UsageError, one_line
 from stager.shards import tarnative
 from stager.slurm import usable_cpus
 from stager.stagein.streams import DEFAULT_JOBS
@@ -219,20 +220,35 @@ def probe_loader(
             started = None  # the clock starts at the first batch: worker start is not throughput
             while started is None or time.perf_counter() - started < seconds:
                 loader.set_epoch(epoch)
-                for batch in loader:
-                    if started is None:
-                        started = time.perf_counter()
-                        continue
-                    got, size = _batch_bytes(batch)
-                    samples, nbytes = samples + got, nbytes + size
-                    if time.perf_counter() - started > seconds:
-                        break
+                with _options_misfit(decode, to_tuple):
+                    for batch in loader:
+                        if started is None:
+                            started = time.perf_counter()
+                            continue
+                        got, size = _batch_bytes(batch)
+                        samples, nbytes = samples + got, nbytes + size
+                        if time.perf_counter() - started > seconds:
+                            break
                 epoch += 1
             elapsed = time.perf_counter() - started
             rates[count] = samples / elapsed if elapsed > 0 else 0.0
             bytes_per_sample = nbytes / samples if samples else 0.0
             del loader
     return LoaderProbe(rates, bytes_per_sample, label, num_samples)
+
+
+@contextmanager
+def _options_misfit(decode: str | None, to_tuple: Sequence[str] | None) -> Iterator[None]:
+    """The samples do not fit --decode or --to-tuple (a member named that no sample has, bytes
+    that are no image): one line, exit 2, where it was a traceback and exit 1 ("a bug")."""
+    try:
+        yield
+    except (KeyError, ValueError) as exc:
+        reason = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        asked = f"--decode {decode or 'none'}, --to-tuple {','.join(to_tuple or []) or 'none'}"
+        raise UsageError(
+            f"the loader cannot read these samples with {asked}: {one_line(reason)}"
+        ) from exc
 
 
 def _plural(count: int, word: str) -> str:

@@ -84,6 +84,31 @@ def test_a_map_that_cannot_be_imported_is_one_usage_line(jpg_dataset: Path) -> N
     assert len(result.stderr.strip().splitlines()) == 1 and "--map" in result.stderr
 
 
+def test_samples_that_do_not_fit_decode_or_to_tuple_are_one_usage_line(tmp_path: Path) -> None:
+    """A member named in --to-tuple that no sample has, or a .jpg that is no image under
+    --decode rgb8 (a user's data as it often is): a traceback and exit 1, "a bug", where a
+    corrupt tar already got one line. Now one line naming the options, exit 2."""
+    import io
+    import tarfile
+
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    with tarfile.open(ds / "a.tar", "w") as tar:
+        for name, data in (("0.jpg", b"not an image"), ("0.cls", b"1")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    for flags, says in (
+        (["--to-tuple", "png,cls"], "has none of 'png'"),
+        (["--decode", "rgb8"], "cannot decode member 'jpg'"),
+    ):
+        result = _doctor(str(ds), *flags, "--workers", "0", "--loader-seconds", "1")
+        assert result.returncode == 2, result.stderr
+        errors = [line for line in result.stderr.splitlines() if "error:" in line]
+        assert len(errors) == 1 and says in errors[0], result.stderr
+        assert "Traceback" not in result.stderr
+
+
 def _diagnosis(source_mbps: float, loader_rate: float, dataset_bytes: int = 10**9) -> Diagnosis:
     return Diagnosis(
         node="n1",
