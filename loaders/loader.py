@@ -287,6 +287,19 @@ class ShardedLoader(DataLoader):
         """
         saved = LoaderState.from_dict(state)
         saved.check_resumable_by(self._state(0), elastic=elastic)
+        # Checked before anything changes: a refused state left the loader at its epoch and
+        # position (an epoch of no batches after batches_consumed=999).
+        if saved.epoch < 0 or saved.batches_consumed < 0:
+            raise ResumeMismatch(
+                [f"epoch {saved.epoch} and batches_consumed {saved.batches_consumed} must be >= 0"]
+            )
+        resumes_here = saved.world_size == self.layout.world_size
+        if resumes_here and saved.staging_order is None and saved.elastic_from is None:
+            batches = self.reader.num_batches(saved.epoch)
+            if saved.batches_consumed > batches:
+                raise ResumeMismatch(
+                    [f"batches_consumed {saved.batches_consumed} outside 0..{batches}"]
+                )
         if saved.staging_order is not None and saved.world_size != self.layout.world_size:
             raise ResumeMismatch(
                 [

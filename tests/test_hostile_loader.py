@@ -82,6 +82,27 @@ def test_a_streaming_resume_with_another_order_is_refused(
     assert _keys(again) == _keys(whole)[6 * 5 :]
 
 
+def test_a_refused_state_leaves_the_loader_as_it_was(tmp_path: Path) -> None:
+    """A state with batches_consumed past the epoch was refused after the loader took its
+    epoch and position: the epoch then yielded no batch. A negative epoch was accepted."""
+    data = _dataset(tmp_path / "plain")
+
+    def loader() -> ShardedLoader:
+        return ShardedLoader(str(data), batch_size=5, to_tuple=("__key__",), options=_options())
+
+    before = loader()
+    before.set_epoch(1)
+    state = _state_after(before, 3)
+    fresh = loader()
+    fresh.set_epoch(1)
+    for bad in ({**state, "batches_consumed": 999}, {**state, "epoch": -5}):
+        with pytest.raises(ResumeMismatch):
+            fresh.load_state_dict(bad)
+    whole = loader()
+    whole.set_epoch(1)
+    assert _keys(fresh) == _keys(whole) and len(fresh) == len(whole)
+
+
 def test_a_blocked_shuffle_resume_with_another_block_is_refused(tmp_path: Path) -> None:
     data = _dataset(tmp_path / "plain")
 
