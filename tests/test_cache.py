@@ -7,6 +7,7 @@ into child processes through PYTHONPATH), which logs every read's byte count.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -231,6 +232,42 @@ def test_a_cached_copy_that_does_not_hash_right_is_dropped_and_copied_again(
         _assert_identical(src, tmp_path / "job2" / "ds")
         staged = tmp_path / "job2" / "ds" / "train-000000.tar"
         assert staged.stat().st_dev != victim.stat().st_dev  # copied, not linked
+
+
+def test_a_cache_filesystem_filling_up_mid_run_is_passed_by_not_the_jobs_failure(
+    capsys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another writer fills the cache's filesystem after stage-in checked its free space: the
+    fills ran out of space and failed the job (exit 6, "free space or pass --dest") with
+    scratch half empty. As a cache full from the start, it is passed by with one warning, and
+    every shard (the one whose fill failed, too) is staged whole."""
+    import stager.stagein.cache as stage_cache
+
+    clean_process_env(monkeypatch)
+    src = tmp_path / "nfs" / "ds"
+    write_synthetic_dataset(
+        src, SyntheticSpec(num_shards=6, samples_per_shard=8, image_bytes=50_000)
+    )
+    register = stage_cache.StageCache.register
+
+    def register_then_another_writer_fills(self, plan):  # noqa: ANN001, ANN202
+        needed = register(self, plan)
+        filler = self.store.layout.root.parent / "filler"
+        with open(filler, "wb") as out, contextlib.suppress(OSError):
+            while True:
+                out.write(b"\0" * (1 << 20))
+        return needed
+
+    monkeypatch.setattr(stage_cache.StageCache, "register", register_then_another_writer_fills)
+    with mount_tmpfs(tmp_path / "cachefs", "8m") as cachefs:
+        dest = tmp_path / "job"
+        argv = ["--dest", str(dest), "--cache", str(cachefs / "cache"), "--jitter-max", "0"]
+        result = run_main(capsys, "stage-in", str(src), *argv, "--progress", "none")
+        assert result.returncode == 0, result.stderr
+        said = [line for line in result.stderr.splitlines() if "is full: copying the rest" in line]
+        assert len(said) == 1, result.stderr
+        _assert_identical(src, dest / "ds")
+        assert not list((cachefs / "cache").rglob("*.partial"))
 
 
 # -- concurrency ---------------------------------------------------------------------------

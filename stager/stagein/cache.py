@@ -31,7 +31,7 @@ from stager.cache.keys import dataset_key, shard_key
 from stager.cache.locks import FileLock
 from stager.cache.records import ObjectRecord
 from stager.cache.store import ShardCache
-from stager.errors import DestinationError, HashMismatch, one_line
+from stager.errors import DestinationError, HashMismatch, ScratchFull, one_line
 from stager.layout import StagedDataset
 from stager.stagein.guards import free_bytes
 from stager.stagein.options import StageInOptions
@@ -177,6 +177,7 @@ class StageCache:
         self._count_lock = threading.Lock()
         self.counts = _Counts(methods={})
         self.used: list[ObjectRecord] = []  # records of what this run served or filled
+        self.filled_up = False  # the cache's filesystem ran out of space: copy past it
 
     @classmethod
     def start(
@@ -292,7 +293,7 @@ class StageCache:
     def claim(self, item: CopyItem) -> Claim:
         """How ``item`` reaches scratch (see :class:`Claim`); waits while another job fills it."""
         key = self.keys.get(item.shard.relpath)
-        if key is None:
+        if key is None or self.filled_up:
             return Claim(item)
         record = self.present.get(key)  # a miss at registration goes straight to the lock
         served = self._serve(item, record) if record is not None else None
@@ -310,6 +311,22 @@ class StageCache:
             lock.release()
             return served
         return Claim(item, fill=(self, key, lock))
+
+    def ran_out_of_space(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is the cache's own filesystem filling up during a fill; then the
+        rest of the run (this shard again, too) copies past the cache, said in one warning.
+        It failed the job (exit 6, "free space or pass --dest") with scratch half empty, where
+        a cache full from the start is passed by with a warning."""
+        if not isinstance(exc, ScratchFull) or not exc.where:
+            return False
+        root = str(self.store.layout.root).rstrip("/") + "/"
+        if not (exc.where.rstrip("/") + "/").startswith(root):
+            return False  # (scratch's own: the job's error)
+        with self._count_lock:
+            said, self.filled_up = self.filled_up, True
+        if not said:
+            self._warn(f"the cache at {root.rstrip('/')} is full: copying the rest without it")
+        return True
 
     def _serve(self, item: CopyItem, record: ObjectRecord) -> Claim | None:
         """Place a cached shard; None when it vanished or proved damaged (copy it instead)."""

@@ -100,21 +100,29 @@ def copy_one(copier: Copier, item: CopyItem) -> None:
 
     copier.slots.take()  # (again, if given back waiting for the walk, a size or the cache)
     result = None
+    past_the_cache = False
     try:
         retry = copier.options.retry
         result = call_with_retries(attempt, retry, on_retry=on_retry, sleep=copier.halt.pause)
         if claim is not None:  # copied into the cache: record it, place it in scratch
             result = claim.publish(result, counters[0].samples if counters else None)
     except Exception as exc:  # noqa: BLE001 - every failure becomes one report line
-        kind = failure_kind(exc)
-        if kind in ("full", "dest") and not isinstance(exc, PathBlocked):
-            copier.full.set()  # no later copy can land either
-        copier.fail(item, one_line(exc), kind)
-        return
+        cache = copier.cache if claim is not None else None
+        past_the_cache = cache is not None and cache.ran_out_of_space(exc)
+        if not past_the_cache:
+            kind = failure_kind(exc)
+            if kind in ("full", "dest") and not isinstance(exc, PathBlocked):
+                copier.full.set()  # no later copy can land either
+            copier.fail(item, one_line(exc), kind)
     finally:
         timing = (result.first_byte_s, result.last_byte_s, result.cores_used) if result else ()
         copier.slots.finished(*timing)
         if claim is not None:
             claim.release()
+    if past_the_cache:  # the cache's filesystem filled up: this shard again, straight to scratch
+        copy_one(copier, item)
+        return
+    if result is None:
+        return  # (failed: reported above)
     copier.run_length.timed(result.seconds)
     copier.book_run([(current[0], result, counters[0] if counters else None)], published[0])
