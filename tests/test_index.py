@@ -352,3 +352,20 @@ def test_a_sparse_member_is_refused_by_index_as_by_stage_in_and_the_loader(tmp_p
     assert not list(ds.glob("stager-manifest*"))
     staged = run_cli("stage-in", str(ds), "--dest", str(tmp_path / "s"), "--quiet")
     assert staged.returncode == EXIT_INTEGRITY and "sparse" in staged.stderr, staged.stderr
+
+
+def test_bytes_appended_after_a_gzip_stream_are_named_as_such(tmp_path: Path) -> None:
+    """A .tgz whose tar is whole, with bytes appended after its gzip stream, was refused as a
+    "corrupt or truncated tar"; the refusal now says what is wrong with it."""
+    import io
+
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w") as tar:
+        for name in ("0.jpg", "0.cls"):
+            info = tarfile.TarInfo(name)
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"1"))
+    data = gzip.compress(raw.getvalue())
+    assert count_samples_stream(io.BytesIO(data), "a.tgz", compressed=True) == 1
+    with pytest.raises(IntegrityError, match="bytes after the end of its gzip stream"):
+        count_samples_stream(io.BytesIO(data + b"junkjunk"), "a.tgz", compressed=True)

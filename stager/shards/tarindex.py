@@ -307,6 +307,7 @@ def count_samples_stream(stream: BinaryIO, name: str, *, compressed: bool = Fals
     source: BinaryIO = gzip.GzipFile(fileobj=stream, mode="rb") if compressed else stream  # type: ignore[assignment]
     reader = _TailReader(source)
     count, last_key, last_name = 0, None, "<start of archive>"
+    tar_ended = False  # (bytes after it that are no gzip: said as such, not "truncated")
     exts: set[str] = set()  # the current sample's, to refuse a member twice (as the loader)
     try:
         with tarfile.open(fileobj=reader, mode="r|") as tar:  # type: ignore[call-overload]
@@ -326,6 +327,7 @@ def count_samples_stream(stream: BinaryIO, name: str, *, compressed: bool = Fals
                     exts.add(parts[1])
             tail = reader.bytes_from(tar.offset, BLOCK)
             check_end(tail, name, tar.offset, last_name, compressed)
+            tar_ended = True
             # the rest: the padding, and for gzip the trailer whose CRC is checked on the way
             read = reader.bytes_from(tar.offset, reader.pos - tar.offset)
             rest = itertools.chain([read], iter(lambda: reader.read(1 << 20), b""))
@@ -335,6 +337,12 @@ def count_samples_stream(stream: BinaryIO, name: str, *, compressed: bool = Fals
             raise IntegrityError(
                 f"{name}: not gzip-compressed ({exc}), though named so: if it is a plain tar, "
                 "name it *.tar (shards are read by their suffixes), else re-create this shard"
+            ) from exc
+        if tar_ended:
+            raise IntegrityError(
+                f"{name}: bytes after the end of its gzip stream that are not gzip ({exc}): the "
+                "tar inside is whole, but something was appended to the file; re-create this "
+                "shard, or cut the bytes after the gzip stream"
             ) from exc
         raise IntegrityError(
             f"{name}: corrupt or truncated tar after member {last_name!r} ({exc}); "
