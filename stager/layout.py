@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import os
 import posixpath
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from stager.errors import UsageError, one_line
+from stager.errors import UsageError
 from stager.patterns import expand_pattern
 
 __all__ = [
@@ -38,7 +38,6 @@ __all__ = [
     "is_hidden_name",
     "has_hidden_part",
     "hidden_worth_naming",
-    "hidden_in_manifest",
     "PARTIAL_SUFFIX",
     "SHARD_SUFFIXES",
     "CORRUPT_META",
@@ -50,9 +49,8 @@ __all__ = [
     "source_path",
     "glob_root",
     "is_shard_name",
-    "no_shards_message",
-    "not_regular_message",
-    "skipped_message",
+    "is_other_tar",
+    "is_left_out_tar",
     "is_bookkeeping",
     "RESTORED_DIR",
     "RESTORE_LOCK",
@@ -97,6 +95,23 @@ def is_shard_name_but_for_case(name: str) -> bool:
     return not is_shard_name(name) and is_shard_name(name.lower())
 
 
+#: Tars compressed in ways neither stage-in's count nor the loader reads: never shards, but
+#: named in a warning where a walk finds them (a directory of both staged half of it silently).
+OTHER_TAR_SUFFIXES: tuple[str, ...] = (".tar.zst", ".tar.zstd", ".tzst", ".tar.bz2", ".tbz2")
+OTHER_TAR_SUFFIXES += (".tar.xz", ".txz", ".tar.lz4", ".tar.lzma", ".tar.Z")
+
+
+def is_other_tar(name: str) -> bool:
+    """True for ``a.tar.zst`` and its like (:data:`OTHER_TAR_SUFFIXES`, in any case)."""
+    return name.lower().endswith(tuple(s.lower() for s in OTHER_TAR_SUFFIXES))
+
+
+def is_left_out_tar(name: str) -> bool:
+    """True for a tar a walk leaves out but names in a warning: a shard's name but for its
+    suffix's case, or a tar compressed in a way that is not read (:func:`is_other_tar`)."""
+    return is_shard_name_but_for_case(name) or is_other_tar(name)
+
+
 def is_hidden_name(name: str) -> bool:
     """True for a name a directory walk and a glob's wildcards leave out, as the shell's and
     Python's globs do: ``.git``, ``.b.tar``, and the ``._a.tar`` AppleDouble files a Mac
@@ -114,110 +129,6 @@ def hidden_worth_naming(name: str, directory: bool) -> bool:
     """Whether a hidden entry a listing left out goes in its warning: a directory (not this
     tool's own ``.stager``), or a file named like a shard (in any case)."""
     return name != META_DIR if directory else is_shard_name(name.lower())
-
-
-def left_out_warnings(left_out: Sequence[str], done: str = "staged") -> list[str]:
-    """The warnings for what a walk saw but did not take (``SourceSet.left_out``): a source of
-    ``a.tar`` and ``B.TAR``, or with a subdirectory that is a symlink, or with hidden shards or
-    directories, or with a directory named like a shard (``train.tar/``), staged only part of
-    what it holds without a word. One line per kind, naming the first; directories end in
-    ``/``."""
-    hidden: list[str] = []
-    others: list[str] = []
-    for path in left_out:
-        (hidden if is_hidden_name(posixpath.basename(path.rstrip("/"))) else others).append(path)
-    hidden.sort()
-    files = sorted(p for p in others if not p.endswith("/"))
-    # (a walk takes a name like a shard's unasked, and its stat finds a directory)
-    shard_like = sorted(p for p in others if p.endswith("/") and is_shard_name(p[:-1]))
-    linked = sorted(p for p in others if p.endswith("/") and not is_shard_name(p[:-1]))
-    lines = []
-    if hidden:
-        lines.append(
-            f"not {done}: {_first(hidden)}, hidden (a name starting with '.', left out by a "
-            "walk or a glob's wildcard as the shell leaves it out); name them in --from-list "
-            "or in the pattern to stage them"
-        )
-    if files:
-        lines.append(
-            f"not {done}: {_first(files)}, named like shards but for the case of the suffix "
-            "(suffixes are matched as written); rename them to lower case"
-        )
-    if linked:
-        lines.append(
-            f"not {done}: {_first(linked)}, symlinks to directories, which a walk does not "
-            "follow; name their shards by a glob or a list, or give each as a source of its own"
-        )
-    if shard_like:
-        lines.append(
-            f"not {done}: {_first(shard_like)}, directories named like shards, which a walk "
-            "takes for shards and does not enter; rename them, or name their shards by a glob "
-            "or a list"
-        )
-    return lines
-
-
-def hidden_in_manifest(relpaths: Sequence[str]) -> str:
-    """The warning for shards a manifest lists that a walk leaves out as hidden."""
-    return (
-        f"not staged: {_first(relpaths)}, listed in the manifest but hidden (a name starting "
-        "with '.', which a walk leaves out); re-run stager index, or name them in --from-list"
-    )
-
-
-def _first(paths: Sequence[str]) -> str:
-    more = f" and {len(paths) - 1} more" if len(paths) > 1 else ""
-    return f"{one_line(paths[0])!r}{more}"
-
-
-def skipped_message(url: str) -> str:
-    """The warning for one would-be shard that is not a regular file, skipped unopened."""
-    return (
-        f"skipped {one_line(url)!r}: not a regular file (a FIFO, a device or a symlink to nothing?)"
-    )
-
-
-def not_regular_message(root: str, skipped: Sequence[str]) -> str:
-    """The error for a source whose every would-be shard is a FIFO, a device, a broken link or
-    a directory named like a shard."""
-    first = f"no shards to stage from {one_line(root)}: {one_line(min(skipped))!r}"
-    if len(skipped) == 1:
-        return (
-            f"{first} is not a regular file (a FIFO, a device, a symlink to nothing or a "
-            "directory named like a shard?)"
-        )
-    return (
-        f"{first} and {len(skipped) - 1} more are not regular files (FIFOs, devices, symlinks "
-        "to nothing or directories named like shards?)"
-    )
-
-
-def no_shards_message(spec: str, names: Iterable[str], skipped: Sequence[str] = ()) -> str:
-    """The one line for a source without shards. Where some of ``names`` (the files found)
-    would be shards but for the case of their suffix (``SHARD-0.TAR``), it names one: shard
-    names are matched as written, and "check the directory" did not say what was wrong. Where
-    the walk skipped some (``skipped``: not regular files), it names one of those instead; where
-    the only shards are hidden (``._a.tar``, ``.cache/a.tar``), one of them."""
-    if skipped:
-        return not_regular_message(spec, skipped)
-    hidden = None
-    for name in names:
-        base = name.rsplit("/", 1)[-1]
-        if is_shard_name_but_for_case(base):
-            return (
-                f"no shards (*.tar, *.tgz, *.tar.gz) under {spec}: {base} and its like have "
-                "suffixes not in lower case, and suffixes are matched as written; rename them "
-                "to lower case"
-            )
-        if hidden is None and is_shard_name(base) and has_hidden_part(name):
-            hidden = name
-    if hidden is not None:
-        return (
-            f"no shards (*.tar, *.tgz, *.tar.gz) under {spec} but hidden ones ({one_line(hidden)!r}"
-            " and its like: a name starting with '.', which a walk leaves out); name them in "
-            "--from-list to stage them"
-        )
-    return f"no shards (*.tar, *.tgz, *.tar.gz) under {spec}; check the directory"
 
 
 def is_bookkeeping(name: str) -> bool:

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stager.errors import SourceError
-from stager.layout import no_shards_message
+from stager.leftout import no_shards_message
 from stager.storage import listing
 from stager.storage.sources import resolve_source
 
@@ -70,6 +70,30 @@ def test_an_unreadable_directory_fails_the_threaded_walk_too(
     monkeypatch.setattr(listing, "_list_dir", failing)
     with pytest.raises(PermissionError):
         listing.walk_local(str(tmp_path), 8)
+
+
+def test_tars_compressed_as_nothing_reads_are_named_not_dropped(tmp_path: Path) -> None:
+    """``b.tar.zst`` beside ``a.tar``: staged without a word that half the dataset was left
+    out (exit 0); alone, "no shards ... check the directory". Both now name it and say why, on
+    a local walk and an fsspec walk, as for suffixes in upper case."""
+    from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
+
+    src = tmp_path / "src"
+    write_synthetic_dataset(src, SyntheticSpec(num_shards=2, samples_per_shard=3))
+    (src / "train-000001.tar").rename(src / "train-000001.tar.zst")
+    done = run_cli("stage-in", str(src), "--dest", str(tmp_path / "dst"), "--jitter-max", "0")
+    assert done.returncode == 0, done.stderr
+    warned = [line for line in done.stderr.splitlines() if "warning" in line]
+    assert len(warned) == 1 and "train-000001.tar.zst" in warned[0], done.stderr
+    assert "recompress them as .tar.gz" in warned[0]
+    (src / "train-000000.tar").rename(src / "train-000000.tar.xz")
+    for spec in (str(src), f"file://{src}"):
+        with pytest.raises(SourceError, match="tar.(xz|zst) and its like are tars compressed"):
+            resolve_source(spec)
+    memory = fsspec.filesystem("memory")
+    memory.pipe(f"/{tmp_path.name}/z/c.tar.bz2", b"\0" * 1024)
+    with pytest.raises(SourceError, match="c.tar.bz2 and its like are tars compressed"):
+        resolve_source(f"memory://{tmp_path.name}/z")
 
 
 def test_a_source_of_upper_case_suffixes_is_refused_naming_one(tmp_path: Path) -> None:

@@ -24,9 +24,8 @@ from typing import TextIO
 
 from stager.errors import ShardFailure, SourceError
 from stager.gcpause import collection_paused
-from stager.layout import (
-    StagedDataset,
-    has_hidden_part,
+from stager.layout import StagedDataset, has_hidden_part
+from stager.leftout import (
     hidden_in_manifest,
     left_out_warnings,
     not_regular_message,

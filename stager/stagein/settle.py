@@ -7,7 +7,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from stager.errors import SourceError, one_line
-from stager.layout import left_out_warnings, skipped_message
+from stager.leftout import left_out_warnings, skipped_message
 from stager.stagein.guards import space_error
 from stager.stagein.plan import count_samples_of
 from stager.stagein.sizing import DeferredPreflight

@@ -31,15 +31,8 @@ from typing import TextIO
 
 from stager.errors import SourceError, StagerError
 from stager.gcpause import collection_paused
-from stager.layout import (
-    META_DIR,
-    StagedDataset,
-    canonical_spec,
-    dataset_name,
-    left_out_warnings,
-    no_shards_message,
-    not_regular_message,
-)
+from stager.layout import META_DIR, StagedDataset, canonical_spec, dataset_name
+from stager.leftout import left_out_warnings, no_shards_message, not_regular_message
 from stager.shards.manifest import find_manifest
 from stager.shards.tarparse import load_scanner
 from stager.slurm import SlurmEnv

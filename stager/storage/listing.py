@@ -23,7 +23,7 @@ from stager.layout import (
     SHARD_SUFFIXES,
     hidden_worth_naming,
     is_hidden_name,
-    is_shard_name_but_for_case,
+    is_left_out_tar,
 )
 from stager.storage.identity import local_version, remote_version
 from stager.storage.workers import map_in_threads
@@ -122,7 +122,8 @@ def walk_local(
     Hidden names (:func:`~stager.layout.is_hidden_name`: ``.git``, ``._a.tar``) are neither
     taken nor walked into, as the shell's globs leave them out. ``left_out`` gets what the walk
     saw but did not take, for the caller's warning: hidden shards and directories, files that
-    would be shards but for their suffix's case (:func:`~stager.layout.is_shard_name_but_for_case`)
+    would be shards but for their suffix's case, or are tars compressed as nothing here reads
+    (:func:`~stager.layout.is_left_out_tar`)
     and symlinks to directories (not followed: a loop, or a second path to the same shards);
     directories with a trailing ``/``.
     """
@@ -162,7 +163,7 @@ def _left_out(others: list[os.DirEntry[str]], directories: list[bool]) -> list[s
             continue
         if is_directory:
             continue
-        if is_shard_name_but_for_case(entry.name):
+        if is_left_out_tar(entry.name):
             found.append(entry.path)
         elif entry.is_symlink() and _is_linked_directory(entry):
             found.append(entry.path + "/")

@@ -25,10 +25,10 @@ from stager.layout import (
     canonical_spec,
     dataset_name,
     glob_root,
+    is_left_out_tar,
     is_shard_name,
-    is_shard_name_but_for_case,
-    no_shards_message,
 )
+from stager.leftout import no_shards_message
 from stager.patterns import expand_pattern, is_pattern
 from stager.storage.hidden import hidden_note, leave_out_hidden
 from stager.storage.listing import (
@@ -214,7 +214,7 @@ def _walk(
         keyed = [shard_at(fs, p, root, i) for p, i in infos if i.kind not in kinds]
         shards = unique_shards(keyed, exact=True)  # (keys: x//y.tar is not x/y.tar)
         skipped = tuple(display(fs, p) for p, info in infos if info.kind == OTHER)
-        case_only = [display(fs, p) for p, _ in shown if is_shard_name_but_for_case(p)]
+        case_only = [display(fs, p) for p, _ in shown if is_left_out_tar(p)]
         remote_left_out = tuple(sorted(case_only + hidden))
         result = SourceSet(
             *(display(fs, root), name, shards, (), fs, spec_id, skipped, remote_left_out),

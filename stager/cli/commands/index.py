@@ -7,7 +7,7 @@ import sys
 
 from stager.cli.argtypes import count, default_of, positive_count, seconds
 from stager.errors import UsageError
-from stager.layout import left_out_warnings, skipped_message
+from stager.leftout import left_out_warnings, skipped_message
 from stager.shards.build import IndexOptions
 from stager.storage.hashing import ALGORITHMS, DEFAULT_ALGORITHM
 
