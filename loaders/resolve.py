@@ -38,6 +38,7 @@ from stager.storage.sources import SourceSet, resolve_source
 
 from .packedstrings import PackedStrings
 from .selection import staged_selection
+from .spelling import real_spelling, same_local_root
 
 __all__ = ["ShardRef", "DatasetShards", "resolve_dataset"]
 
@@ -198,7 +199,9 @@ def _check_same_root(meta: dict[str, str], spec: str | list[str] | None, where: 
     staged_root = meta.get("source", "")
     if spec is None or ("://" not in staged_root and not staged_root.startswith("/")):
         return  # given the staged directory itself, or a manifest of an older stager
-    if canonical_root(staged_root) != canonical_root(spec):
+    if canonical_root(staged_root) != canonical_root(spec) and not same_local_root(
+        staged_root, spec
+    ):
         raise UsageError(
             f"{where} holds a staged copy of {staged_root}, not of {spec}: another dataset "
             "under the same name; pass options=LoaderOptions(name=...) as stage-in's --name"
@@ -332,6 +335,21 @@ def _merge_failures(
     )
 
 
+def _staged_copy(
+    staged: StagedDataset, spec: str | list[str], on_error: str
+) -> tuple[DatasetShards | None, UsageError | None]:
+    """The staged copy of ``spec`` under ``staged``, or why the one there is another's."""
+    from .staging import resolve_staging  # imports this module
+
+    try:
+        found = resolve_staging(staged, spec, on_error)
+        if found is None and staged.manifest_path.is_file():
+            found = _from_staged(staged.dir, spec, on_error)
+    except UsageError as exc:  # (another dataset under this name: _check_same_root)
+        return None, exc
+    return found, None
+
+
 def resolve_dataset(
     source: str | os.PathLike[str] | Sequence[str],
     *,
@@ -353,18 +371,14 @@ def resolve_dataset(
     from .staging import resolve_staging  # imports this module
 
     # The node-local copy of this very source first: once it is staged, nothing is asked of
-    # the shared filesystem (before, each loader stat'ed the source and looked for a staged
-    # layout inside it: three metadata round trips per rank, and a source that was itself a
-    # copied staged directory was read from there). A copy under that name of another source
-    # leaves the choice to the source itself, which may be a staged directory.
+    # the shared filesystem (each loader stat'ed the source: three round trips per rank). A
+    # copy under that name of another source leaves the choice to the source itself.
     staged = StagedDataset(resolve_dest_root(dest), name or dataset_name(spec))
-    other: UsageError | None = None
-    try:
-        found = resolve_staging(staged, spec, on_error)
-        if found is None and staged.manifest_path.is_file():
-            found = _from_staged(staged.dir, spec, on_error)
-    except UsageError as exc:  # (another dataset under this name: _check_same_root)
-        found, other = None, exc
+    found, other = _staged_copy(staged, spec, on_error)
+    real = real_spelling(spec) if found is None else None
+    if real is not None:  # (staged through the symlink's target, or it through the link)
+        again = StagedDataset(staged.root, name or dataset_name(real))
+        found, _ = _staged_copy(again, real, on_error)
     if found is not None:
         return found
     if isinstance(spec, str) and "://" not in spec:

@@ -126,3 +126,23 @@ def test_the_selection_is_what_stage_ins_listing_of_the_pattern_finds(
     assert selection is not None
     assert sorted(f"{root}/{r}" for r in staged if selection.test(r)) == listed
     shutil.rmtree(root.parent)
+
+
+def test_a_source_reached_through_a_symlink_finds_its_staged_copy(
+    staged_whole: tuple[Path, Path],
+) -> None:
+    """Staged as /src/ds, loaded as a symlink to it: under another name (dslink) every shard
+    was read from the source; under the same name (other/ds) it was refused as another
+    dataset. The real path is tried once where the plain lookup finds nothing."""
+    src, dest = staged_whole
+    (src.parent / "dslink").symlink_to("ds")
+    (src.parent.parent / "other").mkdir()
+    (src.parent.parent / "other" / "ds").symlink_to(src)
+    for spelling in (src.parent / "dslink", src.parent.parent / "other" / "ds"):
+        loader = ShardedLoader(
+            str(spelling), batch_size=4, options=LoaderOptions(dest=str(dest), world_size=1)
+        )
+        assert loader.shards.from_source == 0 and loader.shards.staged_dir == dest / "ds"
+        assert len(loader.shards.shards) == 5
+    part = _shards_of(f"{src.parent / 'dslink'}/val-*.tar", dest)
+    assert part == ["val-000000.tar", "val-000001.tar"]

@@ -1,0 +1,46 @@
+"""Another spelling of a local source: its root resolved through symlinks.
+
+stage-in and the loader name a dataset, and tell a staged copy of it from another one's, by
+the text of the source (no I/O: every rank, every node, alike). A source reached through a
+symlink (``/data/ds`` linking to ``/nfs/proj/ds``) staged under one spelling and loaded under
+the other was either not found, and every shard read from the source, or refused as "another
+dataset". Where the plain lookup finds nothing, the loader tries the source's real path once
+(a few metadata calls on the source's filesystem, only then).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from stager.layout import source_path, source_root
+
+__all__ = ["real_spelling", "same_local_root"]
+
+
+def real_spelling(spec: str | Sequence[str]) -> str | list[str] | None:
+    """``spec`` with its local root resolved through symlinks; None where that changes nothing
+    or the source is not local."""
+    if not _local(spec):
+        return None
+    root = source_root(spec)
+    real = os.path.realpath(root)
+    if real == root:
+        return None
+    if isinstance(spec, str):
+        return real + source_path(spec)[len(root) :]
+    return [real + source_path(u)[len(root) :] for u in spec]
+
+
+def same_local_root(staged_root: str, spec: str | Sequence[str]) -> bool:
+    """Whether a staged copy's recorded root and ``spec``'s are one directory by their real
+    paths (both local)."""
+    if not _local(spec) or ("://" in staged_root and not staged_root.startswith("file://")):
+        return False
+    mine = os.path.realpath(source_root(spec))
+    return os.path.realpath(source_path(staged_root)) == mine
+
+
+def _local(spec: str | Sequence[str]) -> bool:
+    first = spec if isinstance(spec, str) else next(iter(spec), "")
+    return "://" not in first or first.startswith("file://")
