@@ -284,6 +284,7 @@ def test_group_that_cannot_form_falls_back_with_one_warning(
     assert code == 0, err
     warnings = [line for line in err.splitlines() if "warning" in line]
     assert len(warnings) == 1 and "falling back to plain per-node copying" in warnings[0], err
+    assert "c10d" not in err and "socket.cpp" not in err, err  # (torch's C++ log: kept out)
     assert nodes.report(1)["fanout"] == "fallback"
     assert nodes.source_bytes_read() == _total(fanout_dataset)
     _assert_identical(fanout_dataset, nodes.dest(1) / "ds")

@@ -38,6 +38,7 @@ __all__ = [
     "resolve_endpoint",
     "PORT_BASE",
     "PORT_SPAN",
+    "quiet_torch_logs",
 ]
 
 #: Ports derived from the job id fall in [PORT_BASE, PORT_BASE + PORT_SPAN): below Linux's
@@ -121,6 +122,13 @@ class NodeGroup:
         self.close()
 
 
+def quiet_torch_logs() -> None:
+    """Keep c10d's C++ log (a rendezvous poll timing out, with source lines and stack
+    frames) out of the job log, where a group that does not form is said in one line; read by
+    torch when it loads, so called before it is imported. A value the user set stays."""
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+
+
 def form_group(
     host: str, port: int, node: int, num_nodes: int, options: FanoutOptions, tag: str = ""
 ) -> NodeGroup:
@@ -131,6 +139,7 @@ def form_group(
     join each other's group, which paired a node with another job's peers and hung it in
     gloo's connect past every timeout; a node that reaches another's store finds no peer of
     its own there and falls back when forming times out."""
+    quiet_torch_logs()
     try:
         import torch
         import torch.distributed as dist

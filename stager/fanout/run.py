@@ -34,7 +34,7 @@ from typing import TextIO
 
 from stager.errors import GroupUnavailable, UsageError, one_line
 from stager.fanout.exchange import Exchange, ExchangeShard
-from stager.fanout.group import FanoutOptions, form_group, resolve_endpoint
+from stager.fanout.group import FanoutOptions, form_group, quiet_torch_logs, resolve_endpoint
 from stager.fanout.handshake import failure_told_to_peers, handshake
 from stager.layout import StagedDataset
 from stager.plan.fanout import plan_fanout
@@ -92,6 +92,7 @@ def fanout_stage_in(
 
     def work(heartbeat: Callable[[], None]) -> StageInReport:
         # torch takes seconds to import: do it while this node plans and verifies its shards.
+        quiet_torch_logs()
         threading.Thread(
             target=_import_torch_distributed, name="fanout-import", daemon=True
         ).start()
