@@ -38,7 +38,7 @@ from stager.storage.sources import SourceSet, resolve_source
 
 from .packedstrings import PackedStrings
 from .selection import staged_selection
-from .spelling import real_spelling, same_local_root
+from .spelling import real_spelling, same_local_root, spelled_from
 
 __all__ = ["ShardRef", "DatasetShards", "resolve_dataset"]
 
@@ -54,8 +54,7 @@ class ShardRef:
     local: bool  # a plain local file (random access possible)
     from_source: bool  # read from the source, not from a staged copy
     samples: int | None  # from a manifest; None means "count by reading headers"
-    # size and last change (changed_ns) when resolving stat'ed the staged copy: the index key
-    # reuses them
+    # size and last change (changed_ns) when resolving stat'ed the staged copy (index keys)
     size: int | None = None
     mtime_ns: int | None = None
 
@@ -246,7 +245,8 @@ def _from_staged(
     root = columns.meta.get("source", "")
     failures = _failures(dataset_dir)
     failures += _recorded_corrupt(columns.meta, failures)
-    selection = staged_selection(columns.meta.get("spec"), root, spec, dataset_dir)
+    asked = spelled_from(spec, root) if spec is not None and root else spec
+    selection = staged_selection(columns.meta.get("spec"), root, asked, dataset_dir)
     unstaged: list[str] = []  # named by the SOURCE (a file, a list), not in the staged copy
     if selection is not None:
         columns, failures, unstaged = selection.apply(columns, failures, root)
@@ -273,8 +273,8 @@ def _from_staged(
     gone = set(missing)
     if (gone or unstaged) and not absolute_root:
         raise SourceError(
-            f"{dataset_dir}: {len(gone)} staged shard(s) are missing and the manifest names no "
-            "absolute source to read them from; re-run stage-in"
+            f"{dataset_dir}: {len(gone) + len(unstaged)} shard(s) are not in the staged copy "
+            "and the manifest names no absolute source to read them from; re-run stage-in"
         )
     refs = [
         _from_source(root, rel, n) if i in gone else ShardRef(rel, loc, True, False, n, size, mtime)
@@ -376,7 +376,7 @@ def resolve_dataset(
     staged = StagedDataset(resolve_dest_root(dest), name or dataset_name(spec))
     found, other = _staged_copy(staged, spec, on_error)
     real = real_spelling(spec) if found is None else None
-    if real is not None:  # (staged through the symlink's target, or it through the link)
+    if real is not None:  # (loaded through a symlink to what was staged)
         again = StagedDataset(staged.root, name or dataset_name(real))
         found, _ = _staged_copy(again, real, on_error)
     if found is not None:

@@ -6,9 +6,10 @@ brace pattern, a file or a list of files of that directory (``ds/train-*.tar``,
 loaders were given every shard in it, train and validation alike, without a word. The staged
 manifest records what stage-in was asked for (:func:`stager.layout.canonical_spec`), so the
 loader keeps the shards its own SOURCE selects, matched as stage-in's listing matches them: a
-wildcard stays within one path part and does not match a hidden name, ``**`` spans parts, and a
-brace pattern is its names. A staged copy of a part (a glob, a list) holds too little to answer
-for another selection, and is refused with a line saying what it holds.
+wildcard stays within one path part and does not match a hidden name, ``**`` spans parts, and
+a brace pattern is its names as written (as stage-in takes them), looked up in a set. A staged
+copy of a part (a glob, a list) holds too little to answer for another selection, and is
+refused with a line saying what it holds.
 """
 
 from __future__ import annotations
@@ -85,9 +86,9 @@ def staged_selection(
             "which shards that selects; load it by the SOURCE it was staged from, or stage "
             "this one under its own name (stage-in --name, LoaderOptions(name=...))"
         )
-    if is_pattern(spec):
-        names = [_relative(source_path(p), root) for p in expand_pattern(spec)]
-        return Selection(_any_of(names))
+    if is_pattern(spec):  # (its names as written, as stage-in takes them: one set lookup each)
+        named = frozenset(_relative(source_path(p), root) for p in expand_pattern(spec))
+        return Selection(named.__contains__, named)
     path = source_path(spec)
     if any(c in path for c in _GLOB_CHARS):
         return Selection(_any_of([_relative(path, root)]))

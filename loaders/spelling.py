@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from stager.layout import source_path, source_root
 
-__all__ = ["real_spelling", "same_local_root"]
+__all__ = ["real_spelling", "same_local_root", "spelled_from"]
 
 
 def real_spelling(spec: str | Sequence[str]) -> str | list[str] | None:
@@ -44,3 +44,17 @@ def same_local_root(staged_root: str, spec: str | Sequence[str]) -> bool:
 def _local(spec: str | Sequence[str]) -> bool:
     first = spec if isinstance(spec, str) else next(iter(spec), "")
     return "://" not in first or first.startswith("file://")
+
+
+def spelled_from(spec: str | Sequence[str], staged_root: str) -> str | list[str]:
+    """``spec`` with its root spelled as a staged copy records it, where the two are one local
+    directory by another spelling (:func:`same_local_root`): a glob, a file or a list through
+    a symlink then selects the staged relpaths, which hang from the recorded spelling."""
+    if not _local(spec) or ("://" in staged_root and not staged_root.startswith("file://")):
+        return spec if isinstance(spec, str) else list(spec)
+    root, recorded = source_root(spec), source_path(staged_root)
+    if root == recorded:
+        return spec if isinstance(spec, str) else list(spec)
+    if isinstance(spec, str):
+        return recorded + source_path(spec)[len(root) :]
+    return [recorded + source_path(u)[len(root) :] for u in spec]

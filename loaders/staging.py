@@ -48,6 +48,7 @@ from .resolve import DatasetShards, _check_same_root, _from_staged
 from .sampler import RankBatchSampler
 from .samples import SamplePipeline
 from .selection import staged_selection
+from .spelling import spelled_from
 from .waiting import GrowingTarDataset, ShardGate, WaitTable, stopped_message
 
 __all__ = ["resolve_staging", "StagingReader", "staging_incomplete"]
@@ -148,7 +149,8 @@ def resolve_staging(
     ended = outcome is not None and (outcome.ok or outcome.error_class in _SHARD_FAILURES)
     if (ended or compressed) and staged.manifest_path.is_file():
         return dataclasses.replace(_from_staged(staged.dir, spec, on_error), staging=facts)
-    if staged_selection(facts.spec, facts.source, spec, staged.dir) is not None:
+    asked = spelled_from(spec, facts.source) if spec is not None else None
+    if staged_selection(facts.spec, facts.source, asked, staged.dir) is not None:
         raise UsageError(
             f"{staged.dir} is being staged (stage-in --background) for {facts.spec}, of which "
             f"{spec} selects a part: load it by that SOURCE while it is copied, or once it is done"

@@ -284,30 +284,24 @@ def test_keys_that_would_land_on_one_path_are_refused_naming_both(
     result = run_cli("stage-in", spec, "--dest", str(tmp_path), *FAST, env=_env(endpoint))
     assert result.returncode == EXIT_USAGE, result.stderr
     assert "'sub.tar' would be a file and a directory" in result.stderr, result.stderr
-    # a key with a '..' part, named in a list (a walk leaves it out as hidden): staged as b.tar
-    # before, where the loader's source fallback read s3://.../b.tar, another key (or none)
+    # a key with a '.' or '..' part, named in a list (a walk leaves it out as hidden): staged as
+    # a/b.tar or b.tar before, where the loader's source fallback read another key (or none)
     client = _client(endpoint)
-    for key in ("a/../b.tar", "c.tar"):
+    for key in ("a/../b.tar", "a/./d.tar", "c.tar"):
         client.upload_file(shard, BUCKET, f"{key_prefix}-kp/{key}")
     client.close()
     spec = f"s3://{BUCKET}/{key_prefix}-kp"
-    listed = tmp_path / "list.txt"
-    listed.write_text(f"{spec}/a/../b.tar\n{spec}/c.tar\n")
-    result = run_cli(
-        "stage-in",
-        "--from-list",
-        str(listed),
-        "--dest",
-        str(tmp_path / "p"),
-        *FAST,
-        env=_env(endpoint),
-    )
-    assert result.returncode == EXIT_DEST, result.stderr
-    assert result.stderr.strip().splitlines() == [
-        f"stage-in: error: key '{spec}/a/../b.tar' has a '..' part and cannot be staged under "
-        "its own name; rename it, or stage it as a separate dataset"
-    ]
-    assert not list((tmp_path / "p").rglob("*.tar*"))
+    for odd in ("a/../b.tar", "a/./d.tar"):
+        listed = tmp_path / "list.txt"
+        listed.write_text(f"{spec}/{odd}\n{spec}/c.tar\n")
+        argv = ["--from-list", str(listed), "--dest", str(tmp_path / "p"), *FAST]
+        result = run_cli("stage-in", *argv, env=_env(endpoint))
+        assert result.returncode == EXIT_DEST, result.stderr
+        assert result.stderr.strip().splitlines() == [
+            f"stage-in: error: key '{spec}/{odd}' has a '.' or '..' part and cannot be staged "
+            "under its own name; rename it, or stage it as a separate dataset"
+        ]
+        assert not list((tmp_path / "p").rglob("*.tar*"))
 
 
 def test_the_loader_finds_a_prefix_staged_with_its_slash_by_either_spelling(

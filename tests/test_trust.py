@@ -313,6 +313,22 @@ def test_6_a_source_changed_after_indexing_fails_a_rerun_as_it_fails_a_first_run
     dest = tmp_path / "s"
     first = run_main(capsys, "stage-in", str(src), "--dest", str(dest), *FAST, *extra)
     assert first.returncode == 0, first.stderr
+    for shard in src.glob("*.tar"):  # (a chmod keeps the bytes: nothing is copied again)
+        shard.chmod(0o640)
+    again = run_main(
+        capsys,
+        "stage-in",
+        str(src),
+        "--dest",
+        str(dest),
+        "--report",
+        str(tmp_path / "r.json"),
+        *FAST,
+        *extra,
+    )
+    assert (
+        again.returncode == 0 and json.loads((tmp_path / "r.json").read_text())["files_copied"] == 0
+    )
     victim = src / "train-000000.tar"
     shutil.copyfile(src / "train-000001.tar", victim)  # (the same size: synthetic shards are)
     for target in (dest, tmp_path / "fresh"):

@@ -5,7 +5,8 @@ chunk size. The state says whether it can take part:
 
 * ``READY``: planned, with room in scratch for what it lacks;
 * ``NO_SPACE``: its scratch cannot hold the dataset;
-* ``FAILED``: it failed before the exchange (its source listing, its scratch, its lock).
+* ``FAILED``: it failed before the exchange (its source listing, its scratch, its planning;
+  not a lock another task of the node holds: that task joins instead).
 
 A node that failed before the exchange still joins the group to say so
 (:func:`failure_told_to_peers`). Without it, its peers waited ``--fanout-timeout`` for it, fell

@@ -158,7 +158,7 @@ def _run_fanout(
     log: TextIO,
     heartbeat: Callable[[], None] = lambda: None,
 ) -> None:
-    with told_to_peers(slurm, fanout, lambda: staged.name):  # (scratch full, too)
+    with told_to_peers(slurm, fanout, lambda: staged.name, holding_lock=True):  # (full, too)
         run, local, expected = prepare(
             source,
             options,
@@ -231,17 +231,23 @@ def told_to_peers(
     fanout: FanoutOptions,
     dataset_name: Callable[[], str],
     env: Mapping[str, str] | None = None,
+    *,
+    holding_lock: bool = False,
 ) -> contextlib.AbstractContextManager[None]:
     """A block whose failure (a :class:`StagerError`) this node tells its peers in the
     handshake before raising it (:mod:`stager.fanout.handshake`): every node stops at once,
     where the peers waited for it and then each read the whole dataset from the source.
 
     ``dataset_name`` is called only on failure (the group's key names the dataset); where it
-    fails in turn (a --from-list this node cannot read), the peers are not told.
+    fails in turn (a --from-list this node cannot read), the peers are not told. Before the
+    node lock (``holding_lock`` False) only the node's first task tells: every task of a node
+    fails alike there, and each joining as the node's rank kept the others waiting for a
+    group that had formed without them (2.5 form timeouts).
     """
+    tells = holding_lock or slurm.local_rank == 0
     return failure_told_to_peers(
         lambda: (resolve_endpoint(slurm, fanout, env), f"{slurm.job_id}/{dataset_name()}"),
         slurm.node,
-        slurm.num_nodes,
+        slurm.num_nodes if tells else 1,
         fanout,
     )

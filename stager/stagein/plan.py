@@ -28,6 +28,7 @@ from stager.stagein.options import StageInOptions
 from stager.stagein.recorded import RecordTimes
 from stager.stagein.stagedtree import StagedNames
 from stager.storage.hashing import hash_file
+from stager.storage.identity import node_neutral
 from stager.storage.paths import SafeJoiner, all_canonical, discard, safe_relpath
 from stager.storage.sources import SourceSet, SourceShard
 
@@ -176,10 +177,15 @@ def sized_while_copying(
 
 
 def _source_changed(shard: SourceShard, before: ManifestEntry | None) -> bool:
-    """Whether the source now reports another version than the staged copy was made from."""
+    """Whether the source was modified since the staged copy was made (its bytes also match a
+    manifest's hash). By its modification time: a ``chmod``/``chown`` (the change time) or a
+    copy that renews inodes keeps the bytes, and recopied a whole dataset that still matched
+    the manifest; a rewrite at the same size with the mtime put back is the one change this
+    misses, and then the staged bytes are still the manifest's."""
     if shard.version is None or before is None or before.version is None:
         return False  # (not stat'ed, or copied from a source that reported no version)
-    return before.version != shard.version
+    local = "://" not in shard.url or shard.url.startswith("file://")
+    return node_neutral(before.version, local) != node_neutral(shard.version, local)
 
 
 def _kept_entry(
