@@ -315,20 +315,12 @@ def test_6_a_source_changed_after_indexing_fails_a_rerun_as_it_fails_a_first_run
     assert first.returncode == 0, first.stderr
     for shard in src.glob("*.tar"):  # (a chmod keeps the bytes: nothing is copied again)
         shard.chmod(0o640)
+    report = tmp_path / "r.json"
     again = run_main(
-        capsys,
-        "stage-in",
-        str(src),
-        "--dest",
-        str(dest),
-        "--report",
-        str(tmp_path / "r.json"),
-        *FAST,
-        *extra,
+        capsys, "stage-in", str(src), "--dest", str(dest), *FAST, *extra, "--report", str(report)
     )
-    assert (
-        again.returncode == 0 and json.loads((tmp_path / "r.json").read_text())["files_copied"] == 0
-    )
+    assert again.returncode == 0, again.stderr
+    assert json.loads(report.read_text())["files_copied"] == 0
     victim = src / "train-000000.tar"
     shutil.copyfile(src / "train-000001.tar", victim)  # (the same size: synthetic shards are)
     for target in (dest, tmp_path / "fresh"):
