@@ -34,3 +34,41 @@ def test_shellcheck_finds_nothing(script) -> None:
 
 def test_templates_are_checked() -> None:
     assert {p.name for p in SCRIPTS} >= {"train-single-node.sbatch", "train-multi-node.sbatch"}
+
+
+@pytest.mark.parametrize("template", ["train-single-node.sbatch", "train-multi-node.sbatch"])
+@pytest.mark.parametrize(
+    ("setting", "says"),
+    [
+        ("TRAIN_ARGS=--steps 6 --tag 'unbalanced", "TRAIN_ARGS is not a list of shell-quoted"),
+        ("STAGE_IN_ARGS=--bw-limit 'x", "STAGE_IN_ARGS is not a list of shell-quoted"),
+        ("CLEAN_SCRATCH=maybe", "CLEAN_SCRATCH=maybe: give 1 or 0"),
+        ("STOP_GRACE_S=2m", "STOP_GRACE_S=2m: give a whole number"),
+        ("RESUME=yes", "RESUME=yes: give requeue, always or never"),
+    ],
+)
+def test_a_setting_the_templates_cannot_use_is_one_line_and_exit_2_before_staging(
+    template: str, setting: str, says: str, tmp_path
+) -> None:
+    """An unbalanced quote in TRAIN_ARGS dropped every argument after a Python traceback (the
+    job trained with none and ended COMPLETED); CLEAN_SCRATCH=yes failed the job after its
+    stage-out under set -u; STOP_GRACE_S=2m gave training no grace. Each is now refused
+    before anything is staged."""
+    import sys
+
+    name, _, value = setting.partition("=")
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "SLURM_JOB_ID": "1",
+        "PYTHON": sys.executable,
+        "DATA_SRC": str(tmp_path / "never-read"),
+        name: value,
+    }
+    result = subprocess.run(
+        ["bash", str(REPO / "jobs" / template)], env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], result.stderr
+    assert not (tmp_path / "never-read").exists() and "stage-in" not in result.stdout

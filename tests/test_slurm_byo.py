@@ -49,6 +49,27 @@ open(os.path.join(sys.argv[-1], "last.pt"), "w").write("weights")
 print("saved", sys.argv[-1], flush=True)
 """
 
+#: ...and one that saves, then fails: what it saved is still committed, and the job fails.
+CRASHER = """import os, sys
+path = os.path.join(os.environ["CKPT_DIR"], "last.pt")
+with open(path + ".tmp", "w") as f:
+    f.write("weights")
+os.replace(path + ".tmp", path)
+print("saved, then failing", flush=True)
+sys.exit(3)
+"""
+
+#: ...and one that saves, then trains on until the job is cancelled.
+SAVER_THEN_SLEEPER = """import os, time
+path = os.path.join(os.environ["CKPT_DIR"], "last.pt")
+if int(os.environ.get("SLURM_PROCID", "0")) == 0:
+    with open(path + ".tmp", "w") as f:
+        f.write("weights")
+    os.replace(path + ".tmp", path)
+print("saved, training on", flush=True)
+time.sleep(600)
+"""
+
 
 @dataclass(frozen=True)
 class Job:
@@ -110,6 +131,7 @@ def jobs(slurm_cluster, photos: Path) -> dict[str, Job]:
     scripts.mkdir(parents=True)
     (scripts / "env_saver.py").write_text(ENV_SAVER)
     (scripts / "elsewhere_saver.py").write_text(ELSEWHERE_SAVER)
+    (scripts / "crasher.py").write_text(CRASHER)
     one_per_node = ("--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--gres=gpu:1")
     return {
         # Two tasks per node, two CPUs each: one loader worker per rank, from the allocation.
@@ -137,6 +159,14 @@ def jobs(slurm_cluster, photos: Path) -> dict[str, Job]:
             ("--ntasks-per-node=2", "--cpus-per-task=1", "--gres=gpu:2"),
             DATA_SRC=str(photos),
             TRAIN_SCRIPT=str(scripts / "env_saver.py"),
+        ),
+        "crasher": _submit(
+            slurm_cluster,
+            "crasher",
+            "train-single-node.sbatch",
+            ("--ntasks-per-node=1", "--cpus-per-task=1", "--gres=gpu:1"),
+            DATA_SRC=str(photos),
+            TRAIN_SCRIPT=str(scripts / "crasher.py"),
         ),
         "elsewhere": _submit(
             slurm_cluster,
@@ -204,6 +234,18 @@ def test_a_checkpoint_saved_under_any_name_through_the_environment_is_committed(
     assert (job.ckpt_dest / "last.pt").read_text() == "weights"
 
 
+def test_a_script_that_fails_after_saving_has_its_checkpoint_committed(slurm_cluster, jobs) -> None:
+    """Under set -e the template ended at the failed training step: every checkpoint of the
+    run stayed on scratch, and no line said so. What it saved is committed, the job fails with
+    training's exit code, and the log says both."""
+    job = jobs["crasher"]
+    text = _done(slurm_cluster, job, state="FAILED", exit_code="3:0")
+    assert "saved, then failing" in text
+    assert "error: training exited with 3; staging out the checkpoints it left" in text, text
+    assert "stage-out: committed last.pt" in text and "finished" not in text, text
+    assert (job.ckpt_dest / "last.pt").read_text() == "weights"
+
+
 def test_a_script_that_saves_elsewhere_fails_the_job_loudly(slurm_cluster, jobs) -> None:
     job = jobs["elsewhere"]
     text = _done(slurm_cluster, job, state="FAILED", exit_code="9:0")
@@ -211,3 +253,35 @@ def test_a_script_that_saves_elsewhere_fails_the_job_loudly(slurm_cluster, jobs)
     assert "error: training ended without leaving a checkpoint in" in text, text
     assert "nothing committed to" in text and "finished" not in text
     assert not job.ckpt_dest.exists()
+
+
+@pytest.mark.parametrize("template", ["train-single-node.sbatch", "train-multi-node.sbatch"])
+def test_a_plain_scancel_stages_out_what_training_saved(
+    slurm_cluster, photos: Path, template: str
+) -> None:
+    """scancel (or scontrol requeue, or a preemption that sends only SIGTERM) ended the job
+    within KillWait with every checkpoint since the last commit left on scratch, so a requeued
+    run started over. The TERM trap commits what training saved before the job ends."""
+    import time
+
+    scripts = slurm_cluster.shared_dir / "byo" / "scripts"
+    scripts.mkdir(parents=True, exist_ok=True)
+    (scripts / "saver_then_sleeper.py").write_text(SAVER_THEN_SLEEPER)
+    nodes = ("--nodes=2",) if "multi" in template else ()
+    job = _submit(
+        slurm_cluster,
+        f"cancelled-{template.split('-')[1]}",
+        template,
+        (*nodes, "--ntasks-per-node=1", "--cpus-per-task=1", "--gres=gpu:1"),
+        DATA_SRC=str(photos),
+        TRAIN_SCRIPT=str(scripts / "saver_then_sleeper.py"),
+    )
+    deadline = time.monotonic() + 240
+    while "saved, training on" not in job.text():
+        assert time.monotonic() < deadline, job.text()
+        time.sleep(0.5)
+    slurm_cluster.run(["scancel", job.job_id])
+    slurm_cluster.wait_job(job.job_id, timeout_s=120, output=job.output)
+    text = job.text()
+    assert "SIGTERM at" in text and "committed what training saved" in text, text
+    assert (job.ckpt_dest / "last.pt").read_text() == "weights"

@@ -32,6 +32,7 @@ if args.resume:  # the newest committed checkpoint, restored to scratch by the t
     step = state["step"]
 os.makedirs(args.ckpt_dir, exist_ok=True)
 epoch = loader.epoch  # 0, or the resumed epoch, which keeps its position
+loss = torch.zeros(())  # (resumed at the last step, the loop does not run)
 while step < args.steps:
     loader.set_epoch(epoch)
     for images, labels in loader:  # images: uint8 B x H x W x 3, or a list when sizes differ
