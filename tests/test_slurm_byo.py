@@ -205,6 +205,7 @@ def test_minimal_script_from_the_docs_commits_last_pt_and_resumes(
     text = _done(slurm_cluster, job)
     assert "rank 0: done at step 12" in text and "rank 1: done at step 12" in text
     assert "stage-out: committed last.pt" in text, text
+    assert "error" not in text, text  # (node 2, without a checkpoint, said "error: no checkpoint")
     assert set(_committed(job)) == {"last.pt"}
     # A second job of the series restores last.pt and continues from its step.
     again = _submit(
