@@ -286,3 +286,34 @@ def test_a_plain_scancel_stages_out_what_training_saved(
     text = job.text()
     assert "SIGTERM at" in text and "committed what training saved" in text, text
     assert (job.ckpt_dest / "last.pt").read_text() == "weights"
+
+
+def test_usr1_after_training_ended_lets_the_final_stage_out_finish_without_a_requeue(
+    slurm_cluster, photos: Path
+) -> None:
+    """The pre-timeout USR1 arriving during the final stage-out ran the trap after it: a second
+    stage-out and a requeue of a job that had finished training, whose rerun then failed
+    (minimal_train.py resumed at its last step). It now lets the stage-out finish and ends."""
+    import time
+
+    job = _submit(
+        slurm_cluster,
+        "usr1-late",
+        "train-single-node.sbatch",
+        ("--ntasks-per-node=1", "--cpus-per-task=1", "--gres=gpu:1"),
+        DATA_SRC=str(photos),
+        TRAIN_SCRIPT=str(JOBS / "examples" / "minimal_train.py"),
+        TRAIN_ARGS="--steps 2",
+        STAGE_OUT_ARGS="--bw-limit 0.002",  # (a few seconds for last.pt: the signal's window)
+    )
+    staging = job.ckpt_dest / ".stager" / "staging"
+    deadline = time.monotonic() + 240
+    while not (staging.is_dir() and any(staging.iterdir())):  # (the final stage-out copies)
+        assert time.monotonic() < deadline, job.text()
+        time.sleep(0.1)
+    slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job.job_id])
+    record = slurm_cluster.wait_job(job.job_id, timeout_s=240, output=job.output)
+    text = job.text()
+    assert (record["JobState"], record.get("Restarts", "0")) == ("COMPLETED", "0"), text
+    assert "after training ended: the final stage-out goes on; not requeued" in text, text
+    assert "stage-out: committed last.pt" in text and f"job {job.job_id} finished" in text
