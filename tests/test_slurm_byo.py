@@ -317,3 +317,40 @@ def test_usr1_after_training_ended_lets_the_final_stage_out_finish_without_a_req
     assert (record["JobState"], record.get("Restarts", "0")) == ("COMPLETED", "0"), text
     assert "after training ended: the final stage-out goes on; not requeued" in text, text
     assert "stage-out: committed last.pt" in text and f"job {job.job_id} finished" in text
+
+
+JOB_SAVER = """import os
+name = "ckpt-" + os.environ["SLURM_JOB_ID"] + ".pt"
+with open(os.path.join(os.environ["CKPT_DIR"], name), "w") as f:
+    f.write("weights")
+print("saved", name, flush=True)
+"""
+
+
+def test_jobs_sharing_a_stager_dest_commit_only_their_own_checkpoints(
+    slurm_cluster, photos: Path
+) -> None:
+    """STAGER_DEST set to a root jobs share (to reuse staged data): its checkpoints directory
+    was shared too, so the next job on the node committed the last job's checkpoints to its
+    own CKPT_DEST (and two at once overwrote each other's). Each job now has its own."""
+    scripts = slurm_cluster.shared_dir / "byo" / "scripts"
+    scripts.mkdir(parents=True, exist_ok=True)
+    (scripts / "job_saver.py").write_text(JOB_SAVER)
+    node = slurm_cluster.node_names[0]
+    done = []
+    for name in ("shared-a", "shared-b"):
+        job = _submit(
+            slurm_cluster,
+            name,
+            "train-single-node.sbatch",
+            (f"--nodelist={node}", "--ntasks-per-node=1", "--cpus-per-task=1", "--gres=gpu:1"),
+            DATA_SRC=str(photos),
+            TRAIN_SCRIPT=str(scripts / "job_saver.py"),
+            STAGER_DEST="/scratch/shared-dest",
+        )
+        _done(slurm_cluster, job)
+        done.append(job)
+    for job in done:
+        assert set(_committed(job)) == {f"ckpt-{job.job_id}.pt"}, job.text()
+    assert (slurm_cluster.scratch(node) / "shared-dest" / "photos").is_dir()  # (data reused)
+    assert not list((slurm_cluster.scratch(node) / "shared-dest").glob("job-*"))  # (cleaned)
