@@ -354,3 +354,29 @@ def test_jobs_sharing_a_stager_dest_commit_only_their_own_checkpoints(
         assert set(_committed(job)) == {f"ckpt-{job.job_id}.pt"}, job.text()
     assert (slurm_cluster.scratch(node) / "shared-dest" / "photos").is_dir()  # (data reused)
     assert not list((slurm_cluster.scratch(node) / "shared-dest").glob("job-*"))  # (cleaned)
+
+
+def test_stager_scratch_root_is_where_the_template_stages_and_cleans(
+    slurm_cluster, photos: Path
+) -> None:
+    """With STAGER_SCRATCH_ROOT set, the template staged into /scratch/$SLURM_JOB_ID and its
+    clean step (stager clean, which honours the variable) looked in the other root: the job's
+    scratch was left behind. Both now use it."""
+    scripts = slurm_cluster.shared_dir / "byo" / "scripts"
+    scripts.mkdir(parents=True, exist_ok=True)
+    (scripts / "job_saver.py").write_text(JOB_SAVER)
+    node = slurm_cluster.node_names[1]
+    job = _submit(
+        slurm_cluster,
+        "scratch-root",
+        "train-single-node.sbatch",
+        (f"--nodelist={node}", "--ntasks-per-node=1", "--cpus-per-task=1", "--gres=gpu:1"),
+        DATA_SRC=str(photos),
+        TRAIN_SCRIPT=str(scripts / "job_saver.py"),
+        STAGER_SCRATCH_ROOT="/scratch/alt",
+    )
+    text = _done(slurm_cluster, job)
+    assert f"/scratch/alt/{job.job_id}/photos" in text, text
+    assert set(_committed(job)) == {f"ckpt-{job.job_id}.pt"}
+    scratch = slurm_cluster.scratch(node)
+    assert not (scratch / job.job_id).exists() and not (scratch / "alt" / job.job_id).exists()
