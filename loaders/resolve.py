@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from stager.errors import IntegrityError, SourceError, StagerError, UsageError
-from stager.layout import CORRUPT_META, StagedDataset, canonical_root, dataset_name
+from stager.layout import CORRUPT_META, StagedDataset, canonical_root, dataset_name, is_remote_url
 from stager.shards.indexkey import changed_ns
 from stager.shards.manifest import read_columns
 from stager.shards.tarindex import any_compressed
@@ -209,9 +209,8 @@ def _check_same_root(meta: dict[str, str], spec: str | list[str] | None, where: 
 
 def _from_source(root: str, relpath: str, samples: int | None) -> ShardRef:
     """A shard read at the absolute source root the staged manifest records."""
-    remote = "://" in root and not root.startswith("file://")
     url = f"{root.removeprefix('file://').rstrip('/')}/{relpath}"
-    return ShardRef(relpath, url, not remote, True, samples)
+    return ShardRef(relpath, url, not is_remote_url(root), True, samples)
 
 
 def _staged_mtimes(locations: Sequence[str], sizes: list[int]) -> tuple[list[int], list[int]]:

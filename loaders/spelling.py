@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from stager.layout import source_path, source_root
+from stager.layout import is_remote_url, source_path, source_root
 
 __all__ = ["real_spelling", "same_local_root", "spelled_from"]
 
@@ -35,22 +35,21 @@ def real_spelling(spec: str | Sequence[str]) -> str | list[str] | None:
 def same_local_root(staged_root: str, spec: str | Sequence[str]) -> bool:
     """Whether a staged copy's recorded root and ``spec``'s are one directory by their real
     paths (both local)."""
-    if not _local(spec) or ("://" in staged_root and not staged_root.startswith("file://")):
+    if not _local(spec) or is_remote_url(staged_root):
         return False
     mine = os.path.realpath(source_root(spec))
     return os.path.realpath(source_path(staged_root)) == mine
 
 
 def _local(spec: str | Sequence[str]) -> bool:
-    first = spec if isinstance(spec, str) else next(iter(spec), "")
-    return "://" not in first or first.startswith("file://")
+    return not is_remote_url(spec if isinstance(spec, str) else next(iter(spec), ""))
 
 
 def spelled_from(spec: str | Sequence[str], staged_root: str) -> str | list[str]:
     """``spec`` with its root spelled as a staged copy records it, where the two are one local
     directory by another spelling (:func:`same_local_root`): a glob, a file or a list through
     a symlink then selects the staged relpaths, which hang from the recorded spelling."""
-    if not _local(spec) or ("://" in staged_root and not staged_root.startswith("file://")):
+    if not _local(spec) or is_remote_url(staged_root):
         return spec if isinstance(spec, str) else list(spec)
     root, recorded = source_root(spec), source_path(staged_root)
     if root == recorded:

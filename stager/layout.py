@@ -47,6 +47,7 @@ __all__ = [
     "canonical_root",
     "source_root",
     "source_path",
+    "is_remote_url",
     "glob_root",
     "is_shard_name",
     "is_other_tar",
@@ -137,6 +138,12 @@ def is_bookkeeping(name: str) -> bool:
     return name.startswith(_RESERVED_PREFIX)
 
 
+def is_remote_url(url: str) -> bool:
+    """Whether ``url`` names an fsspec store other than the local filesystem (``s3://...``),
+    not a path or a ``file://`` URL."""
+    return "://" in url and not url.startswith("file://")
+
+
 def source_path(url: str) -> str:
     """The path part of a source URL; a local one made absolute (against the working directory,
     without touching the disk), with ``..`` folded and a leading ``//`` made one (POSIX leaves
@@ -204,7 +211,7 @@ def canonical_spec(spec: str, *, listed: bool = False) -> str:
     ``file://`` URL with ``..`` folded and no trailing slash; a URL keeps its text (without a
     trailing slash); ``listed``: ``spec`` is a list file, whose own location is the identity.
     """
-    if "://" in spec and not spec.startswith("file://"):
+    if is_remote_url(spec):
         text = spec.rstrip("/")
     else:
         text = "file://" + source_path(spec)
@@ -219,7 +226,7 @@ def canonical_root(spec: str | Sequence[str]) -> str:
     """
     first = spec if isinstance(spec, str) else next(iter(spec), "")
     root = source_root(spec)
-    if "://" in first and not first.startswith("file://"):
+    if is_remote_url(first):
         return f"{first.split('://', 1)[0]}://{root}"
     return f"file://{root}"
 

@@ -19,7 +19,13 @@ from operator import attrgetter
 from pathlib import Path
 
 from stager.errors import IntegrityError, StagerError, UsageError
-from stager.layout import PARTIAL_SUFFIX, StagedDataset, has_hidden_part, is_shard_name
+from stager.layout import (
+    PARTIAL_SUFFIX,
+    StagedDataset,
+    has_hidden_part,
+    is_remote_url,
+    is_shard_name,
+)
 from stager.shards import tarindex
 from stager.shards.manifest import Manifest, ManifestEntry
 from stager.shards.tarparse import TarSampleCounter
@@ -184,7 +190,7 @@ def _source_changed(shard: SourceShard, before: ManifestEntry | None) -> bool:
     misses, and then the staged bytes are still the manifest's."""
     if shard.version is None or before is None or before.version is None:
         return False  # (not stat'ed, or copied from a source that reported no version)
-    local = "://" not in shard.url or shard.url.startswith("file://")
+    local = not is_remote_url(shard.url)
     return node_neutral(before.version, local) != node_neutral(shard.version, local)
 
 

@@ -24,6 +24,7 @@ from stager.layout import (
     hidden_worth_naming,
     is_hidden_name,
     is_left_out_tar,
+    is_remote_url,
 )
 from stager.storage.identity import local_version, remote_version
 from stager.storage.workers import map_in_threads
@@ -85,7 +86,7 @@ def translate(exc: BaseException, url: str) -> SourceError:
     root = url.rstrip("/")
     if isinstance(failed, str) and failed.rstrip("/") not in ("", root, root.split("://")[-1]):
         where = f"{one_line(failed)} (under the source {url})"
-    remote = "://" in url and not url.startswith("file://")
+    remote = is_remote_url(url)
     if isinstance(exc, FileNotFoundError):
         check = "the URL (the bucket and prefix)" if remote else "the path (is it mounted?)"
         return SourceError(f"source not found: {where}; check {check}")
