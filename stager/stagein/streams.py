@@ -61,6 +61,12 @@ SATURATED = 0.8
 RELEASED = 0.5
 
 
+def _streams_for(latency_s: float, transfer_s: float) -> int:
+    """Streams that keep a link busy whose files wait ``latency_s`` before ``transfer_s`` of
+    bytes: (latency + transfer) / transfer."""
+    return math.ceil((latency_s + transfer_s) / transfer_s)
+
+
 def _median(values: deque[float]) -> float:
     """The median of a window of at most a few dozen timings (``statistics`` costs 4 ms to
     import, a twentieth of stage-in's start-up)."""
@@ -206,7 +212,7 @@ class StreamController:
         past the cores only pass the interpreter around, and the search had too few windows in
         a short run to come down from the floor: 10,000 x 20 KB from a tmpfs on 2 cores took
         ~0.70 s from 4 streams, ~0.54 s at 2). Behind a server's latency it is the target."""
-        wanted = math.ceil((_median(self._latency_s) + _UNTIMED_S) / _UNTIMED_S)
+        wanted = _streams_for(_median(self._latency_s), _UNTIMED_S)
         return max(1, min(self.target(), max(self.cores, wanted)))
 
     def target(self) -> int:
@@ -216,7 +222,7 @@ class StreamController:
         latency = _median(self._latency_s)
         measured = _median(self._transfer_s)
         transfer = max(measured, _UNTIMED_S)
-        wanted = math.ceil((latency + transfer) / transfer)
+        wanted = _streams_for(latency, transfer)
         floor = self.floor
         if latency < transfer:
             busy = _median(self._cores_used)
