@@ -244,10 +244,11 @@ def told_to_peers(
     fails alike there, and each joining as the node's rank kept the others waiting for a
     group that had formed without them (2.5 form timeouts).
     """
-    tells = holding_lock or slurm.local_rank == 0
+    if not (holding_lock or slurm.local_rank == 0):
+        return contextlib.nullcontext()
     return failure_told_to_peers(
         lambda: (resolve_endpoint(slurm, fanout, env), f"{slurm.job_id}/{dataset_name()}"),
         slurm.node,
-        slurm.num_nodes if tells else 1,
+        slurm.num_nodes,
         fanout,
     )
