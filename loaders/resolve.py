@@ -37,7 +37,7 @@ from stager.storage.dest import resolve_dest_root
 from stager.storage.sources import SourceSet, resolve_source
 
 from .packedstrings import PackedStrings
-from .selection import staged_selection
+from .selection import staged_selection, url_prefix
 from .spelling import real_spelling, same_local_root, spelled_from
 
 __all__ = ["ShardRef", "DatasetShards", "resolve_dataset"]
@@ -209,7 +209,7 @@ def _check_same_root(meta: dict[str, str], spec: str | list[str] | None, where: 
 
 def _from_source(root: str, relpath: str, samples: int | None) -> ShardRef:
     """A shard read at the absolute source root the staged manifest records."""
-    url = f"{root.removeprefix('file://').rstrip('/')}/{relpath}"
+    url = url_prefix(root) + relpath
     return ShardRef(relpath, url, not is_remote_url(root), True, samples)
 
 
@@ -309,7 +309,7 @@ def _merge_failures(
         )
     if corrupt:
         log.warning("leaving out %d shard(s) stage-in found corrupt: %s", len(corrupt), corrupt[:5])
-    prefix = root.removeprefix("file://").rstrip("/") + "/"
+    prefix = url_prefix(root)
     left_out = tuple(url.removeprefix(prefix) if root else url for url in corrupt)
     if subset == "all" and root:
         known = {r.relpath for r in refs}

@@ -23,7 +23,7 @@ from stager.layout import canonical_spec, is_shard_name, source_path, source_roo
 from stager.patterns import expand_pattern, is_pattern
 from stager.shards.manifest import ManifestColumns
 
-__all__ = ["Selection", "staged_selection"]
+__all__ = ["Selection", "staged_selection", "url_prefix"]
 
 _GLOB_CHARS = ("*", "?", "[")
 
@@ -49,7 +49,7 @@ class Selection:
             [columns.samples[i] for i in keep],
             columns.meta,
         )
-        prefix = root.removeprefix("file://").rstrip("/") + "/"
+        prefix = url_prefix(root)
         failed = [f for f in failures if self.test(f["url"].removeprefix(prefix))]
         unstaged: list[str] = []
         if self.named is not None:
@@ -96,6 +96,12 @@ def staged_selection(
         named = frozenset([_relative(path, root)])
         return Selection(named.__contains__, named)
     return None  # the directory itself (a spelling canonical_spec does not fold)
+
+
+def url_prefix(root: str) -> str:
+    """What a shard's URL starts with under a staged copy's recorded source root (stage-in's
+    failures name them so; the loader reads a shard from the source there)."""
+    return root.removeprefix("file://").rstrip("/") + "/"
 
 
 def _is_whole_directory(staged_spec: str) -> bool:
