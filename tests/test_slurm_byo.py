@@ -71,6 +71,18 @@ time.sleep(600)
 """
 
 
+#: One task on one GPU with one CPU, per node.
+ONE_TASK = ("--ntasks-per-node=1", "--cpus-per-task=1", "--gres=gpu:1")
+
+
+def _script(cluster, name: str, text: str) -> Path:
+    """A stand-in training script ``name`` on the shared filesystem."""
+    scripts = cluster.shared_dir / "byo" / "scripts"
+    scripts.mkdir(parents=True, exist_ok=True)
+    (scripts / name).write_text(text)
+    return scripts / name
+
+
 @dataclass(frozen=True)
 class Job:
     job_id: str
@@ -127,12 +139,10 @@ def photos(slurm_cluster) -> Path:
 
 @pytest.fixture(scope="module")
 def jobs(slurm_cluster, photos: Path) -> dict[str, Job]:
-    scripts = slurm_cluster.shared_dir / "byo" / "scripts"
-    scripts.mkdir(parents=True)
-    (scripts / "env_saver.py").write_text(ENV_SAVER)
-    (scripts / "elsewhere_saver.py").write_text(ELSEWHERE_SAVER)
-    (scripts / "crasher.py").write_text(CRASHER)
-    one_per_node = ("--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--gres=gpu:1")
+    env_saver = _script(slurm_cluster, "env_saver.py", ENV_SAVER)
+    elsewhere_saver = _script(slurm_cluster, "elsewhere_saver.py", ELSEWHERE_SAVER)
+    crasher = _script(slurm_cluster, "crasher.py", CRASHER)
+    one_per_node = ("--nodes=2", *ONE_TASK)
     return {
         # Two tasks per node, two CPUs each: one loader worker per rank, from the allocation.
         "example": _submit(
@@ -158,15 +168,15 @@ def jobs(slurm_cluster, photos: Path) -> dict[str, Job]:
             "train-single-node.sbatch",
             ("--ntasks-per-node=2", "--cpus-per-task=1", "--gres=gpu:2"),
             DATA_SRC=str(photos),
-            TRAIN_SCRIPT=str(scripts / "env_saver.py"),
+            TRAIN_SCRIPT=str(env_saver),
         ),
         "crasher": _submit(
             slurm_cluster,
             "crasher",
             "train-single-node.sbatch",
-            ("--ntasks-per-node=1", "--cpus-per-task=1", "--gres=gpu:1"),
+            ONE_TASK,
             DATA_SRC=str(photos),
-            TRAIN_SCRIPT=str(scripts / "crasher.py"),
+            TRAIN_SCRIPT=str(crasher),
         ),
         "elsewhere": _submit(
             slurm_cluster,
@@ -174,7 +184,7 @@ def jobs(slurm_cluster, photos: Path) -> dict[str, Job]:
             "train-multi-node.sbatch",
             one_per_node,
             DATA_SRC=str(photos),
-            TRAIN_SCRIPT=str(scripts / "elsewhere_saver.py"),
+            TRAIN_SCRIPT=str(elsewhere_saver),
             TRAIN_ARGS=shlex.quote(str(slurm_cluster.shared_dir / "byo" / "elsewhere" / "mine")),
         ),
     }
@@ -212,7 +222,7 @@ def test_minimal_script_from_the_docs_commits_last_pt_and_resumes(
         slurm_cluster,
         "minimal",
         "train-multi-node.sbatch",
-        ("--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--gres=gpu:1"),
+        ("--nodes=2", *ONE_TASK),
         DATA_SRC=str(photos),
         CKPT_DEST=str(job.ckpt_dest),
         TRAIN_SCRIPT=str(JOBS / "examples" / "minimal_train.py"),
@@ -265,17 +275,15 @@ def test_a_plain_scancel_stages_out_what_training_saved(
     run started over. The TERM trap commits what training saved before the job ends."""
     import time
 
-    scripts = slurm_cluster.shared_dir / "byo" / "scripts"
-    scripts.mkdir(parents=True, exist_ok=True)
-    (scripts / "saver_then_sleeper.py").write_text(SAVER_THEN_SLEEPER)
+    script = _script(slurm_cluster, "saver_then_sleeper.py", SAVER_THEN_SLEEPER)
     nodes = ("--nodes=2",) if "multi" in template else ()
     job = _submit(
         slurm_cluster,
         f"cancelled-{template.split('-')[1]}",
         template,
-        (*nodes, "--ntasks-per-node=1", "--cpus-per-task=1", "--gres=gpu:1"),
+        (*nodes, *ONE_TASK),
         DATA_SRC=str(photos),
-        TRAIN_SCRIPT=str(scripts / "saver_then_sleeper.py"),
+        TRAIN_SCRIPT=str(script),
     )
     deadline = time.monotonic() + 240
     while "saved, training on" not in job.text():
@@ -300,7 +308,7 @@ def test_usr1_after_training_ended_lets_the_final_stage_out_finish_without_a_req
         slurm_cluster,
         "usr1-late",
         "train-single-node.sbatch",
-        ("--ntasks-per-node=1", "--cpus-per-task=1", "--gres=gpu:1"),
+        ONE_TASK,
         DATA_SRC=str(photos),
         TRAIN_SCRIPT=str(JOBS / "examples" / "minimal_train.py"),
         TRAIN_ARGS="--steps 2",
@@ -333,9 +341,7 @@ def test_jobs_sharing_a_stager_dest_commit_only_their_own_checkpoints(
     """STAGER_DEST set to a root jobs share (to reuse staged data): its checkpoints directory
     was shared too, so the next job on the node committed the last job's checkpoints to its
     own CKPT_DEST (and two at once overwrote each other's). Each job now has its own."""
-    scripts = slurm_cluster.shared_dir / "byo" / "scripts"
-    scripts.mkdir(parents=True, exist_ok=True)
-    (scripts / "job_saver.py").write_text(JOB_SAVER)
+    script = _script(slurm_cluster, "job_saver.py", JOB_SAVER)
     node = slurm_cluster.node_names[0]
     done = []
     for name in ("shared-a", "shared-b"):
@@ -343,9 +349,9 @@ def test_jobs_sharing_a_stager_dest_commit_only_their_own_checkpoints(
             slurm_cluster,
             name,
             "train-single-node.sbatch",
-            (f"--nodelist={node}", "--ntasks-per-node=1", "--cpus-per-task=1", "--gres=gpu:1"),
+            (f"--nodelist={node}", *ONE_TASK),
             DATA_SRC=str(photos),
-            TRAIN_SCRIPT=str(scripts / "job_saver.py"),
+            TRAIN_SCRIPT=str(script),
             STAGER_DEST="/scratch/shared-dest",
         )
         _done(slurm_cluster, job)
@@ -362,17 +368,15 @@ def test_stager_scratch_root_is_where_the_template_stages_and_cleans(
     """With STAGER_SCRATCH_ROOT set, the template staged into /scratch/$SLURM_JOB_ID and its
     clean step (stager clean, which honours the variable) looked in the other root: the job's
     scratch was left behind. Both now use it."""
-    scripts = slurm_cluster.shared_dir / "byo" / "scripts"
-    scripts.mkdir(parents=True, exist_ok=True)
-    (scripts / "job_saver.py").write_text(JOB_SAVER)
+    script = _script(slurm_cluster, "job_saver.py", JOB_SAVER)
     node = slurm_cluster.node_names[1]
     job = _submit(
         slurm_cluster,
         "scratch-root",
         "train-single-node.sbatch",
-        (f"--nodelist={node}", "--ntasks-per-node=1", "--cpus-per-task=1", "--gres=gpu:1"),
+        (f"--nodelist={node}", *ONE_TASK),
         DATA_SRC=str(photos),
-        TRAIN_SCRIPT=str(scripts / "job_saver.py"),
+        TRAIN_SCRIPT=str(script),
         STAGER_SCRATCH_ROOT="/scratch/alt",
     )
     text = _done(slurm_cluster, job)
