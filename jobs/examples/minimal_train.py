@@ -2,6 +2,7 @@
 
 import argparse
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -52,4 +53,5 @@ while step < args.steps:
     epoch += 1
 dist.barrier()  # every rank done (rank 0's checkpoint saved) before any tears the group down
 print(f"rank {rank}: done at step {step}, loss {loss.item():.4f}", flush=True)
-dist.destroy_process_group()
+time.sleep(0.1)  # gloo's threads free the last collectives before Python exits, else it
+dist.destroy_process_group()  # may abort: docs/troubleshooting.md, "terminate called"

@@ -409,6 +409,9 @@ def main(argv: list[str] | None = None) -> int:
         log(rank, f"stopped by signal {stop.signum} at step {step}; checkpoint saved")
     else:
         log(rank, f"done at step {step}, model {model_digest(model)}")
+    # gloo's threads free the last collectives before Python exits, or the exit may abort:
+    # docs/troubleshooting.md, "terminate called without an active exception".
+    time.sleep(0.1)
     dist.destroy_process_group()
     return 0
 
