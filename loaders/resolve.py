@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import tempfile
@@ -27,18 +26,20 @@ from pathlib import Path
 import numpy as np
 
 from stager.errors import IntegrityError, SourceError, StagerError, UsageError
-from stager.layout import CORRUPT_META, StagedDataset, canonical_root, dataset_name, is_remote_url
+from stager.layout import StagedDataset, dataset_name, is_remote_url, source_path, source_root
 from stager.shards.indexkey import changed_ns
-from stager.shards.manifest import read_columns
+from stager.shards.manifest import ManifestColumns, read_columns
 from stager.shards.tarindex import any_compressed
 from stager.stagein.sourcemanifest import manifest_beside
 from stager.stagein.status import PlanFacts
 from stager.storage.dest import resolve_dest_root
 from stager.storage.sources import SourceSet, resolve_source
 
+from .enclosing import enclosing_copies, staged_whole_from
+from .failed import recorded_corrupt, recorded_failures
 from .packedstrings import PackedStrings
 from .selection import staged_selection, url_prefix
-from .spelling import real_spelling, same_local_root, spelled_from
+from .spelling import check_same_root, real_spelling, spelled_from
 
 __all__ = ["ShardRef", "DatasetShards", "resolve_dataset"]
 
@@ -138,32 +139,6 @@ class DatasetShards:
         return int(self.from_source_flags.sum())
 
 
-def _failures(dataset_dir: Path) -> list[dict[str, str]]:
-    """The shards stage-in reported as failed in its last result for this dataset on this node."""
-    result = StagedDataset.of(dataset_dir).result_path
-    try:
-        failures = json.loads(result.read_text())["report"].get("failures", [])
-        return [f for f in failures if isinstance(f, dict) and isinstance(f.get("url"), str)]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return []
-
-
-def _recorded_corrupt(meta: dict[str, str], failures: list[dict[str, str]]) -> list[dict[str, str]]:
-    """The shards the staged manifest records as corrupt (:data:`stager.layout.CORRUPT_META`)
-    that the last result does not name: a later run that failed early rewrote the result."""
-    try:
-        relpaths = json.loads(meta.get(CORRUPT_META, "[]"))
-    except ValueError:
-        return []
-    if not isinstance(relpaths, list):
-        return []
-    root = meta.get("source", "").rstrip("/")
-    named = {f["url"] for f in failures}
-    urls = [f"{root}/{relpath}" for relpath in relpaths if isinstance(relpath, str)]
-    reason = "found corrupt by an earlier stage-in"
-    return [{"url": u, "kind": "corrupt", "reason": reason} for u in urls if u not in named]
-
-
 def _source_refs(source: SourceSet, samples: dict[str, int | None]) -> dict[str, ShardRef]:
     local = source.is_local
     return {
@@ -191,20 +166,6 @@ def _source_samples(source: SourceSet) -> dict[str, int | None]:
     except StagerError:
         return {}
     return {} if manifest is None else {e.relpath: e.samples for e in manifest.entries}
-
-
-def _check_same_root(meta: dict[str, str], spec: str | list[str] | None, where: Path) -> None:
-    """Refuse a staged copy of another source that happens to have the name ``spec`` gives."""
-    staged_root = meta.get("source", "")
-    if spec is None or ("://" not in staged_root and not staged_root.startswith("/")):
-        return  # given the staged directory itself, or a manifest of an older stager
-    if canonical_root(staged_root) != canonical_root(spec) and not same_local_root(
-        staged_root, spec
-    ):
-        raise UsageError(
-            f"{where} holds a staged copy of {staged_root}, not of {spec}: another dataset "
-            "under the same name; pass options=LoaderOptions(name=...) as stage-in's --name"
-        )
 
 
 def _from_source(root: str, relpath: str, samples: int | None) -> ShardRef:
@@ -235,22 +196,34 @@ def _staged_mtimes(locations: Sequence[str], sizes: list[int]) -> tuple[list[int
     return mtimes, missing
 
 
+class _NothingSelected(SourceError):
+    """The SOURCE selects no shard of a staged copy (nor names one it lacks)."""
+
+
 def _from_staged(
-    dataset_dir: Path, spec: str | list[str] | None, on_error: str = "raise"
+    dataset_dir: Path,
+    spec: str | list[str] | None,
+    on_error: str = "raise",
+    enclosing: ManifestColumns | None = None,
 ) -> DatasetShards:
-    columns = read_columns(StagedDataset.of(dataset_dir).manifest_path)
-    _check_same_root(columns.meta, spec, dataset_dir)
+    """``spec``'s shards in the staged copy ``dataset_dir``, read from the source where missing.
+    ``enclosing``: its manifest, read by :func:`_enclosing_copy` (a copy of a directory above
+    ``spec``'s root, not of its root)."""
+    columns = enclosing or read_columns(StagedDataset.of(dataset_dir).manifest_path)
+    if enclosing is None:
+        check_same_root(columns.meta, spec, dataset_dir)
     subset = columns.meta.get("subset", "all")
     root = columns.meta.get("source", "")
-    failures = _failures(dataset_dir)
-    failures += _recorded_corrupt(columns.meta, failures)
-    asked = spelled_from(spec, root) if spec is not None and root else spec
+    failures = recorded_failures(dataset_dir)
+    failures += recorded_corrupt(columns.meta, failures)
+    # (an enclosing copy is another directory than the root; not respelled to it)
+    asked = spelled_from(spec, root) if spec is not None and root and not enclosing else spec
     selection = staged_selection(columns.meta.get("spec"), root, asked, dataset_dir)
     unstaged: list[str] = []  # named by the SOURCE (a file, a list), not in the staged copy
     if selection is not None:
         columns, failures, unstaged = selection.apply(columns, failures, root)
         if not columns.relpaths and not unstaged and not failures:
-            raise SourceError(f"no shard of the staged copy {dataset_dir} matches {spec}")
+            raise _NothingSelected(f"no shard of the staged copy {dataset_dir} matches {spec}")
     # str concatenation: pathlib costs ~30 us per shard and os.path.join ~3 us (0.3 s at 100k);
     # relpaths are canonical and relative (checked by read_columns)
     prefix = os.fspath(dataset_dir).rstrip("/") + "/"
@@ -344,9 +317,30 @@ def _staged_copy(
         found = resolve_staging(staged, spec, on_error)
         if found is None and staged.manifest_path.is_file():
             found = _from_staged(staged.dir, spec, on_error)
-    except UsageError as exc:  # (another dataset under this name: _check_same_root)
+    except UsageError as exc:  # (another dataset under this name: check_same_root)
         return None, exc
     return found, None
+
+
+def _enclosing_copy(root: Path, spec: str | list[str], on_error: str) -> DatasetShards | None:
+    """``spec``'s shards in a copy of a directory above its root, staged whole (enclosing.py)."""
+    for staged, directory in enclosing_copies(root, spec):
+        try:
+            columns = read_columns(staged.manifest_path)
+        except StagerError:  # (unreadable: the source is read, as without a copy)
+            continue
+        if staged_whole_from(columns.meta, directory):
+            with contextlib.suppress(_NothingSelected):
+                found = _from_staged(staged.dir, spec, on_error, columns)
+                # named from spec's root, as its own copy or the source names them (the
+                # fingerprint a resumed state is checked with is made of these names)
+                cut = len(source_root(spec)) - len(source_path(directory))
+                return dataclasses.replace(
+                    found,
+                    relpaths=PackedStrings([r[cut:] for r in found.relpaths]),
+                    left_out=tuple(r[cut:] for r in found.left_out),
+                )
+    return None
 
 
 def resolve_dataset(
@@ -378,6 +372,10 @@ def resolve_dataset(
     if real is not None:  # (loaded through a symlink to what was staged)
         again = StagedDataset(staged.root, name or dataset_name(real))
         found, _ = _staged_copy(again, real, on_error)
+    if found is None and name is None and other is None:  # (a copy of the directory above?)
+        found = _enclosing_copy(staged.root, spec, on_error)
+        if found is None and real is not None:
+            found = _enclosing_copy(staged.root, real, on_error)
     if found is not None:
         return found
     if isinstance(spec, str) and "://" not in spec:

@@ -23,7 +23,7 @@ from stager.layout import canonical_spec, is_shard_name, source_path, source_roo
 from stager.patterns import expand_pattern, is_pattern
 from stager.shards.manifest import ManifestColumns
 
-__all__ = ["Selection", "staged_selection", "url_prefix"]
+__all__ = ["Selection", "is_whole_directory", "staged_selection", "url_prefix"]
 
 _GLOB_CHARS = ("*", "?", "[")
 
@@ -80,7 +80,7 @@ def staged_selection(
     if not isinstance(spec, str):
         named = frozenset(_relative(source_path(u), root) for u in spec)
         return Selection(named.__contains__, named)
-    if not _is_whole_directory(staged_spec):
+    if not is_whole_directory(staged_spec):
         raise UsageError(
             f"{where} holds a staged copy of {staged_spec}, not of {spec}: it cannot tell "
             "which shards that selects; load it by the SOURCE it was staged from, or stage "
@@ -95,6 +95,10 @@ def staged_selection(
     if is_shard_name(path):
         named = frozenset([_relative(path, root)])
         return Selection(named.__contains__, named)
+    below = _relative(path.rstrip("/"), root)
+    if below != path.rstrip("/"):  # a directory inside the copy (loaders/enclosing.py)
+        prefix = below + "/"
+        return Selection(lambda relpath: relpath.startswith(prefix))
     return None  # the directory itself (a spelling canonical_spec does not fold)
 
 
@@ -104,7 +108,7 @@ def url_prefix(root: str) -> str:
     return root.removeprefix("file://").rstrip("/") + "/"
 
 
-def _is_whole_directory(staged_spec: str) -> bool:
+def is_whole_directory(staged_spec: str) -> bool:
     """Whether the recorded spec asked for a directory (not a glob, a pattern, a file, a list)."""
     if staged_spec.startswith("list:"):
         return False

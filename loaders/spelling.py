@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from pathlib import Path
 
-from stager.layout import is_remote_url, source_path, source_root
+from stager.errors import UsageError
+from stager.layout import canonical_root, is_remote_url, source_path, source_root
 
-__all__ = ["real_spelling", "same_local_root", "spelled_from"]
+__all__ = ["check_same_root", "real_spelling", "same_local_root", "spelled_from"]
 
 
 def real_spelling(spec: str | Sequence[str]) -> str | list[str] | None:
@@ -57,3 +59,17 @@ def spelled_from(spec: str | Sequence[str], staged_root: str) -> str | list[str]
     if isinstance(spec, str):
         return recorded + source_path(spec)[len(root) :]
     return [recorded + source_path(u)[len(root) :] for u in spec]
+
+
+def check_same_root(meta: dict[str, str], spec: str | list[str] | None, where: Path) -> None:
+    """Refuse a staged copy of another source that happens to have the name ``spec`` gives."""
+    staged_root = meta.get("source", "")
+    if spec is None or ("://" not in staged_root and not staged_root.startswith("/")):
+        return  # given the staged directory itself, or a manifest of an older stager
+    if canonical_root(staged_root) != canonical_root(spec) and not same_local_root(
+        staged_root, spec
+    ):
+        raise UsageError(
+            f"{where} holds a staged copy of {staged_root}, not of {spec}: another dataset "
+            "under the same name; pass options=LoaderOptions(name=...) as stage-in's --name"
+        )

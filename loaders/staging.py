@@ -44,11 +44,11 @@ from stager.stagein.status import (
 from .options import LoaderOptions
 from .packedstrings import PackedStrings
 from .readers import StagedReader, _Collate
-from .resolve import DatasetShards, _check_same_root, _from_staged
+from .resolve import DatasetShards, _from_staged
 from .sampler import RankBatchSampler
 from .samples import SamplePipeline
 from .selection import staged_selection
-from .spelling import spelled_from
+from .spelling import check_same_root, spelled_from
 from .waiting import GrowingTarDataset, ShardGate, WaitTable, stopped_message
 
 __all__ = ["resolve_staging", "StagingReader", "staging_incomplete"]
@@ -131,7 +131,7 @@ def resolve_staging(
     if loaded is None:
         return None
     columns, facts = loaded
-    _check_same_root({"source": facts.source}, spec, staged.dir)
+    check_same_root({"source": facts.source}, spec, staged.dir)
     outcome = read_outcome(staged, facts)
     compressed = any_compressed(columns.relpaths)
     if compressed and outcome is None:

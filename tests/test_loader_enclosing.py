@@ -1,0 +1,172 @@
+"""A directory staged whole serves the loaders of the directories inside it: ``stage-in
+/nfs/ds``, then ``ShardedLoader("/nfs/ds/train")``. Before, the loader looked the copy up by
+the name ``train``, found none, and every rank read every shard from the source with one
+warning, while the copy sat on scratch."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from stager.errors import SourceError
+from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
+from stager.storage.sources import resolve_source
+from stager_loaders import LoaderOptions, ShardedLoader
+from stager_loaders.resolve import resolve_dataset
+
+from .conftest import run_cli
+from .inproc import clean_process_env, run_main
+
+FAST = ["--jitter-max", "0", "--quiet"]
+
+
+def _loader(spec: str | list[str], dest: Path) -> ShardedLoader:
+    return ShardedLoader(spec, batch_size=4, options=LoaderOptions(dest=str(dest), world_size=1))
+
+
+def _keys(loader: ShardedLoader) -> list[str]:
+    return sorted(key for batch in loader for key in batch["__key__"])
+
+
+@pytest.fixture
+def staged_tree(tmp_path: Path) -> tuple[Path, Path]:
+    """``src/ds`` with ``train/`` (3 shards), ``val/`` (2) and ``.cache/`` (1, hidden), staged."""
+    src = tmp_path / "src" / "ds"
+    for sub, shards, seed in (("train", 3, 1), ("val", 2, 2), (".cache", 1, 3)):
+        prefix = sub.strip(".")[:3]
+        spec = SyntheticSpec(num_shards=shards, samples_per_shard=4, seed=seed, prefix=prefix)
+        write_synthetic_dataset(src / sub, spec)
+    dest = tmp_path / "scratch"
+    result = run_cli("stage-in", str(src), "--dest", str(dest), *FAST)
+    assert result.returncode == 0, result.stderr
+    return src, dest
+
+
+def test_a_directory_inside_a_copy_staged_whole_is_read_from_it_alone(
+    staged_tree: tuple[Path, Path],
+) -> None:
+    src, dest = staged_tree
+    nowhere = dest.parent / "nothing-staged"  # (loaders that read the source, to compare with)
+    names = {
+        sub: list(_loader(str(src / sub), nowhere).shards.relpaths) for sub in ("train", "val")
+    }
+    keys = {sub: _keys(_loader(str(src / sub), nowhere)) for sub in ("train", "val")}
+    half_read = _loader(str(src / "train"), nowhere)
+    batches = iter(half_read)
+    next(batches)
+    state = half_read.state_dict()
+    rest = sorted(key for batch in batches for key in batch["__key__"])
+    moved = src.with_name("gone")
+    src.rename(moved)  # any read of the source now fails
+    try:
+        for spelling in ("train", "train/", "train/*.tar", "train/tra-{000000..000002}.tar"):
+            loader = _loader(f"{src}/{spelling}", dest)
+            assert loader.shards.from_source == 0 and loader.shards.staged_dir == dest / "ds"
+            # named from the source's own root, as the source names them: a state saved by a
+            # loader that read the source resumes here
+            assert list(loader.shards.relpaths) == names["train"]
+            assert _keys(loader) == keys["train"]
+        resumed = _loader(f"{src}/train", dest)
+        resumed.load_state_dict(state)
+        assert _keys(resumed) == rest
+        loader = _loader(f"{src}/val", dest)
+        assert list(loader.shards.relpaths) == names["val"] == ["val-000000.tar", "val-000001.tar"]
+        assert _keys(loader) == keys["val"]
+        assert [
+            Path(s.location).parent
+            for s in _loader(f"{src}/val/val-000001.tar", dest).shards.shards
+        ] == [dest / "ds" / "val"]
+        listed = [f"{src}/train/tra-000002.tar", f"{src}/val/val-000000.tar"]
+        shards = _loader(listed, dest).shards
+        assert shards.from_source == 0 and list(shards.relpaths) == [
+            "train/tra-000002.tar",
+            "val/val-000000.tar",
+        ]
+        # what the copy lacks is still the source's: here, gone
+        for absent in (f"{src}/.cache", f"{src}/test", f"{src}/train/*.tgz"):
+            with pytest.raises(SourceError):
+                _loader(absent, dest)
+    finally:
+        moved.rename(src)
+
+
+def test_only_a_copy_of_that_very_directory_staged_whole_serves_it(
+    staged_tree: tuple[Path, Path], tmp_path: Path, caplog
+) -> None:
+    """Another source's copy under the directory's name, or a copy of a part of it (a glob),
+    answers for nothing inside: the source is read, as without a copy, and no error is raised
+    for a name the user never gave."""
+    src, dest = staged_tree
+    other = tmp_path / "other" / "ds"
+    shutil.copytree(src, other)
+    elsewhere = tmp_path / "scratch2"
+    assert run_cli("stage-in", str(src), "--dest", str(elsewhere), *FAST).returncode == 0
+    loader = _loader(f"{other}/train", elsewhere)  # (ds there is src's, not other's)
+    assert loader.shards.from_source == 3 and "no staged copy" in caplog.text
+    part = tmp_path / "scratch3"
+    assert run_cli("stage-in", f"{src}/*/*.tar", "--dest", str(part), *FAST).returncode == 0
+    assert _loader(f"{src}/train", part).shards.from_source == 3
+    assert _loader(f"{src}/*/*.tar", part).shards.from_source == 0
+
+
+def test_an_explicit_name_is_looked_up_alone(staged_tree: tuple[Path, Path]) -> None:
+    """LoaderOptions(name=...) says where the copy is: no directory above is tried."""
+    src, dest = staged_tree
+    loader = ShardedLoader(
+        str(src / "train"),
+        batch_size=4,
+        options=LoaderOptions(dest=str(dest), world_size=1, name="train"),
+    )
+    assert loader.shards.from_source == 3
+
+
+DIRS = st.sampled_from(["", "d/", "d/e/", "f/", ".git/", "d/.c/"])
+TREES = st.lists(st.tuples(DIRS, st.sampled_from(["a", "b", ".h"])), min_size=1, max_size=8)
+INSIDE = st.sampled_from(["d", "d/e", "f", "d/*.tar", "d/**/*.tar", "d/e/*.tar", "f/a.tar"])
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(tree=TREES, inside=INSIDE)
+def test_a_copy_of_the_directory_above_serves_what_stage_in_lists_for_the_source(
+    tmp_path_factory: pytest.TempPathFactory,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tree: list[tuple[str, str]],
+    inside: str,
+) -> None:
+    """Over random trees (hidden names and directories among them): the shards a SOURCE inside
+    a copy staged whole gets from it are the shards stage-in lists for that SOURCE, under the
+    names the source gives them, and nothing is read from the source."""
+    clean_process_env(monkeypatch)
+    base = tmp_path_factory.mktemp("tree")
+    root = base / "ds"
+    for directory, name in [("", "z"), *tree]:  # (one shard outside: something to stage)
+        path = root / directory / f"{name}.tar"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"")
+    try:
+        listed = sorted(s.relpath for s in resolve_source(f"{root}/{inside}").shards)
+    except SourceError:
+        listed = []
+    try:
+        dest = str(base / "scratch")
+        result = run_main(capsys, "stage-in", str(root), "--dest", dest, "--no-count", *FAST)
+        assert result.returncode == 0, result.stderr
+        try:
+            found = resolve_dataset(f"{root}/{inside}", dest=dest)
+        except SourceError:
+            assert not listed
+        else:
+            if listed:
+                assert found.from_source == 0 and found.staged_dir == base / "scratch" / "ds"
+                assert sorted(found.relpaths) == listed
+            else:  # (a file named that is in neither: the source's, which then says it is not)
+                assert found.from_source == len(found)
+    finally:
+        shutil.rmtree(base)
