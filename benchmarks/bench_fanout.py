@@ -160,7 +160,7 @@ def run_config(
         reports.append(report)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "STAGER_"))}
         env.update(
-            SLURM_JOB_ID=f"bench{run_id}",
+            SLURM_JOB_ID=f"9{run_id}",  # (a job number: stager refuses other ids)
             SLURM_NODEID=str(rank),
             SLURM_JOB_NUM_NODES=str(num_nodes),
             SLURM_JOB_NODELIST=",".join(f"n{k}" for k in range(num_nodes)),

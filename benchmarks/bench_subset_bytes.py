@@ -82,7 +82,7 @@ def _dataset_bytes(source: Path) -> int:
 
 def run_job(mode: str, source: Path, work: Path, num_nodes: int, port: int) -> dict:
     """One simulated job: ``num_nodes`` processes at once; returns bytes and times per node."""
-    job_id = f"bench{os.getpid()}{num_nodes}{MODES.index(mode)}"
+    job_id = f"{os.getpid()}{num_nodes}{MODES.index(mode)}"  # (a number, as Slurm gives it)
     procs: list[tuple[subprocess.Popen, Path]] = []
     started = time.monotonic()
     for node in range(num_nodes):

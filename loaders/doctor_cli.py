@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from stager.cli.argtypes import positive_count, positive_seconds, size
-from stager.errors import UsageError
+from stager.errors import DestinationError, UsageError
 from stager.layout import StagedDataset
 from stager.slurm import SlurmEnv
 from stager.storage.dest import resolve_dest_root
@@ -127,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--workers takes integers >= 0, not {args.workers!r}")
     else:
         workers = default_workers(usable_cpus())
+    if args.json is not None and (not args.json.strip() or os.path.isdir(args.json)):
+        raise UsageError(f"--json takes a file path, not {args.json!r}")
     if args.target is not None and not args.target > 0:
         raise UsageError("--target must be a positive number of samples/s")
     slurm = SlurmEnv.from_environ()
@@ -154,6 +156,9 @@ def run(args: argparse.Namespace) -> int:
     )
     print(diag.render())
     if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(diag.to_json(), handle, indent=1)
+        try:
+            with open(args.json, "w") as handle:
+                json.dump(diag.to_json(), handle, indent=1)
+        except OSError as exc:  # (checked at the start; the place may have changed since)
+            raise DestinationError(f"cannot write {args.json}: {exc.strerror or exc}") from exc
     return 0

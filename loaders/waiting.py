@@ -175,7 +175,7 @@ class ShardGate:
         final = Path(self.path(shard))
 
         def publish(partial: str, final_path: str) -> None:
-            counted = index_tar(partial).num_samples if partial.endswith(".tar.partial") else None
+            counted = index_tar(partial).num_samples if final_path.endswith(".tar") else None
             if counted is not None and want.samples is not None and counted != want.samples:
                 raise IntegrityError(
                     f"{url}: holds {counted} samples but the plan says {want.samples}; the source "

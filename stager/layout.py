@@ -314,4 +314,9 @@ def check_name(name: str) -> str:
             f"dataset name {name!r} is reserved for stager's own files (starts with "
             f"{_RESERVED_PREFIX!r} or ends with {PARTIAL_SUFFIX!r}); pass --name"
         )
+    if len(name.encode("utf-8", "surrogateescape")) > 255:  # (a file name's limit: exit 5 said
+        raise UsageError(  # "pass --dest", which could not help)
+            f"dataset name {name[:40]!r}... is {len(name.encode('utf-8', 'surrogateescape'))} "
+            "bytes long, past the 255 a directory name may have; pass a shorter --name"
+        )
     return name

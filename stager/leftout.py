@@ -42,7 +42,9 @@ def left_out_warnings(left_out: Sequence[str], done: str = "staged") -> list[str
     hidden.sort()
     files = sorted(p for p in others if not p.endswith("/"))
     compressed = [p for p in files if is_other_tar(posixpath.basename(p))]
-    files = [p for p in files if not is_other_tar(posixpath.basename(p))]
+    cased = [p for p in files if is_shard_name_but_for_case(posixpath.basename(p))]
+    # (what a glob matches that is no shard: a walk never takes those)
+    not_shards = [p for p in files if p not in set(compressed).union(cased)]
     # (a walk takes a name like a shard's unasked, and its stat finds a directory)
     shard_like = sorted(p for p in others if p.endswith("/") and is_shard_name(p[:-1]))
     linked = sorted(p for p in others if p.endswith("/") and not is_shard_name(p[:-1]))
@@ -53,10 +55,15 @@ def left_out_warnings(left_out: Sequence[str], done: str = "staged") -> list[str
             "walk or a glob's wildcard as the shell leaves it out); name them in --from-list "
             "or in the pattern to stage them"
         )
-    if files:
+    if cased:
         lines.append(
-            f"not {done}: {_first(files)}, named like shards but for the case of the suffix "
+            f"not {done}: {_first(cased)}, named like shards but for the case of the suffix "
             "(suffixes are matched as written); rename them to lower case"
+        )
+    if not_shards:
+        lines.append(
+            f"not {done}: {_first(not_shards)}, matched by the pattern but not shards (*.tar, "
+            "*.tgz, *.tar.gz); name them in --from-list to stage them as they are"
         )
     if compressed:
         lines.append(f"not {done}: {_first(compressed)}, {_OTHER_COMPRESSION}")
@@ -143,4 +150,5 @@ def no_shards_message(spec: str, names: Iterable[str], skipped: Sequence[str] = 
             " and its like: a name starting with '.', which a walk leaves out); name them in "
             "--from-list to stage them"
         )
-    return f"no shards (*.tar, *.tgz, *.tar.gz) under {spec}; check the directory"
+    what = "pattern" if any(c in spec for c in "*?[") else "directory"
+    return f"no shards (*.tar, *.tgz, *.tar.gz) under {spec}; check the {what}"

@@ -189,6 +189,8 @@ class SlurmEnv:
                 tasks_per_node=1,
                 restart_count=0,
             )
+        if not job_id.isascii() or not job_id.isdigit():  # (it names /scratch/$SLURM_JOB_ID)
+            raise UsageError(f"environment variable SLURM_JOB_ID={job_id!r} is not a job number")
         nodelist = tuple(
             parse_hostlist(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "")
         )

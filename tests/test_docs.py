@@ -50,7 +50,7 @@ BLOCKS = _blocks()
 SRUN_SHIM = """#!/usr/bin/env bash
 # docs-test srun: drop srun's options, run the command once as task 0 of a one-node job
 while [[ $# -gt 0 && $1 == -* ]]; do shift; done
-export SLURM_JOB_ID=docs SLURM_NODEID=0 SLURM_JOB_NUM_NODES=1 SLURM_JOB_NODELIST=node1 \\
+export SLURM_JOB_ID=4321 SLURM_NODEID=0 SLURM_JOB_NUM_NODES=1 SLURM_JOB_NODELIST=node1 \\
     SLURMD_NODENAME=node1 SLURM_PROCID=0 SLURM_LOCALID=0 SLURM_NTASKS=1
 exec "$@"
 """

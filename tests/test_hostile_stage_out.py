@@ -62,7 +62,8 @@ def test_an_empty_newer_step_directory_is_not_a_checkpoint(
     assert restored.returncode == 0, restored.stderr
     assert restored.stdout.strip().endswith("step-1000")
     named = run_cli("stage-out", str(ckpt / "step-2000"), str(dest))  # named on its own
-    assert named.returncode == 0 and "skipped step-2000: an empty directory" in named.stderr
+    assert named.returncode == EXIT_CHECKPOINT  # (not committed: said, not exit 0)
+    assert "skipped step-2000: an empty directory" in named.stderr
     assert _committed(dest) == ["step-1000"]
 
 
@@ -362,7 +363,8 @@ def test_a_file_gone_mid_copy_skips_its_checkpoint_and_the_rest_of_all_is_commit
     import io
 
     from stager.stageout import store_object, store_posix
-    from stager.stageout.run import CHANGED, COMMITTED, StageOutOptions, check_outcomes, stage_out
+    from stager.stageout.outcome import CHANGED, COMMITTED, check_outcomes
+    from stager.stageout.run import StageOutOptions, stage_out
 
     from .test_stageout import write_ckpt_dir
 

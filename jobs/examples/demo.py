@@ -27,7 +27,7 @@ def simulated_job_env(workdir: Path) -> dict[str, str]:
     if "SLURM_JOB_ID" not in env:
         host = socket.gethostname().split(".")[0]
         env.update(
-            SLURM_JOB_ID="demo",
+            SLURM_JOB_ID="1",  # (a number, as Slurm gives it: stager refuses others)
             SLURM_JOB_NUM_NODES="1",
             SLURM_JOB_NODELIST=host,
             SLURMD_NODENAME=host,

@@ -32,6 +32,7 @@ from stager.units import parse_size
 
 __all__ = [
     "CacheLayout",
+    "check_cache_place",
     "CACHE_ENV",
     "CACHE_LIMIT_ENV",
     "resolve_cache_dir",
@@ -135,6 +136,30 @@ def vet_cache(root: Path) -> None:
     vet_private_dir(root, info, flag="--cache")
     if not (root / "CACHEDIR.TAG").is_file():
         CacheLayout._refuse_foreign(root)
+
+
+def check_cache_place(root: Path, dest_root: Path, source_root: str | None) -> None:
+    """Refuse a cache where it cannot outlive the job or would write into the data: at the
+    destination root, inside it or holding it (a job's cleanup removed the cache, or the cache
+    was taken for a staged dataset), or inside a local source (its objects, locks and tag were
+    written into the dataset on the shared filesystem). Checked before anything is written:
+    ``--cache X --dest X`` made the destination, then refused X as "not empty"."""
+    cache, dest = os.path.realpath(root), os.path.realpath(dest_root)
+    if _within(cache, dest) or _within(dest, cache):
+        raise UsageError(
+            f"--cache {root} and the destination {dest_root} overlap: a cache outlives jobs, "
+            "and a job's scratch is removed with it; put the cache in a directory of its own "
+            "outside the destination (e.g. /scratch/cache-$USER)"
+        )
+    if source_root is not None and _within(cache, os.path.realpath(source_root)):
+        raise UsageError(
+            f"--cache {root} is inside the source {source_root}: the cache would be written "
+            "into the dataset; put it on node-local disk outside the source"
+        )
+
+
+def _within(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
 
 
 def resolve_cache_dir(flag: str | None, env: Mapping[str, str] | None = None) -> Path | None:

@@ -16,7 +16,7 @@ import os
 
 from stager.errors import HashMismatch
 from stager.storage.hashing import new_hasher, split_digest
-from stager.storage.paths import PARTIAL_SUFFIX, discard
+from stager.storage.paths import discard, partial_of
 
 __all__ = ["place_file", "LINK", "REFLINK", "COPY"]
 
@@ -46,7 +46,7 @@ def place_file(src: str, final: str, *, digest: str, link: bool = True) -> str:
     copies from the source instead), :class:`HashMismatch` when a copy does not match, and
     other ``OSError`` as they come (ENOSPC included). Nothing is left under ``.partial``.
     """
-    partial = final + PARTIAL_SUFFIX
+    partial = partial_of(final)
     discard(partial)
     try:
         if link:

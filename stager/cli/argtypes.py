@@ -16,6 +16,7 @@ from typing import Any
 from stager.units import parse_duration, parse_size
 
 __all__ = [
+    "path",
     "seconds",
     "positive_seconds",
     "count",
@@ -103,6 +104,14 @@ def duration(text: str) -> float:
     if value > _MAX_SECONDS:
         raise argparse.ArgumentTypeError(f"{text!r}: at most ten years")
     return value
+
+
+def path(text: str) -> str:
+    """A path or URL: not empty. ``--report ""`` was passed over and ``stage-out CKPT ""``
+    committed into the working directory: an unset variable (``"$CKPT_DEST"``), never meant."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path (an unset variable?); give a path")
+    return text
 
 
 def default_of(cls: type, name: str) -> Any:

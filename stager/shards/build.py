@@ -15,6 +15,7 @@ is written (a manifest that silently leaves a shard out would later turn into mi
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 import threading
@@ -29,7 +30,9 @@ import fsspec
 from fsspec.core import url_to_fs
 
 from stager.errors import (
+    DestinationError,
     IntegrityError,
+    ScratchFull,
     ShardFailure,
     SizeMismatch,
     SourceError,
@@ -208,10 +211,11 @@ def write_manifest(manifest: Manifest, out: str) -> str:
         return out
     except StagerError:
         raise
-    except OSError as exc:
-        raise SourceError(
-            f"cannot write the manifest to {out}: {exc}; check the location and permissions"
-        ) from exc
+    except OSError as exc:  # a place to write to: exit 6 full, else 5 (was 3, the source's)
+        reason = f"cannot write the manifest to {out}: {exc.strerror or exc}"
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise ScratchFull(f"{reason}; free space or pass another --out", where=out) from exc
+        raise DestinationError(f"{reason}; check the location and permissions") from exc
 
 
 def index_source(

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,6 +101,8 @@ class Manifest:
         """Read and validate a manifest; raises :class:`UsageError` naming the file on bad input."""
         path = Path(path)
         try:
+            if not stat.S_ISREG(os.stat(path).st_mode):  # (/dev/zero filled the memory, a FIFO
+                raise UsageError(f"manifest {path} is not a regular file")  # hung the run)
             if path.suffix == ".parquet":
                 from stager.shards.manifest_parquet import read_parquet
 

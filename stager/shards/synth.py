@@ -80,19 +80,27 @@ def write_synthetic_dataset(
         path = out / f"{spec.prefix}-{shard:06d}{suffix}"
         tmp = path.with_name(path.name + ".partial")
         rng = np.random.default_rng([spec.seed, shard])
-        with open(tmp, "wb") as stream:
-            writer = wds.TarWriter(
-                stream, compress=spec.compress, mtime=_FIXED_MTIME, encoder=False
+        # made in memory, then written: a write that fails (a full disk) leaves no tar stream
+        # behind to write to the closed file again when collected (a second traceback)
+        shard_bytes = io.BytesIO()
+        writer = wds.TarWriter(
+            shard_bytes, compress=spec.compress, mtime=_FIXED_MTIME, encoder=False
+        )
+        for index in range(count):
+            writer.write(
+                {
+                    "__key__": sample_key(shard, index),
+                    "npy": _image(rng, spec.image_bytes),
+                    "cls": str(sample_label(spec.seed, shard, index)).encode(),
+                }
             )
-            for index in range(count):
-                writer.write(
-                    {
-                        "__key__": sample_key(shard, index),
-                        "npy": _image(rng, spec.image_bytes),
-                        "cls": str(sample_label(spec.seed, shard, index)).encode(),
-                    }
-                )
-            writer.close()
-        tmp.replace(path)
+        writer.close()
+        try:
+            with open(tmp, "wb") as stream:
+                stream.write(shard_bytes.getbuffer())
+            tmp.replace(path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # (a full disk, a Ctrl-C: no .partial left)
+            raise
         paths.append(path)
     return paths

@@ -8,7 +8,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from stager.errors import DestinationError, ScratchFull, ShardFailure
+from stager.errors import DestinationError, ScratchFull, ShardFailure, one_line
 from stager.layout import PARTIAL_SUFFIX
 from stager.storage.paths import discard
 from stager.units import human_bytes
@@ -57,7 +57,8 @@ class StageInReport:
         self.files_failed = len(self.failures)
 
     def summary_line(self) -> str:
-        return (
+        """One line, whatever the names hold (a newline in ``--name`` forged a second)."""
+        return one_line(
             f"[{self.node}] stage-in: {self.files_total} files, {self.files_copied} copied, "
             f"{self.files_skipped} skipped, {self.files_failed} failed; "
             f"{human_bytes(self.bytes_copied)} in {self.seconds:.2f} s ({self.mb_per_s:.1f} MB/s)"
@@ -84,19 +85,30 @@ class StageInReport:
     def write(self, path: str | os.PathLike[str]) -> None:
         """Write atomically so a reader never sees half a report; nothing is left on failure.
 
+        A path that exists and is not a regular file (``/dev/stdout``, a FIFO, a link to one)
+        is written to as it is: a rename over it replaced the device node or the link itself.
+        A link to a regular file keeps its link: its target is replaced.
         Raises :class:`~stager.errors.ScratchFull` or :class:`~stager.errors.DestinationError`
         naming the path when it cannot be written.
         """
         path = Path(path)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}{PARTIAL_SUFFIX}")
+        text = json.dumps(self.to_json(), indent=1) + "\n"
+        tmp: Path | None = None
         try:
             if path.is_dir():
                 raise IsADirectoryError(errno.EISDIR, "is a directory")
+            if path.exists() and not path.is_file():  # (a device, a FIFO, a link to one)
+                with open(path, "w") as stream:
+                    stream.write(text)
+                return
+            path = Path(os.path.realpath(path)) if path.is_symlink() else path
+            tmp = path.with_name(f"{path.name}.{os.getpid()}{PARTIAL_SUFFIX}")
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+            tmp.write_text(text)
             os.replace(tmp, path)
         except BaseException as exc:
-            discard(tmp)  # a Ctrl-C or SIGTERM mid-write too: no .partial left
+            if tmp is not None:
+                discard(tmp)  # a Ctrl-C or SIGTERM mid-write too: no .partial left
             if not isinstance(exc, OSError):
                 raise
             reason = exc.strerror or str(exc)

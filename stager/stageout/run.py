@@ -43,6 +43,18 @@ from stager.errors import (
 from stager.slurm import SlurmEnv
 from stager.stageout.deadline import Deadline
 from stager.stageout.keep import newest_skipped, prune
+from stager.stageout.outcome import (
+    ALREADY,
+    CHANGED,
+    COMMITTED,
+    FAILED,
+    SKIPPED_DEADLINE,
+    SKIPPED_KEEP,
+    SKIPPED_UNSETTLED,
+    Outcome,
+    empty,
+    unsettled,
+)
 from stager.stageout.record import KIND_DIR, CommitRecord, plan_keep
 from stager.stageout.snapshot import (
     Snapshot,
@@ -58,31 +70,7 @@ from stager.storage.lock import NodeLock
 from stager.storage.throttle import Throttle
 from stager.units import human_bytes
 
-__all__ = [
-    "StageOutOptions",
-    "Outcome",
-    "stage_out",
-    "prune",
-    "COMMITTED",
-    "ALREADY",
-    "SKIPPED_DEADLINE",
-    "SKIPPED_UNSETTLED",
-    "SKIPPED_KEEP",
-    "CHANGED",
-    "FAILED",
-    "SKIPPED_EMPTY",
-    "estimate_s",
-    "check_outcomes",
-]
-
-COMMITTED = "committed"  # this process copied and committed it
-ALREADY = "already"  # committed earlier (or by a concurrent copier) with the same content
-SKIPPED_DEADLINE = "skipped-deadline"  # not enough time left: nothing copied
-SKIPPED_UNSETTLED = "skipped-unsettled"  # modified too recently (--watch): next pass
-SKIPPED_KEEP = "skipped-keep"  # older than what --keep retains: copying it would be pruned at once
-CHANGED = "changed"  # the source changed during the copy: abandoned, nothing visible
-FAILED = "failed"  # could not be read or hashed (gone, changing, unreadable): the others go on
-SKIPPED_EMPTY = "skipped-empty"  # a directory with no file yet: just created, not a checkpoint
+__all__ = ["StageOutOptions", "stage_out", "prune", "estimate_s", "check_outside_checkpoints"]
 
 
 @dataclass(frozen=True)
@@ -98,30 +86,6 @@ class StageOutOptions:
     stale_s: float = 6 * 3600.0  # attempts from other nodes older than this are dead
     log: TextIO | None = None
     ckpt_dir: Path | None = None  # --all's directory: a DEST inside it is refused
-
-
-@dataclass
-class Outcome:
-    """What happened to one checkpoint."""
-
-    name: str
-    status: str
-    nbytes: int = 0
-    seconds: float = 0.0
-    url: str = ""
-    message: str = ""
-
-    def line(self) -> str:
-        if self.status == COMMITTED:
-            rate = self.nbytes / self.seconds / 1e6 if self.seconds > 0 else 0.0
-            return (
-                f"stage-out: committed {self.name} ({human_bytes(self.nbytes)} in "
-                f"{self.seconds:.1f} s, "
-                f"{rate:.0f} MB/s) -> {self.url}"
-            )
-        if self.status == ALREADY:
-            return f"stage-out: {self.name} already committed with the same content at {self.url}"
-        return f"stage-out: {self.message}"
 
 
 @dataclass
@@ -190,7 +154,7 @@ def stage_out(
         if has_files(ckpt):
             candidates.append(ckpt)
         else:  # before --keep ranks it
-            outcomes.append(_empty(ckpt.name, store.display(ckpt.name)))
+            outcomes.append(empty(ckpt.name, store.display(ckpt.name)))
             say(outcomes[-1].line(), False)
     mtimes = {p: newest_mtime_ns(p) for p in candidates}
     paths = sorted(mtimes, key=lambda p: (mtimes[p], p.name), reverse=True)
@@ -213,7 +177,7 @@ def stage_out(
             if len(paths) == 1:
                 raise  # one line says it all
             outcome = Outcome(ckpt.name, FAILED, url=store.display(ckpt.name), message=str(exc))
-        if outcome.status != SKIPPED_UNSETTLED:
+        if outcome.status != SKIPPED_UNSETTLED or stop is None:  # (--watch: its next pass)
             say(outcome.line(), outcome.status == COMMITTED)
         outcomes.append(outcome)
     if options.keep is not None:
@@ -261,9 +225,7 @@ def _stage_one(
     url = store.display(ckpt.name)
     if options.settle_s > 0 and time.time() - mtime_ns / 1e9 < options.settle_s:
         # from stats alone: a checkpoint still being written is not hashed (it would change)
-        return Outcome(
-            ckpt.name, SKIPPED_UNSETTLED, url=url, message=f"{ckpt.name} is still being written"
-        )
+        return unsettled(ckpt.name, url, options.settle_s)
     with NodeLock(_lock_path(ckpt), timeout_s=options.lock_timeout_s):
         snap = snapshot(ckpt)
         for rel in snap.skipped:
@@ -273,11 +235,9 @@ def _stage_one(
                 False,
             )
         if snap.kind == KIND_DIR and not snap.files:  # emptied since it was listed
-            return _empty(snap.name, url)
+            return empty(snap.name, url)
         if options.settle_s > 0 and snap.age_s() < options.settle_s:
-            return Outcome(
-                snap.name, SKIPPED_UNSETTLED, url=url, message=f"{snap.name} is still being written"
-            )
+            return unsettled(snap.name, url, options.settle_s)
         existing = store.record(snap.name)
         if existing is not None and existing.content_id == snap.content_id:
             return Outcome(snap.name, ALREADY, snap.total_bytes, url=url)
@@ -298,11 +258,6 @@ def _stage_one(
                     ),
                 )
         return _copy_and_commit(snap, store, options, slurm, rate, throttle, url)
-
-
-def _empty(name: str, url: str) -> Outcome:
-    message = f"skipped {name}: an empty directory (its files not written yet?)"
-    return Outcome(name, SKIPPED_EMPTY, url=url, message=message)
 
 
 def _copy_and_commit(
@@ -381,18 +336,3 @@ def _still_matches(snap: Snapshot) -> bool:
         return all(hash_file(f.path, f.hash.split(":", 1)[0]) == f.hash for f in snap.files)
     except OSError:
         return False
-
-
-def check_outcomes(outcomes: Sequence[Outcome]) -> None:
-    """Raise when some requested checkpoint was not committed (deadline, source changing)."""
-    missed = [o for o in outcomes if o.status in (SKIPPED_DEADLINE, CHANGED, FAILED)]
-    if not missed:
-        return
-    names = ", ".join(o.name for o in missed)
-    if all(o.status == SKIPPED_DEADLINE for o in missed):
-        raise DeadlineTooShort(
-            f"not committed for lack of time: {names}; earlier committed checkpoints are intact"
-        )
-    raise CheckpointError(
-        f"not committed: {names} (see the lines above); earlier committed checkpoints are intact"
-    )

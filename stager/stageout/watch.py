@@ -18,7 +18,8 @@ from typing import TextIO
 
 from stager.errors import CheckpointError, DestinationError, IntegrityError, SourceError
 from stager.signalevent import SignalSafeEvent
-from stager.stageout.run import Outcome, StageOutOptions, stage_out
+from stager.stageout.outcome import Outcome
+from stager.stageout.run import StageOutOptions, stage_out
 
 __all__ = ["watch", "stop_on_signals", "SayOnce", "STOP_SIGNALS", "WATCH_INTERVAL_S"]
 

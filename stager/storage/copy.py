@@ -36,7 +36,7 @@ from stager.storage.bytepath import (
 )
 from stager.storage.hashing import DEFAULT_ALGORITHM, new_hasher, split_digest
 from stager.storage.identity import is_regular, local_identity, local_version, version_of
-from stager.storage.paths import PARTIAL_SUFFIX, discard
+from stager.storage.paths import discard, partial_of
 from stager.storage.sources import protocol_of
 from stager.storage.throttle import Throttle
 
@@ -83,7 +83,7 @@ class CopyResult:
 
 
 def partial_path(final: Path) -> Path:
-    return final.with_name(final.name + PARTIAL_SUFFIX)
+    return Path(partial_of(os.fspath(final)))
 
 
 class _Fd:
@@ -227,7 +227,7 @@ def copy_file(
     url = url or src_path
     algorithm = split_digest(expected_hash)[0] if expected_hash else DEFAULT_ALGORITHM
     hasher = new_hasher(algorithm)
-    partial = os.fspath(final) + PARTIAL_SUFFIX  # a str: pathlib costs microseconds per call
+    partial = partial_of(os.fspath(final))  # a str: pathlib costs microseconds per call
     started, cpu_started = time.perf_counter(), time.process_time()
     progress = Progress(started, throttle, on_bytes)
     local = fs is None or protocol_of(fs) == "file"

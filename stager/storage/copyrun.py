@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from stager.storage import bytepath
 from stager.storage.bytepath import ReadBack
 from stager.storage.copy import CopyResult, Inspector
-from stager.storage.paths import PARTIAL_SUFFIX, discard
+from stager.storage.paths import discard, partial_of
 
 __all__ = ["RunJob", "CountingInspector", "available", "walks", "copy_run", "publish_run", "fits"]
 
@@ -58,7 +58,7 @@ class RunJob:
 
     @property
     def partial(self) -> str:
-        return self.final + PARTIAL_SUFFIX
+        return partial_of(self.final)
 
 
 #: What became of a job the compiled run copied (its result's first field; ``_copyrun.c``).

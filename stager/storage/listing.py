@@ -281,6 +281,8 @@ def split_fs(url: str) -> tuple[fsspec.AbstractFileSystem | None, str]:
         raise UsageError(
             f"cannot open {url!r}: {exc}; install the fsspec backend (e.g. s3fs)"
         ) from exc
+    except OSError as exc:  # (a chained URL opens its outer file here: zip://x::file:///a.zip)
+        raise translate(exc, url) from exc
     return (None, path) if protocol_of(fs) == "file" else (fs, path)
 
 

@@ -25,6 +25,7 @@ __all__ = [
     "safe_join",
     "SafeJoiner",
     "PARTIAL_SUFFIX",
+    "partial_of",
     "discard",
     "not_utf8",
 ]
@@ -49,6 +50,33 @@ def check_encodable(text: str, what: str) -> None:
             f"{what} is not valid UTF-8: '{shown}'; rename it (manifests, indexes and reports "
             "record names as UTF-8)"
         )
+
+
+#: The longest file name (bytes) Linux file systems take.
+NAME_MAX = 255
+_PARTIAL_BYTES = len(PARTIAL_SUFFIX.encode())
+
+
+def partial_of(final: str) -> str:
+    """Where ``final`` is written before it is renamed into place: ``final`` + ``.partial``.
+
+    A name of 248-255 bytes is legal on the source, and with the suffix past the limit: each
+    copy failed with ENAMETOOLONG, retried as a source error (exit 3) after seconds of back-off.
+    Such a name is cut to fit, at a character, and told apart by a digest of the whole name;
+    it still ends in ``.partial``, so a rerun deletes it as a killed run's leftover."""
+    name = final[final.rfind("/") + 1 :]
+    # (the first test, at most 4 bytes a character: no encoding for the usual names)
+    if (
+        4 * len(name) + _PARTIAL_BYTES <= NAME_MAX
+        or len(name.encode()) + _PARTIAL_BYTES <= NAME_MAX
+    ):
+        return final + PARTIAL_SUFFIX
+    import hashlib
+
+    digest = hashlib.blake2b(name.encode(), digest_size=8).hexdigest()
+    room = NAME_MAX - _PARTIAL_BYTES - len(digest) - 1
+    head = name.encode()[:room].decode("utf-8", "ignore")
+    return f"{final[: len(final) - len(name)]}{head}~{digest}{PARTIAL_SUFFIX}"
 
 
 def discard(path: str | os.PathLike[str]) -> None:

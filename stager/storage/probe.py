@@ -6,6 +6,8 @@ say what limits a job. Each probe is bounded in bytes and files, so it is safe o
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import statistics
 import time
@@ -14,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from stager.errors import DestinationError, ScratchFull
 from stager.layout import DOCTOR_PROBE_PREFIX, PARTIAL_SUFFIX
 from stager.storage.dest import ensure_private_dir
 from stager.storage.sources import SourceSet, SourceShard
@@ -92,20 +95,29 @@ def probe_source(
 
 
 def probe_scratch(dest_root: Path, *, nbytes: int = 128 << 20) -> ScratchProbe:
-    """Write (and fsync) a temporary file of ``nbytes`` under ``dest_root``, then delete it."""
-    root = ensure_private_dir(dest_root)
-    free = os.statvfs(root).f_bavail * os.statvfs(root).f_frsize
-    nbytes = max(_BLOCK, min(nbytes, free // 4))
-    path = root / f"{DOCTOR_PROBE_PREFIX}{os.getpid()}{PARTIAL_SUFFIX}"
-    block = os.urandom(_BLOCK)
-    started = time.perf_counter()
+    """Write (and fsync) a temporary file of ``nbytes`` (at most a quarter of the free space)
+    under ``dest_root``, then delete it. Raises :class:`DestinationError` (or
+    :class:`ScratchFull`) naming ``dest_root`` where it cannot be written."""
+    path = dest_root / f"{DOCTOR_PROBE_PREFIX}{os.getpid()}{PARTIAL_SUFFIX}"
     try:
-        with open(path, "wb", buffering=0) as handle:
-            written = 0
-            while written < nbytes:
-                written += handle.write(block)
-            os.fsync(handle.fileno())
-        seconds = time.perf_counter() - started
-    finally:
-        path.unlink(missing_ok=True)
+        root = ensure_private_dir(dest_root)
+        free = os.statvfs(root).f_bavail * os.statvfs(root).f_frsize
+        nbytes = max(1, min(nbytes, free // 4))  # (a nearly full scratch: what a quarter allows)
+        block = memoryview(os.urandom(min(_BLOCK, nbytes)))
+        started = time.perf_counter()
+        try:
+            with open(path, "wb", buffering=0) as handle:
+                written = 0
+                while written < nbytes:
+                    written += handle.write(block[: nbytes - written])
+                os.fsync(handle.fileno())
+            seconds = time.perf_counter() - started
+        finally:
+            with contextlib.suppress(OSError):  # (never made on a read-only one)
+                path.unlink()
+    except OSError as exc:
+        reason = f"cannot write a probe file under {dest_root}: {exc.strerror or exc}"
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise ScratchFull(reason, where=str(dest_root)) from exc
+        raise DestinationError(f"{reason}; check the scratch (read-only? full?)") from exc
     return ScratchProbe(path=str(root), bytes_written=written, seconds=seconds, free_bytes=free)

@@ -170,10 +170,17 @@ def _glob(spec: str, fs: fsspec.AbstractFileSystem | None, path: str, name: str)
     root = glob_root(path) or ""  # (path is a glob here: never None)
     # A wildcard matches no hidden name (.git/, ._a.tar), as in the shell; fsspec's glob does
     files, hidden = leave_out_hidden(fs, [m for m in infos if m[1].kind != DIRECTORY], root, path)
-    left_out = tuple(sorted(hidden))
     if not files:
-        note = literal_path_note(spec) + hidden_note(left_out)
+        note = literal_path_note(spec) + hidden_note(tuple(sorted(hidden)))
         raise SourceError(f"source not found: no file matches {spec}; check the pattern{note}")
+    # Shard names only, as a walk takes them: `ds/*` matched the stager-manifest.json that
+    # `stager index` writes beside the shards, staged it with exit 0, and the loader then
+    # failed on it as a corrupt tar. The others are named in a warning.
+    not_shards = [display(fs, p) for p, _ in files if not is_shard_name(posixpath.basename(p))]
+    files = [(p, info) for p, info in files if is_shard_name(posixpath.basename(p))]
+    if not files:
+        raise SourceError(no_shards_message(spec, not_shards))
+    left_out = tuple(sorted([*hidden, *not_shards]))
     matched = [shard_at(fs, p, root, info) for p, info in files if info.kind != OTHER]
     shards = unique_shards(matched, exact=fs is not None)  # (keys: x//y.tar is not x/y.tar)
     skipped = tuple(display(fs, p) for p, info in files if info.kind == OTHER)

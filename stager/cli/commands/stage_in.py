@@ -6,12 +6,19 @@ import argparse
 import dataclasses
 import os
 import sys
+from pathlib import Path
 
-from stager.cache.paths import resolve_cache_dir, resolve_cache_limit, vet_cache
+from stager.cache.paths import (
+    check_cache_place,
+    resolve_cache_dir,
+    resolve_cache_limit,
+    vet_cache,
+)
 from stager.cli.argtypes import (
     count,
     default_of,
     mbps,
+    path,
     positive_count,
     positive_seconds,
     seconds,
@@ -36,6 +43,7 @@ from stager.errors import (
 )
 from stager.gcpause import collection_paused, freezing_after_pauses
 from stager.interrupts import sigterm_interrupts
+from stager.layout import is_remote_url, source_root
 from stager.slurm import SlurmEnv
 from stager.stagein.options import PROGRESS_STYLES, SUBSETS, StageInOptions
 from stager.stagein.report import StageInReport
@@ -80,22 +88,29 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--checkpoint",
+        type=path,
         metavar="DEST",
         help="restore the newest committed checkpoint from DEST (stage-out's destination) to "
         "--dest/<name>; prints its local path on stdout",
     )
     add(
         "--from-list",
+        type=path,
         metavar="FILE",
         help="read shard URLs from FILE (one per line, # comments; - reads standard input)",
     )
     add(
         "--dest",
+        type=path,
         metavar="DIR",
         help="destination root (default: $STAGER_DEST, else /scratch/$SLURM_JOB_ID, "
         "else $TMPDIR/stager-$USER/local)",
     )
-    add("--name", help="dataset name under the destination (default: the source directory's name)")
+    add(
+        "--name",
+        type=path,
+        help="dataset name under the destination (default: the source directory's name)",
+    )
     add(
         "--jobs",
         type=positive_count,
@@ -130,10 +145,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--manifest",
+        type=path,
         metavar="PATH",
         help="manifest to verify against (default: stager-manifest.* beside the source)",
     )
-    add("--report", metavar="PATH.json", help="write the run's summary as JSON")
+    add("--report", type=path, metavar="PATH.json", help="write the run's summary as JSON")
     add("--quiet", action="store_true", help="no progress output (summary line still printed)")
     add(
         "--progress",
@@ -174,6 +190,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--cache",
+        type=path,
         metavar="DIR",
         help="node-local cache that outlives the job (default: $STAGER_CACHE): shards are "
         "served from it by identity (hard link, reflink or copy) and copied into it once per "
@@ -252,6 +269,8 @@ def _run(args: argparse.Namespace) -> int:
             )
 
     options = options_from_args(args, slurm)
+    if args.report:
+        _check_report_place(args.report, options.dest_root)
     uncached_mode = "--fanout" if args.fanout else "--background" if args.background else None
     if uncached_mode and options.cache_dir is not None:
         if args.cache:
@@ -260,8 +279,12 @@ def _run(args: argparse.Namespace) -> int:
             f"stage-in: warning: {uncached_mode} ignores $STAGER_CACHE", file=sys.stderr, flush=True
         )
         options = dataclasses.replace(options, cache_dir=None)
-    if options.cache_dir is not None:
-        vet_cache(options.cache_dir)  # before anything is written to the destination
+    if options.cache_dir is not None:  # (before anything is written to the destination)
+        local_source = args.source and not args.from_list and not is_remote_url(args.source)
+        check_cache_place(
+            options.cache_dir, options.dest_root, source_root(args.source) if local_source else None
+        )
+        vet_cache(options.cache_dir)
     select = None
     if args.subset == "node":
         from stager.plan.nodes import select_node_shards
@@ -303,6 +326,18 @@ def _run(args: argparse.Namespace) -> int:
     if not slurm.in_slurm and not args.dest and not os.environ.get("STAGER_DEST"):
         _outside_a_job(report)
     return 0
+
+
+def _check_report_place(report: str, dest_root: Path) -> None:
+    """Refuse a ``--report`` inside the datasets under the destination root (links followed):
+    it was renamed over whatever was there, a staged shard too, with exit 0."""
+    where, root = os.path.realpath(report), os.path.realpath(dest_root)
+    if os.path.dirname(where).startswith(root.rstrip("/") + "/"):
+        raise UsageError(
+            f"--report {report} is inside a staged dataset's directory under {dest_root}: it "
+            "would be written over a staged file; write it beside them (DEST/report.json) or "
+            "elsewhere"
+        )
 
 
 def _outside_a_job(report: StageInReport) -> None:

@@ -6,12 +6,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from stager.cli.argtypes import default_of, mbps, positive_seconds, seconds
+from stager.cli.argtypes import default_of, mbps, path, positive_seconds, seconds
 from stager.errors import NoCheckpoint, UsageError
 from stager.signalevent import SignalSafeEvent
 from stager.slurm import SlurmEnv
 from stager.stageout.deadline import DEADLINE_MARGIN_S, resolve_deadline
-from stager.stageout.run import StageOutOptions, check_outcomes, stage_out
+from stager.stageout.outcome import check_outcomes
+from stager.stageout.run import StageOutOptions, stage_out
 from stager.stageout.snapshot import has_files, list_checkpoints
 from stager.stageout.watch import WATCH_INTERVAL_S, stop_on_signals, watch
 
@@ -43,11 +44,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument(
         "ckpt",
+        type=path,
         metavar="CKPT",
         help="checkpoint file or directory on scratch (with --all: the directory holding them)",
     )
     parser.add_argument(
         "dest",
+        type=path,
         metavar="DEST",
         help="persistent destination directory: a path or any fsspec URL (s3://bucket/run)",
     )
