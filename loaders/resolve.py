@@ -13,11 +13,9 @@ with a warning. A staged copy of another source under the same name is refused.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import attrgetter
@@ -25,20 +23,20 @@ from pathlib import Path
 
 import numpy as np
 
-from stager.errors import IntegrityError, SourceError, StagerError, UsageError
-from stager.layout import StagedDataset, dataset_name, is_remote_url, source_path, source_root
+from stager.errors import IntegrityError, SourceError, UsageError
+from stager.layout import StagedDataset, dataset_name, is_remote_url
 from stager.shards.indexkey import changed_ns
 from stager.shards.manifest import ManifestColumns, read_columns
 from stager.shards.tarindex import any_compressed
-from stager.stagein.sourcemanifest import manifest_beside
 from stager.stagein.status import PlanFacts
 from stager.storage.dest import resolve_dest_root
 from stager.storage.sources import SourceSet, resolve_source
 
-from .enclosing import enclosing_copies, staged_whole_from
+from .enclosing import copy_above, part_of_a_copy
 from .failed import recorded_corrupt, recorded_failures
 from .packedstrings import PackedStrings
 from .selection import staged_selection, url_prefix
+from .sourcecounts import source_samples
 from .spelling import check_same_root, real_spelling, spelled_from
 
 __all__ = ["ShardRef", "DatasetShards", "resolve_dataset"]
@@ -149,25 +147,6 @@ def _source_refs(source: SourceSet, samples: dict[str, int | None]) -> dict[str,
     }
 
 
-def _source_samples(source: SourceSet) -> dict[str, int | None]:
-    """The sample counts of the manifest beside the source (``stager index``), if any: without
-    them a streamed shard is counted by reading it whole, remote ones too. One that cannot be
-    read costs that counting, not correctness."""
-    try:
-        with contextlib.ExitStack() as stack:
-            scratch = None
-            if not source.is_local:  # (fetched, then read by its suffix)
-                made = tempfile.TemporaryDirectory(prefix="stager-manifest-")
-                scratch = Path(stack.enter_context(made))
-            manifest = manifest_beside(source, scratch)
-    except SourceError as exc:  # (the store failed: counted instead)
-        log.warning("the manifest beside %s could not be read (%s)", source.root_url, exc)
-        return {}
-    except StagerError:
-        return {}
-    return {} if manifest is None else {e.relpath: e.samples for e in manifest.entries}
-
-
 def _from_source(root: str, relpath: str, samples: int | None) -> ShardRef:
     """A shard read at the absolute source root the staged manifest records."""
     url = url_prefix(root) + relpath
@@ -196,7 +175,7 @@ def _staged_mtimes(locations: Sequence[str], sizes: list[int]) -> tuple[list[int
     return mtimes, missing
 
 
-class _NothingSelected(SourceError):
+class NothingSelected(SourceError):
     """The SOURCE selects no shard of a staged copy (nor names one it lacks)."""
 
 
@@ -223,7 +202,7 @@ def _from_staged(
     if selection is not None:
         columns, failures, unstaged = selection.apply(columns, failures, root)
         if not columns.relpaths and not unstaged and not failures:
-            raise _NothingSelected(f"no shard of the staged copy {dataset_dir} matches {spec}")
+            raise NothingSelected(f"no shard of the staged copy {dataset_dir} matches {spec}")
     # str concatenation: pathlib costs ~30 us per shard and os.path.join ~3 us (0.3 s at 100k);
     # relpaths are canonical and relative (checked by read_columns)
     prefix = os.fspath(dataset_dir).rstrip("/") + "/"
@@ -322,27 +301,6 @@ def _staged_copy(
     return found, None
 
 
-def _enclosing_copy(root: Path, spec: str | list[str], on_error: str) -> DatasetShards | None:
-    """``spec``'s shards in a copy of a directory above its root, staged whole (enclosing.py)."""
-    for staged, directory in enclosing_copies(root, spec):
-        try:
-            columns = read_columns(staged.manifest_path)
-        except StagerError:  # (unreadable: the source is read, as without a copy)
-            continue
-        if staged_whole_from(columns.meta, directory):
-            with contextlib.suppress(_NothingSelected):
-                found = _from_staged(staged.dir, spec, on_error, columns)
-                # named from spec's root, as its own copy or the source names them (the
-                # fingerprint a resumed state is checked with is made of these names)
-                cut = len(source_root(spec)) - len(source_path(directory))
-                return dataclasses.replace(
-                    found,
-                    relpaths=PackedStrings([r[cut:] for r in found.relpaths]),
-                    left_out=tuple(r[cut:] for r in found.left_out),
-                )
-    return None
-
-
 def resolve_dataset(
     source: str | os.PathLike[str] | Sequence[str],
     *,
@@ -373,9 +331,9 @@ def resolve_dataset(
         again = StagedDataset(staged.root, name or dataset_name(real))
         found, _ = _staged_copy(again, real, on_error)
     if found is None and name is None and other is None:  # (a copy of the directory above?)
-        found = _enclosing_copy(staged.root, spec, on_error)
+        found = copy_above(staged.root, spec, on_error)
         if found is None and real is not None:
-            found = _enclosing_copy(staged.root, real, on_error)
+            found = copy_above(staged.root, real, on_error)
     if found is not None:
         return found
     if isinstance(spec, str) and "://" not in spec:
@@ -383,10 +341,13 @@ def resolve_dataset(
         layout = StagedDataset.of(direct)
         if direct.is_dir() and (layout.manifest_path.is_file() or layout.staging_path.is_file()):
             return resolve_staging(layout, None, on_error) or _from_staged(direct, None, on_error)
+    inside = part_of_a_copy(spec, on_error) if found is None and name is None else None
+    if inside is not None:
+        return inside
     if other is not None:
         raise other
     resolved = resolve_source(spec, name=name)
-    refs = list(_source_refs(resolved, _source_samples(resolved)).values())
+    refs = list(_source_refs(resolved, source_samples(resolved)).values())
     log.warning(
         "no staged copy of %s under %s: reading all %d shard(s) from the source; "
         "run stage-in first to read them locally",

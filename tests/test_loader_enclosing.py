@@ -5,6 +5,7 @@ warning, while the copy sat on scratch."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -12,12 +13,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stager.errors import SourceError
+from stager.errors import SourceError, UsageError
+from stager.shards.build import build_manifest, write_manifest
 from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 from stager.storage.sources import resolve_source
 from stager_loaders import LoaderOptions, ShardedLoader
 from stager_loaders.resolve import resolve_dataset
 
+from . import background_util as bg
 from .conftest import run_cli
 from .inproc import clean_process_env, run_main
 
@@ -170,3 +173,38 @@ def test_a_copy_of_the_directory_above_serves_what_stage_in_lists_for_the_source
                 assert found.from_source == len(found)
     finally:
         shutil.rmtree(base)
+
+
+def test_a_part_named_by_its_path_on_scratch_comes_from_the_copys_manifest(
+    staged_tree: tuple[Path, Path],
+) -> None:
+    """The templates hand a script the staged copy ($DATA_DIR) and it loads $DATA_DIR/train:
+    read as a plain directory, as it stood; while a copier still filled it, a part of the
+    shards, and the job trained on them and ended well."""
+    src, dest = staged_tree
+    copy = dest / "ds"
+    for spelling in ("train", "train/", "train/*.tar"):
+        shards = resolve_dataset(f"{copy}/{spelling}")
+        assert shards.staged_dir == copy and shards.from_source == 0
+        assert list(shards.relpaths) == ["tra-000000.tar", "tra-000001.tar", "tra-000002.tar"]
+    (copy / "train" / "tra-000001.tar").unlink()  # (missing: read from the recorded source)
+    shards = resolve_dataset(f"{copy}/train")
+    assert shards.from_source == 1 and str(src / "train") in shards.locations[1]
+    (copy / ".stager" / "manifest.json").unlink()  # (a stage-in that never finished)
+    with pytest.raises(UsageError, match="has not finished"):
+        resolve_dataset(f"{copy}/train")
+
+
+def test_a_part_of_a_copy_being_made_in_the_background_is_refused(tmp_path: Path) -> None:
+    src = tmp_path / "src" / "ds"
+    for sub, seed in (("sub", 1), ("other", 2)):
+        write_synthetic_dataset(src / sub, dataclasses.replace(bg.SPEC, seed=seed))
+    write_manifest(build_manifest(resolve_source(str(src))), str(src / "stager-manifest.json"))
+    dest = tmp_path / "scratch"
+    copier = bg.start_copier(src, dest, "--bw-limit", "0.2")  # (~2 MB: seconds)
+    try:
+        bg.wait_plan(dest)
+        with pytest.raises(UsageError, match="still copying"):
+            resolve_dataset(str(dest / "ds" / "sub"))
+    finally:
+        bg.stop(copier)
