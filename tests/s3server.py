@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["moto_server", "s3_env", "free_port", "refusing_proxy"]
+__all__ = ["FlakyProxy", "moto_server", "s3_env", "free_port", "refusing_proxy"]
 
 
 def free_port() -> int:
@@ -81,7 +81,9 @@ class FlakyProxy:
 
     def __init__(self, upstream_port: int, *, every: int = 3, cut_bytes: int = 1500):
         self.upstream_port = upstream_port
-        self.every = every
+        self.every = every  # (0: never)
+        #: While set, the store is away: connections in flight are cut, new ones closed.
+        self.down = False
         self.cut_bytes = cut_bytes
         self.connections = 0
         self.cuts = 0
@@ -117,8 +119,11 @@ class FlakyProxy:
                 client, _ = self._listener.accept()
             except OSError:
                 return
+            if self.down:
+                client.close()
+                continue
             self.connections += 1
-            cut = self.connections % self.every == 0
+            cut = bool(self.every) and self.connections % self.every == 0
             upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
             limit = self.cut_bytes if cut else None
             if cut:
@@ -126,13 +131,12 @@ class FlakyProxy:
             threading.Thread(target=self._pipe, args=(client, upstream, None), daemon=True).start()
             threading.Thread(target=self._pipe, args=(upstream, client, limit), daemon=True).start()
 
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket, limit: int | None) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket, limit: int | None) -> None:
         sent = 0
         try:
             while True:
                 data = src.recv(65536)
-                if not data:
+                if not data or self.down:
                     break
                 if limit is not None and sent + len(data) >= limit:
                     dst.sendall(data[: max(0, limit - sent)])

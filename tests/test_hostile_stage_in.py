@@ -755,3 +755,47 @@ def test_a_member_twice_in_one_sample_is_refused_after_a_kill_too(tmp_path: Path
     failed = [line for line in rerun.stderr.splitlines() if line.startswith("FAILED")]
     assert len(failed) == 1 and "s-dup.tar: member 'a.jpg' appears twice" in failed[0]
     assert not (dest / "ds" / "s-dup.tar").exists()
+
+
+def test_a_shard_rewritten_behind_an_http_server_is_copied_again(tmp_path: Path) -> None:
+    """A server that sends Last-Modified and no ETag (Python's http.server) gave fsspec's info
+    no field stage-in took for a version: a shard rewritten at the same size stayed staged,
+    "0 copied", exit 0, its bytes no longer the source's."""
+    import socket
+    import sys
+
+    from .s3server import free_port
+
+    served = tmp_path / "www"
+    write_synthetic_dataset(served / "ds", SyntheticSpec(num_shards=2, samples_per_shard=3))
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "http.server", "-b", "127.0.0.1", str(port), "-d", str(served)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and server.poll() is None
+                time.sleep(0.1)
+        listed = tmp_path / "shards.txt"
+        urls = [f"http://127.0.0.1:{port}/ds/train-00000{i}.tar" for i in (0, 1)]
+        listed.write_text("\n".join(urls) + "\n")
+        argv = ["--from-list", str(listed), "--dest", str(tmp_path / "s"), "--name", "ds", *FAST]
+        assert run_cli("stage-in", *argv).returncode == 0
+        shard = served / "ds" / "train-000001.tar"
+        rewritten = _rewrite_in_place(shard)
+        later = shard.stat().st_mtime_ns + 10**10  # (Last-Modified counts whole seconds)
+        os.utime(shard, ns=(later, later))
+        again = run_cli("stage-in", *argv[: -len(FAST)], "--jitter-max", "0")
+        assert again.returncode == 0, again.stderr
+        assert "1 copied" in again.stderr, again.stderr
+        assert (tmp_path / "s" / "ds" / "train-000001.tar").read_bytes() == rewritten
+    finally:
+        server.terminate()
+        server.wait()

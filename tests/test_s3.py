@@ -262,7 +262,8 @@ def test_keys_that_would_land_on_one_path_are_refused_naming_both(
 ) -> None:
     """``x//y.tar`` and ``x/y.tar`` are two objects: both were copied into one ``.partial``,
     one failed with a rename error on every run, and the staged manifest listed ``x/y.tar``
-    twice with the other's hash. Refused before any byte moves, as two local files are."""
+    twice with the other's hash. Refused before any byte moves: the key with an empty part by
+    its name (alone, it was staged as ``x/y.tar``, and the loader's fallback read the other)."""
     key_prefix = f"{uuid.uuid4().hex[:8]}/kc"
     client = _client(endpoint)
     for key in ("x//y.tar", "x/y.tar"):
@@ -270,9 +271,11 @@ def test_keys_that_would_land_on_one_path_are_refused_naming_both(
     client.close()
     spec = f"s3://{BUCKET}/{key_prefix}"
     result = run_cli("stage-in", spec, "--dest", str(tmp_path), *FAST, env=_env(endpoint))
-    assert result.returncode == EXIT_USAGE, result.stderr
-    assert "two source files would be staged as 'x/y.tar'" in result.stderr, result.stderr
-    assert "x//y.tar" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    # (x//y.tar alone was staged as x/y.tar, where the loader's fallback read the other key:
+    # a key with an empty part is refused by name, as one with a '.' part)
+    assert result.returncode == EXIT_DEST, result.stderr
+    assert "x//y.tar' has an empty, '.' or '..' part" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
     assert not list(tmp_path.rglob("*.tar*"))
     # a key naming a file that another key needs as a directory: retried as "changing" before
     client = _client(endpoint)
@@ -287,19 +290,19 @@ def test_keys_that_would_land_on_one_path_are_refused_naming_both(
     # a key with a '.' or '..' part, named in a list (a walk leaves it out as hidden): staged as
     # a/b.tar or b.tar before, where the loader's source fallback read another key (or none)
     client = _client(endpoint)
-    for key in ("a/../b.tar", "a/./d.tar", "c.tar"):
+    for key in ("a/../b.tar", "a/./d.tar", "a//e.tar", "c.tar"):
         client.upload_file(shard, BUCKET, f"{key_prefix}-kp/{key}")
     client.close()
     spec = f"s3://{BUCKET}/{key_prefix}-kp"
-    for odd in ("a/../b.tar", "a/./d.tar"):
+    for odd in ("a/../b.tar", "a/./d.tar", "a//e.tar"):
         listed = tmp_path / "list.txt"
         listed.write_text(f"{spec}/{odd}\n{spec}/c.tar\n")
         argv = ["--from-list", str(listed), "--dest", str(tmp_path / "p"), *FAST]
         result = run_cli("stage-in", *argv, env=_env(endpoint))
         assert result.returncode == EXIT_DEST, result.stderr
         assert result.stderr.strip().splitlines() == [
-            f"stage-in: error: key '{spec}/{odd}' has a '.' or '..' part and cannot be staged "
-            "under its own name; rename it, or stage it as a separate dataset"
+            f"stage-in: error: key '{spec}/{odd}' has an empty, '.' or '..' part and cannot be "
+            "staged under its own name; rename it, or stage it as a separate dataset"
         ]
         assert not list((tmp_path / "p").rglob("*.tar*"))
 
@@ -370,3 +373,18 @@ def test_an_object_rewritten_after_its_listing_is_read_as_it_is_now(
     now = relisted(resolve_source(source), item)
     assert now.size == other.stat().st_size != item.size
     assert now.shard.version != item.shard.version and now.shard.path == item.shard.path
+
+
+def test_named_shards_on_an_unreachable_store_are_one_line_and_exit_3(tmp_path: Path) -> None:
+    """A prefix, a glob and a key said so; a brace pattern and a list of URLs, whose shards are
+    stat'ed one by one, ended in botocore's traceback (exit 1)."""
+    from .s3server import free_port
+
+    env = clean_env(**s3_env(f"http://127.0.0.1:{free_port()}"))  # (nothing listens there)
+    env["AWS_MAX_ATTEMPTS"] = "1"
+    listed = tmp_path / "shards.txt"
+    listed.write_text("s3://away/ds/s0.tar\ns3://away/ds/s1.tar\n")
+    for argv in (("s3://away/ds/s{0..1}.tar",), ("--from-list", str(listed))):
+        done = run_cli("stage-in", *argv, "--dest", str(tmp_path / "d"), env=env, timeout=240)
+        assert done.returncode == EXIT_SOURCE, done.stderr
+        assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1

@@ -124,3 +124,90 @@ def test_a_failed_restage_of_a_committed_name_keeps_the_commit(
     assert again.returncode == 0, again.stderr
     got = run_cli("stage-in", "--checkpoint", dest, "--dest", str(tmp_path / "l2"), env=env)
     assert Path(got.stdout.strip()).read_bytes() == ckpt.read_bytes()
+
+
+def test_names_with_glob_characters_never_touch_other_checkpoints(
+    endpoint: str, tmp_path: Path
+) -> None:
+    """fsspec's copy and rm expand * ? [ as a glob: a*b's commit copied nothing ("copied
+    short"), and undoing it deleted the committed a1b's data under its record; --all then
+    committed nothing. Every name is a name, here as on a path DEST."""
+    env = clean_env(**s3_env(endpoint))
+    dest = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/glob"
+    scratch = tmp_path / "scratch"
+    for i, name in enumerate(["a1b", "a*b", "ck[1]", "q?x", "rank[0]"]):
+        set_mtime(write_ckpt_dir(scratch / name, seed=i), 1_700_000_000 + i)
+    (scratch / "rank[0]" / "w?.pt").write_bytes(b"weights of an odd name")
+    first = run_cli("stage-out", str(scratch / "a1b"), dest, env=env)
+    assert first.returncode == 0, first.stderr
+    every = run_cli("stage-out", "--all", str(scratch), dest, env=env)
+    assert every.returncode == 0, every.stderr
+    assert every.stderr.count("stage-out: committed ") == 4, every.stderr
+    assert "a1b already committed" in every.stderr
+    got = run_cli("stage-in", "--checkpoint", dest, "--dest", str(tmp_path / "r"), env=env)
+    assert got.returncode == 0, got.stderr
+    assert same_tree(scratch / "rank[0]", Path(got.stdout.strip()))  # (the newest)
+    import s3fs
+
+    fs = s3fs.S3FileSystem(
+        client_kwargs={"endpoint_url": endpoint}, key="testing", secret="testing"
+    )
+    keys = set(fs.find(dest))
+    for name in ("a1b", "a*b", "ck[1]", "q?x"):  # every file of every checkpoint is there
+        for path in (scratch / name).rglob("*"):
+            if path.is_file():
+                assert f"{dest[5:]}/{path.relative_to(scratch)}" in keys, (name, path)
+
+
+def test_giving_up_an_attempt_on_a_store_that_is_gone_raises_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The cleanup of a failed attempt raised botocore's connection error (no OSError), which
+    replaced the one-line destination error that failed it: a one-shot stage-out ended in a
+    traceback (exit 1), and --watch, which retries what its passes raise as stager's errors,
+    ended for good when the store went away mid-upload. What is left, the next run cleans."""
+    from stager.stageout.store import Attempt
+    from stager.stageout.stores import open_store
+
+    from .s3server import free_port
+
+    for key, value in s3_env(f"http://127.0.0.1:{free_port()}").items():  # (nothing listens)
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    store = open_store(f"s3://gone-{uuid.uuid4().hex[:6]}/run")
+    attempt = Attempt("step-1", "t", store.path(".stager/staging/t"))
+    store.abandon(attempt)
+    store._finish(attempt)
+
+
+def test_a_restore_that_fails_names_the_side_that_failed(tmp_path: Path) -> None:
+    """A store lost mid-restore raised botocore's own error: a traceback, exit 1. A store's
+    OSError (throttling: EBUSY) was blamed on the local directory ("free space or pass
+    --dest"). Both are one line, exit 5, naming the side that failed."""
+    import errno
+
+    from botocore.exceptions import EndpointConnectionError
+
+    from stager.errors import EXIT_DEST
+    from stager.stageout.restore import _restore_error
+
+    root, url = tmp_path / "restore", "s3://bucket/run"
+    lost = _restore_error(
+        EndpointConnectionError(endpoint_url="http://127.0.0.1:9"), "step-2", root, url
+    )
+    busy = _restore_error(
+        OSError(errno.EBUSY, "Please reduce your request rate.", "bucket/run/step-2/m.pt"),
+        "step-2",
+        root,
+        url,
+    )
+    full = _restore_error(
+        OSError(errno.ENOSPC, "No space left on device", str(root / "x.partial")),
+        "step-2",
+        root,
+        url,
+    )
+    for error in (lost, busy):
+        assert error.exit_code == EXIT_DEST and "--dest" not in str(error)
+        assert str(error).startswith(f"cannot read step-2 from {url}: ")
+    assert full.exit_code == EXIT_DEST and "pass --dest" in str(full) and str(root) in str(full)

@@ -12,6 +12,7 @@ restored copy (``<root>/.stager-restored/<name>.json`` holds its content id) and
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
@@ -26,6 +27,8 @@ from stager.errors import (
     IntegrityError,
     NoCheckpoint,
     SourceError,
+    StagerError,
+    one_line,
 )
 from stager.layout import RESTORE_LOCK, RESTORE_STAGING_PREFIX, RESTORED_DIR
 from stager.stageout.record import CommitRecord, newest_first
@@ -100,6 +103,27 @@ def _publish(root: Path, staging: Path, record: CommitRecord) -> Path:
     return target
 
 
+def _restore_error(exc: Exception, name: str, root: Path, dest_url: str) -> DestinationError:
+    """One line for a restore that failed on the local side (``root``: full, read-only) or on
+    the store's (unreachable, throttling: a store's client raises its own errors, and an
+    OSError of the store's was blamed on the local directory). Exit 5 either way."""
+    filename = getattr(exc, "filename", None)
+    local = isinstance(filename, str) and filename.startswith(str(root))
+    if isinstance(exc, OSError) and (local or exc.errno in _LOCAL_ERRNOS):
+        return DestinationError(
+            f"cannot restore {name} into {root}: {exc.strerror or exc}; free space or pass "
+            "--dest to a usable directory"
+        )
+    return DestinationError(
+        f"cannot read {name} from {dest_url}: {one_line(exc)}; check the store (reachable? "
+        "credentials?) and rerun"
+    )
+
+
+#: What the local side of a restore fails with (the store's failures are other errors).
+_LOCAL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
+
+
 def restore_checkpoint(
     dest_url: str, local_root: str | os.PathLike[str], *, log: TextIO | None = None
 ) -> Path:
@@ -152,13 +176,10 @@ def restore_checkpoint(
                     file=log,
                     flush=True,
                 )
-            except OSError as exc:
-                if isinstance(exc, DestinationError):
-                    raise
-                raise DestinationError(
-                    f"cannot restore {record.name} into {root}: {exc.strerror or exc}; "
-                    "free space or pass --dest to a usable directory"
-                ) from exc
+            except StagerError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the store's own (botocore's), or the disk's
+                raise _restore_error(exc, record.name, root, dest_url) from exc
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
     raise CheckpointError(

@@ -318,13 +318,17 @@ class CommitStore:
                     self.fs.rm_file(posixpath.join(self.commits_dir, fname))
 
     def abandon(self, attempt: Attempt) -> None:
-        """Give up an attempt: nothing of it stays (committed checkpoints are untouched)."""
-        with contextlib.suppress(OSError):
+        """Give up an attempt: nothing of it stays (committed checkpoints are untouched). Best
+        effort, whatever the store raises (a lost connection is botocore's, no OSError): its
+        failure replaced the error that made the attempt fail, and ended ``--watch`` for good;
+        what it leaves, the next run's :meth:`clean_stale` removes."""
+        with contextlib.suppress(Exception):
             self._rm_tree(attempt.staging)
 
     def _finish(self, attempt: Attempt) -> None:
-        """Drop a committed (or superseded) attempt's staging directory."""
-        with contextlib.suppress(OSError):
+        """Drop a committed (or superseded) attempt's staging directory (best effort, as
+        :meth:`abandon`)."""
+        with contextlib.suppress(Exception):
             self._rm_tree(attempt.staging)
 
     def remove(self, name: str) -> None:

@@ -64,6 +64,10 @@ class ObjectCommitStore(CommitStore):
                     # Closing would publish the bytes so far (s3fs completes the multipart
                     # upload); discard aborts it instead.
                     getattr(sink, "discard", lambda: None)()
+                    # (closed, or collecting it "closes" the discarded buffer: a traceback
+                    # printed after the run's one line)
+                    with contextlib.suppress(Exception):
+                        sink.closed = True
                     raise
                 sink.close()
             remote_size = self.fs.size(remote)
@@ -100,7 +104,8 @@ class ObjectCommitStore(CommitStore):
         an older content of the same name that the new one does not have."""
         for entry in record.entries:
             final = self.path(entry.relpath)
-            self.fs.copy(self._staged(attempt, entry.relpath), final)
+            # cp_file, not copy: copy expands * ? [ in a name as a glob (a1b for a*b)
+            self.fs.cp_file(self._staged(attempt, entry.relpath), final)
             if self.fs.size(final) != entry.size:
                 raise IntegrityError(f"{self.display(entry.relpath)}: copied short in the store")
         if record.kind == "dir":
@@ -115,5 +120,20 @@ class ObjectCommitStore(CommitStore):
             self.fs.rm_file(self.record_path(name))
 
     def _remove_data(self, name: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.rm(self.path(name), recursive=True)
+        """Delete NAME's keys, named one by one: ``rm`` expands * ? [ in a name as a glob, and
+        a failed commit of ``a*b`` deleted the committed ``a1b`` under its record."""
+        for key in self._keys_of(self.path(name)):
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(key)
+
+    def _rm_tree(self, path: str) -> None:
+        for key in self._keys_of(path):
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(key)
+
+    def _keys_of(self, path: str) -> list[str]:
+        """The keys at ``path`` and below it, found without pattern matching (``find``)."""
+        try:
+            return list(self.fs.find(path))
+        except FileNotFoundError:
+            return []

@@ -33,7 +33,9 @@ __all__ = [
 
 #: fsspec ``info`` fields that change when an object's bytes change, by backend:
 #: s3fs (ETag, VersionId, LastModified), gcsfs (generation, md5Hash, updated), adlfs (etag,
-#: last_modified), http (ETag), and the generic mtime/created of others.
+#: last_modified), http (ETag, Content-MD5, Digest, Last-Modified: a server that sends no ETag,
+#: as Python's http.server, had no version, and a rewritten shard stayed staged, exit 0), and
+#: the generic mtime/created of others.
 _VERSION_KEYS = (
     "VersionId",
     "version_id",
@@ -41,7 +43,10 @@ _VERSION_KEYS = (
     "ETag",
     "etag",
     "md5Hash",
+    "Content-MD5",
+    "Digest",
     "LastModified",
+    "Last-Modified",
     "last_modified",
     "updated",
     "mtime",

@@ -19,7 +19,7 @@ from collections.abc import Container, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from stager.errors import SourceError, UsageError
+from stager.errors import SourceError, StagerError, UsageError
 from stager.layout import (
     SHARD_SUFFIXES,
     canonical_spec,
@@ -88,7 +88,12 @@ def _from_paths(
 ) -> SourceSet:
     """Stat ``paths`` (named by the user) in parallel; those that do not exist are ``missing``."""
     unique = list(dict.fromkeys(paths))  # a name listed twice is one shard
-    infos = stat_many(fs, unique, jobs)
+    try:
+        infos = stat_many(fs, unique, jobs)
+    except StagerError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a store's own errors (botocore's are no OSError)
+        raise translate(exc, spec) from exc  # (a traceback, exit 1, for braces and lists)
     shards, missing, skipped = [], [], []
     for path, info in zip(unique, infos, strict=True):
         if info is None or info.kind == DIRECTORY:

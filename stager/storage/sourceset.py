@@ -111,14 +111,17 @@ def unique_shards(shards: Sequence[SourceShard], exact: bool = False) -> tuple[S
 def shard_at(fs: fsspec.AbstractFileSystem | None, path: str, root: str, info: Info) -> SourceShard:
     """The shard at ``path`` (as ``fs`` names it), staged at its path relative to ``root``.
 
-    An object store's key is a name, not a path: ``a/../b.tar`` and ``a/./b.tar`` are keys of
-    their own, which ``posixpath.relpath`` would turn into ``b.tar`` and ``a/b.tar`` (other
-    keys, read by the loader's source fallback), so such keys are refused by name.
+    An object store's key is a name, not a path: ``a/../b.tar``, ``a/./b.tar`` and ``a//b.tar``
+    are keys of their own, which ``posixpath.relpath`` would turn into ``b.tar`` and
+    ``a/b.tar`` (other keys, read by the loader's source fallback), so such keys are refused by
+    name.
     """
-    if fs is not None and root and {".", ".."} & set(path.removeprefix(root).split("/")):
-        raise UnsafePath(
-            f"key {display(fs, path)!r} has a '.' or '..' part and cannot be staged under its "
-            "own name; rename it, or stage it as a separate dataset"
-        )
+    if fs is not None and root and path.startswith(root):
+        parts = path[len(root) :].removeprefix("/").split("/")
+        if {"", ".", ".."} & set(parts):
+            raise UnsafePath(
+                f"key {display(fs, path)!r} has an empty, '.' or '..' part and cannot be staged "
+                "under its own name; rename it, or stage it as a separate dataset"
+            )
     relpath = safe_relpath(posixpath.relpath(path, root) if root else path)
     return SourceShard(display(fs, path), path, relpath, info.size, info.version)
