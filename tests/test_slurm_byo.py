@@ -59,10 +59,18 @@ print("saved, then failing", flush=True)
 sys.exit(3)
 """
 
-#: ...and one that saves, then trains on until the job is cancelled.
+#: ...and one whose rank 1 fails while rank 0 trains on: srun stops rank 0 (SIGTERM).
+ONE_RANK_FAILS = """import os, sys, time
+if os.environ["SLURM_PROCID"] == "1":
+    sys.exit(5)
+time.sleep(120)
+"""
+
+#: ...and one that saves, then trains on until the job is cancelled (global rank 0 saves:
+#: torchrun's RANK, else the srun task's).
 SAVER_THEN_SLEEPER = """import os, time
 path = os.path.join(os.environ["CKPT_DIR"], "last.pt")
-if int(os.environ.get("SLURM_PROCID", "0")) == 0:
+if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
     with open(path + ".tmp", "w") as f:
         f.write("weights")
     os.replace(path + ".tmp", path)
@@ -142,6 +150,7 @@ def jobs(slurm_cluster, photos: Path) -> dict[str, Job]:
     env_saver = _script(slurm_cluster, "env_saver.py", ENV_SAVER)
     elsewhere_saver = _script(slurm_cluster, "elsewhere_saver.py", ELSEWHERE_SAVER)
     crasher = _script(slurm_cluster, "crasher.py", CRASHER)
+    one_fails = _script(slurm_cluster, "one_rank_fails.py", ONE_RANK_FAILS)
     one_per_node = ("--nodes=2", *ONE_TASK)
     return {
         # Two tasks per node, two CPUs each: one loader worker per rank, from the allocation.
@@ -178,6 +187,15 @@ def jobs(slurm_cluster, photos: Path) -> dict[str, Job]:
             DATA_SRC=str(photos),
             TRAIN_SCRIPT=str(crasher),
         ),
+        "one-fails": _submit(
+            slurm_cluster,
+            "one-fails",
+            "train-multi-node.sbatch",
+            one_per_node,
+            DATA_SRC=str(photos),
+            TRAIN_SCRIPT=str(one_fails),
+            REQUIRE_CHECKPOINT="0",
+        ),
         "elsewhere": _submit(
             slurm_cluster,
             "elsewhere",
@@ -198,13 +216,14 @@ def test_example_trainer_runs_unmodified_on_a_jpg_dataset(slurm_cluster, jobs) -
     # One stage-in per node although the job has two tasks per node.
     for node in ("node1", "node2"):
         assert len(re.findall(rf"\[{node}\] stage-in: ", text)) == 1, text
-    assert f"images from .jpg, labels from .cls, {NUM_CLASSES} classes" in text, text
+    assert f"images from .jpg/.jpeg/.png/.webp, labels from .cls, {NUM_CLASSES} classes" in text
     assert "1 loader workers per rank" in text  # --cpus-per-task=2, one core for the loop
     assert "train: rank 0 of 4" in text and "done at step 12" in text
     committed = _committed(job)
     assert {"step-00000006", "step-00000012"} <= set(committed), text
     state = torch.load(job.ckpt_dest / "step-00000012" / "state.pt", weights_only=False)
-    assert state["data"] == {"image_key": "jpg", "label_key": "cls", "num_classes": NUM_CLASSES}
+    image_key = "jpg;jpeg;png;webp"  # (each sample's own format)
+    assert state["data"] == {"image_key": image_key, "label_key": "cls", "num_classes": NUM_CLASSES}
     assert state["model"]["head.2.weight"].shape[0] == NUM_CLASSES
 
 
@@ -257,6 +276,15 @@ def test_a_script_that_fails_after_saving_has_its_checkpoint_committed(slurm_clu
     assert (job.ckpt_dest / "last.pt").read_text() == "weights"
 
 
+def test_one_failing_rank_of_several_is_said_not_taken_for_a_signal(slurm_cluster, jobs) -> None:
+    """srun's exit code is the highest of its tasks': 143 for the rank it stopped after
+    another failed, which read as a SIGTERM or a preemption. The line says what happened."""
+    job = jobs["one-fails"]
+    text = _done(slurm_cluster, job, state="FAILED", exit_code="143:0")
+    assert "task 1: Exited with exit code 5" in text, text
+    assert "training exited with 143 (srun stopped the other ranks after one failed" in text
+
+
 def test_a_script_that_saves_elsewhere_fails_the_job_loudly(slurm_cluster, jobs) -> None:
     job = jobs["elsewhere"]
     text = _done(slurm_cluster, job, state="FAILED", exit_code="9:0")
@@ -266,24 +294,36 @@ def test_a_script_that_saves_elsewhere_fails_the_job_loudly(slurm_cluster, jobs)
     assert not job.ckpt_dest.exists()
 
 
-@pytest.mark.parametrize("template", ["train-single-node.sbatch", "train-multi-node.sbatch"])
+@pytest.mark.parametrize(
+    ("template", "launcher"),
+    [
+        ("train-single-node.sbatch", "srun"),
+        ("train-multi-node.sbatch", "srun"),
+        ("train-multi-node.sbatch", "torchrun"),
+    ],
+)
 def test_a_plain_scancel_stages_out_what_training_saved(
-    slurm_cluster, photos: Path, template: str
+    slurm_cluster, photos: Path, template: str, launcher: str
 ) -> None:
     """scancel (or scontrol requeue, or a preemption that sends only SIGTERM) ended the job
     within KillWait with every checkpoint since the last commit left on scratch, so a requeued
-    run started over. The TERM trap commits what training saved before the job ends."""
+    run started over. The TERM trap commits what training saved before the job ends.
+
+    On two nodes the trap reaches the batch node's scratch only (an ending job starts no
+    step), so global rank 0 must run there: with torchrun's c10d rendezvous it ran on either
+    node (ranked by host name and process id), and nothing was committed about half the time."""
     import time
 
     script = _script(slurm_cluster, "saver_then_sleeper.py", SAVER_THEN_SLEEPER)
     nodes = ("--nodes=2",) if "multi" in template else ()
     job = _submit(
         slurm_cluster,
-        f"cancelled-{template.split('-')[1]}",
+        f"cancelled-{template.split('-')[1]}-{launcher}",
         template,
         (*nodes, *ONE_TASK),
         DATA_SRC=str(photos),
         TRAIN_SCRIPT=str(script),
+        LAUNCHER=launcher,
     )
     deadline = time.monotonic() + 240
     while "saved, training on" not in job.text():

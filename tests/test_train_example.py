@@ -52,15 +52,17 @@ def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
     )
 
 
-def test_png_dataset_detected_and_resumed_without_probing(tmp_path: Path) -> None:
-    data = tmp_path / "pngs"
-    write_image_dataset(data, num_samples=40, num_classes=5, ext="png", seed=2)
+def test_png_and_jpeg_dataset_detected_and_resumed_without_probing(tmp_path: Path) -> None:
+    """The first sample's format alone (png) failed on the first JPEG: each is decoded."""
+    data = tmp_path / "images"
+    write_image_dataset(data, num_samples=40, num_classes=5, ext="png;jpg", seed=2)
     ckpt = tmp_path / "ckpt"
     common = ("--data", str(data), "--ckpt-dir", str(ckpt), "--batch-size", "8")
     first = _run(*common, "--steps", "4", "--ckpt-every", "4", env={"SLURM_CPUS_PER_TASK": "2"})
     assert first.returncode == 0, first.stderr[-3000:]
     assert (
-        "images from .png, labels from .cls, 5 classes, 1 loader workers per rank" in first.stdout
+        "images from .jpg/.jpeg/.png/.webp, labels from .cls, 5 classes, 1 loader workers per "
+        "rank" in first.stdout
     )
     assert "done at step 4" in first.stdout
 

@@ -1,11 +1,11 @@
 """A tiny DDP training run over staged shards: the example that the sbatch templates launch.
 
 It runs unmodified on any image WebDataset (``.jpg``/``.jpeg``/``.png``/``.webp`` or ``.npy``
-images plus an integer ``.cls`` label): the image member is detected from the first sample
-(``--image-key`` names it), the class count is read from the labels (``--num-classes`` skips
-that pass), and loader workers default to ``SLURM_CPUS_PER_TASK - 1`` per process (one core
-stays with the training loop). It shows the parts a real script needs on Slurm, with a model
-small enough for CPU:
+images plus an integer ``.cls`` label): the image member is detected from the first sample,
+JPEG, PNG and WebP samples each decoded as they are (``--image-key`` names it), the class
+count is read from the labels (``--num-classes`` skips that pass), and loader workers default
+to ``SLURM_CPUS_PER_TASK - 1`` per process (one core stays with the training loop). It shows
+the parts a real script needs on Slurm, with a model small enough for CPU:
 
 * ranks from torchrun (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``) or from ``srun`` alone
   (``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID``); NCCL when CUDA is there, else gloo;
@@ -76,7 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--image-key",
         default="auto",
-        help=f"image member of a sample (default: the first of {', '.join(IMAGE_KEYS)} present)",
+        help="image member of a sample; alternatives as jpg;png (default: "
+        f"{ENCODED_IMAGES}, each sample's own, or npy, from the first sample)",
     )
     p.add_argument("--label-key", default="cls", help="integer label member of a sample")
     p.add_argument(
@@ -187,8 +188,15 @@ class TinyNet(nn.Module):
         return self.head(self.features(images))
 
 
+#: The encoded formats, as alternatives: each sample's own is decoded (rgb8 gives them all as
+#: uint8 HxWx3). The format of the first sample alone failed on the first PNG of a dataset of
+#: JPEGs and PNGs.
+ENCODED_IMAGES = "jpg;jpeg;png;webp"
+
+
 def detect_image_key(data: str, wanted: str) -> str:
-    """``wanted``, or the first of IMAGE_KEYS that the dataset's first sample has."""
+    """``wanted``, or the image member of the dataset's first sample: the encoded formats as
+    alternatives (:data:`ENCODED_IMAGES`) where it has one, else ``npy``."""
     if wanted != "auto":
         return wanted
     # Any one sample will do: shuffled, the first one comes from the first shard staged
@@ -197,7 +205,7 @@ def detect_image_key(data: str, wanted: str) -> str:
     members = set(next(iter(probe)))  # raw batch: a dict of member columns
     for key in IMAGE_KEYS:
         if key in members:
-            return key
+            return ENCODED_IMAGES if key in ENCODED_IMAGES.split(";") else key
     raise SystemExit(
         f"train: the samples of {data} have none of the image members {', '.join(IMAGE_KEYS)} "
         f"(they have {', '.join(sorted(members - {'__key__'}))}); pass --image-key"
@@ -308,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         }
     log(
         rank,
-        f"images from .{data_layout['image_key']}, labels from .{data_layout['label_key']}, "
+        f"images from .{data_layout['image_key'].replace(';', '/.')}, "
+        f"labels from .{data_layout['label_key']}, "
         f"{data_layout['num_classes']} classes, {args.workers} loader workers per rank",
     )
 
