@@ -135,12 +135,22 @@ class StreamingShards(IterableDataset):
     def _raw(self, worker: int) -> Iterator[dict[str, Any]]:
         for shard, first, stop in self.plan.segments(self.epoch, worker):
             location = self.locations[shard]
+            planned = int(self.plan.counts[shard])
             try:
-                for i, sample in enumerate(iter_tar_samples(location)):
-                    if i >= stop:
+                # Held to the count the plan was made from, as a staged shard is: a shard
+                # changed since (an object rewritten) gave a rank fewer samples, or dropped
+                # the ones past the count, without a word.
+                read = 0
+                for sample in iter_tar_samples(location):
+                    if read >= stop:
+                        if stop == planned:  # (one past the count: more than planned)
+                            raise _count_changed(location, f"more than {planned}", planned)
                         break
-                    if i >= first:
+                    if read >= first:
                         yield sample
+                    read += 1
+                if read < stop:
+                    raise _count_changed(location, str(read), planned)
             except IntegrityError:
                 if self.on_error != "skip":
                     raise
@@ -180,6 +190,13 @@ class StreamingShards(IterableDataset):
                 number, batch = number + 1, []
         if batch and number < limit:
             yield worker, number, self.collate(batch)
+
+
+def _count_changed(location: str, held: str, planned: int) -> IntegrityError:
+    return IntegrityError(
+        f"{location}: holds {held} samples but the plan counted {planned}: the shard changed "
+        "since it was counted (re-run stager index or stage-in), or pass on_error='skip'"
+    )
 
 
 def reorder_batches(

@@ -369,3 +369,26 @@ def test_an_epoch_of_no_batches_says_so(tmp_path: Path, caplog: pytest.LogCaptur
     with caplog.at_level("WARNING", logger="stager_loaders"):
         assert len(list(padded)) == len(padded) == 1
     assert not any("has no batch" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("now", [10, 30])
+def test_a_streamed_shard_that_changed_since_it_was_counted_is_refused(
+    tmp_path: Path, now: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The plan holds each shard's count; a streamed shard rewritten since (an object store's
+    key) gave the rank fewer samples, or dropped those past the count, without a word, where a
+    staged shard raised IntegrityError."""
+    root = _dataset(tmp_path / "ds", gz=True, shards=3, per_shard=22)
+    loaders = [
+        ShardedLoader(
+            str(root), batch_size=4, to_tuple=("__key__",), options=_options(on_error=on_error)
+        )
+        for on_error in ("raise", "skip")
+    ]
+    members = [(f"s1-{i:03d}.cls", b"1") for i in range(now)]
+    _write_tar(root / "part-001.tar.gz", members, gz=True)
+    with pytest.raises(IntegrityError, match=r"part-001.tar.gz: holds .* but the plan counted 22"):
+        _keys(loaders[0])
+    keys = _keys(loaders[1])  # (the rest of it left out, with a warning)
+    assert "corrupt shard" in caplog.text and "part-001.tar.gz" in caplog.text
+    assert len(keys) == 66 - 22 + min(now, 22)
