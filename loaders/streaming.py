@@ -31,6 +31,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from stager.errors import IntegrityError, SourceError
 from stager.plan.order import seeded_rng
 from stager.plan.streaming import StreamingPlan
+from stager.shards.members import split_message
 from stager.shards.tarindex import RESTAGE_HELPS, count_samples, is_compressed, split_key
 
 from .samples import SamplePipeline
@@ -62,6 +63,17 @@ def iter_tar_samples(location: str) -> Iterator[dict[str, Any]]:
     """Samples of one tar/tgz stream as dicts of bytes, grouped by key the way webdataset does."""
     last_name = "<start of archive>"
     current: dict[str, Any] | None = None
+    runs: dict[str, set[str]] = {}  # each key's latest sample's members (split_message)
+
+    def ended(sample: dict[str, Any]) -> dict[str, Any]:
+        exts = set(sample) - {"__key__", "__shard__"}
+        before = runs.get(sample["__key__"])
+        if before is not None and before.isdisjoint(exts):
+            message = split_message(sample["__key__"])
+            raise IntegrityError(f"{location}: {message}, or pass on_error='skip'")
+        runs[sample["__key__"]] = exts
+        return sample
+
     with _open(location) as handle:
         try:
             # gzip's own reader, not tarfile's "r|gz": that stops at the end of the first gzip
@@ -77,7 +89,7 @@ def iter_tar_samples(location: str) -> Iterator[dict[str, Any]]:
                         continue
                     key, ext = parts
                     if current is not None and current["__key__"] != key:
-                        yield current
+                        yield ended(current)
                         current = None
                     if current is None:
                         current = {"__key__": key, "__shard__": location}
@@ -94,7 +106,7 @@ def iter_tar_samples(location: str) -> Iterator[dict[str, Any]]:
                 f"re-create this shard ({RESTAGE_HELPS}), or pass on_error='skip'"
             ) from exc
     if current is not None:
-        yield current
+        yield ended(current)
 
 
 def count_remote_samples(location: str) -> int:

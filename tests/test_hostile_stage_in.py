@@ -623,6 +623,53 @@ def test_a_member_twice_in_one_sample_fails_that_shard_as_the_loader_would(
     assert not list(src.glob("stager-manifest.*"))
 
 
+@pytest.mark.parametrize("native_walk", ["1", "0"])
+@pytest.mark.parametrize("suffix", [".tar", ".tar.gz"])
+def test_a_sample_whose_members_lie_apart_fails_that_shard(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    suffix: str,
+    native_walk: str,
+) -> None:
+    """GNU tar of a directory stores files in the order the directory lists them: k1.jpg,
+    k2.jpg, k1.cls. Read as webdataset reads it, k1 is two samples, each missing a member:
+    `stager index` counted them, and the loader gave half-samples (or a KeyError mid-epoch).
+    Now stage-in fails that shard (exit 4, one FAILED line naming the sample), as `stager
+    index` and the loader do; a sample stored twice whole is two samples, as before."""
+    import gzip
+
+    from stager_loaders import LoaderOptions, ShardedLoader
+
+    from .trees import tar_bytes
+
+    monkeypatch.setenv("STAGER_NATIVE_TAR", native_walk)
+    src = tmp_path / "ds"
+    src.mkdir()
+    shards = {
+        "apart": [("k1.jpg", b"a"), ("k2.jpg", b"b"), ("k1.cls", b"1"), ("k2.cls", b"2")],
+        "whole": [("m1.jpg", b"a"), ("m1.cls", b"1"), ("m2.jpg", b"b"), ("m2.cls", b"2")],
+        "twice": [("p1.jpg", b"a"), ("p2.jpg", b"b"), ("p1.jpg", b"c")],
+    }
+    for name, members in shards.items():
+        data = tar_bytes(members)
+        (src / f"{name}{suffix}").write_bytes(gzip.compress(data) if suffix != ".tar" else data)
+    result = run_main(capsys, "stage-in", str(src), "--dest", str(tmp_path / "s"), *LOUD)
+    assert result.returncode == EXIT_INTEGRITY, result.stderr
+    failed = [line for line in result.stderr.splitlines() if line.startswith("FAILED")]
+    assert len(failed) == 1 and f"apart{suffix}: the members of sample 'k1'" in failed[0]
+    staged = tmp_path / "s" / "ds"
+    assert sorted(p.name for p in staged.iterdir() if p.is_file()) == [
+        f"twice{suffix}",
+        f"whole{suffix}",
+    ]
+    indexed = run_main(capsys, "stager", "index", str(src))
+    assert indexed.returncode == EXIT_INTEGRITY and "sample 'k1'" in indexed.stderr
+    with pytest.raises(IntegrityError, match="the members of sample 'k1' are not next to"):
+        options = LoaderOptions(dest=str(tmp_path / "n"))  # (nothing staged: the source read)
+        list(ShardedLoader(str(src / f"apart{suffix}"), batch_size=1, options=options))
+
+
 @pytest.mark.parametrize("suffix", [".tar", ".tar.gz"])
 def test_a_tar_header_after_the_end_block_fails_that_shard(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], suffix: str

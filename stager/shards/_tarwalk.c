@@ -580,6 +580,53 @@ static PyObject *Walker_feed(Walker *w, PyObject *arg) {
 
 /* None unless the walk vouches for the tar; else a dict of the index's parts (see
  * stager/shards/tarnative.py, which makes it a TarIndex). */
+/* Members of sample `i`: [*lo, *hi). */
+static void sample_members(const Walker *w, size_t i, size_t *lo, size_t *hi) {
+    *lo = (size_t)w->sample_start[i];
+    *hi = i + 1 < w->n_samples ? (size_t)w->sample_start[i + 1] : w->n_members;
+}
+
+/* Whether samples `i` and `j` share no extension: one sample's members scattered, not a
+ * sample stored twice. */
+static int disjoint(const Walker *w, size_t i, size_t j) {
+    size_t ilo, ihi, jlo, jhi;
+    sample_members(w, i, &ilo, &ihi);
+    sample_members(w, j, &jlo, &jhi);
+    for (size_t a = ilo; a < ihi; a++)
+        for (size_t b = jlo; b < jhi; b++)
+            if (w->members[a].ext == w->members[b].ext) return 0;
+    return 1;
+}
+
+/* The first sample whose members are another's scattered: its key was met before, in a
+ * sample with none of its extensions (GNU tar of a directory stores files in the order the
+ * directory lists them: k.jpg, m.jpg, k.cls). Read as webdataset reads it, that is two
+ * samples, each missing members. A sample stored twice whole (the same extensions) is two
+ * samples, as webdataset reads it. -1 where none, -2 when out of memory. One pass over the
+ * keys, through a table of each key's latest sample. */
+static int64_t split_sample(const Walker *w) {
+    size_t ns = w->n_samples;
+    if (ns < 2) return -1;
+    size_t cap = 4;
+    while (cap < 2 * ns) cap *= 2;
+    uint32_t *table = calloc(cap, sizeof(uint32_t)); /* sample + 1; 0 = empty */
+    if (!table) return -2;
+    int64_t found = -1;
+    for (size_t i = 0; i < ns && found < 0; i++) {
+        Span k = w->keys[i];
+        size_t h = (size_t)hash_bytes(w->arena + k.at, k.len) & (cap - 1);
+        while (table[h]) {
+            Span o = w->keys[table[h] - 1];
+            if (o.len == k.len && !memcmp(w->arena + o.at, w->arena + k.at, k.len)) break;
+            h = (h + 1) & (cap - 1);
+        }
+        if (table[h] && disjoint(w, table[h] - 1, i)) found = (int64_t)i;
+        table[h] = (uint32_t)(i + 1);
+    }
+    free(table);
+    return found;
+}
+
 static PyObject *Walker_finish(Walker *w, PyObject *Py_UNUSED(ignored)) {
     if (w->busy) {
         PyErr_SetString(PyExc_RuntimeError, "TarWalker.finish called during a feed");
@@ -591,6 +638,7 @@ static PyObject *Walker_finish(Walker *w, PyObject *Py_UNUSED(ignored)) {
      * lock on a copy thread, which only a loader's TarIndex needs (tarnative.to_index). */
     PyObject *result = NULL, *ext_names = NULL, *blob = NULL;
     PyObject *starts = NULL, *codes = NULL, *offsets = NULL, *sizes = NULL, *dup = NULL;
+    PyObject *split = NULL;
     size_t ns = w->n_samples, nm = w->n_members, width = w->key_width ? w->key_width : 1;
     ext_names = PyTuple_New((Py_ssize_t)w->n_exts);
     if (!ext_names) goto done;
@@ -636,10 +684,24 @@ static PyObject *Walker_finish(Walker *w, PyObject *Py_UNUSED(ignored)) {
         dup = Py_None;
         Py_INCREF(dup);
     }
-    result = Py_BuildValue("{s:n,s:O,s:n,s:O,s:O,s:O,s:O,s:O,s:O}", "samples", (Py_ssize_t)ns,
-                           "key_bytes", blob, "key_width", (Py_ssize_t)width, "member_start",
-                           starts, "ext_names", ext_names, "ext_codes", codes, "offsets",
-                           offsets, "sizes", sizes, "duplicate", dup);
+    int64_t apart = split_sample(w);
+    if (apart == -2) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (apart >= 0) {
+        Span k = w->keys[apart];
+        split = PyUnicode_DecodeASCII(w->arena + k.at, k.len, NULL);
+        if (!split) goto done;
+    } else {
+        split = Py_None;
+        Py_INCREF(split);
+    }
+    result = Py_BuildValue("{s:n,s:O,s:n,s:O,s:O,s:O,s:O,s:O,s:O,s:O}", "samples",
+                           (Py_ssize_t)ns, "key_bytes", blob, "key_width", (Py_ssize_t)width,
+                           "member_start", starts, "ext_names", ext_names, "ext_codes", codes,
+                           "offsets", offsets, "sizes", sizes, "duplicate", dup, "split",
+                           split);
 done:
     Py_XDECREF(ext_names);
     Py_XDECREF(blob);
@@ -648,6 +710,7 @@ done:
     Py_XDECREF(offsets);
     Py_XDECREF(sizes);
     Py_XDECREF(dup);
+    Py_XDECREF(split);
     return result;
 }
 

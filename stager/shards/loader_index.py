@@ -34,6 +34,7 @@ from stager.shards.flatindex import (
 )
 from stager.shards.indexfile import CACHE_VERSION, DATASET_INDEX_NAME, dataset_index_path
 from stager.shards.indexkey import changed_ns, dataset_key
+from stager.shards.members import split_message, split_sample
 from stager.shards.tarheader import name_bytes, name_text
 from stager.shards.tarindex import TarIndex, duplicate_member, index_tar
 from stager.shards.tarnative import WalkResult
@@ -152,6 +153,9 @@ def build_flat_index(
                     f"{path}: member {twice!r} appears twice in one sample; one would be read "
                     "and the other silently lost. Fix the shard, or pass on_error='skip'"
                 )
+            split = split_sample(index)
+            if split is not None:
+                raise IntegrityError(f"{path}: {split_message(split)}, or pass on_error='skip'")
             if want is not None and index.num_samples != want:
                 raise IntegrityError(
                     f"{path}: has {index.num_samples} samples but the manifest says {want} "

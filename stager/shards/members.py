@@ -24,8 +24,11 @@ __all__ = [
     "TarIndex",
     "any_compressed",
     "duplicate_member",
+    "grouping_problem",
     "is_compressed",
     "repeated_member",
+    "split_message",
+    "split_sample",
     "split_key",
 ]
 
@@ -87,6 +90,8 @@ class TarIndex:
     #: them (:class:`SampleGrouper`): then :func:`duplicate_member` needs no second pass.
     duplicates_checked: bool = field(default=False, compare=False, repr=False)
     duplicate: str | None = field(default=None, compare=False, repr=False)
+    #: ...and for a key met again after other samples (:func:`split_sample`), checked alike
+    split: str | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_samples(self) -> int:
@@ -111,6 +116,8 @@ class SampleGrouper:
         self._sizes: list[int] = []
         self._sample_exts: list[str] = []  # the current sample's extensions so far
         self._duplicate: str | None = None  # the first "key.ext" met twice in one sample
+        self._runs: dict[str, set[str]] = {}  # each key's latest sample's extensions
+        self._split: str | None = None  # the first sample whose members lie apart
 
     def add(self, name: str, offset: int, size: int) -> None:
         """A file member ``name`` whose payload is ``size`` bytes at ``offset``; names without
@@ -120,6 +127,7 @@ class SampleGrouper:
             return
         key, ext = parts
         if not self._keys or self._keys[-1] != key:
+            self._end_sample()
             self._keys.append(key)
             self._starts.append(len(self._exts))
             self._sample_exts = [ext]
@@ -131,12 +139,26 @@ class SampleGrouper:
         self._offsets.append(offset)
         self._sizes.append(size)
 
+    def _end_sample(self) -> None:
+        """The sample just grouped: split where its key's latest sample shared none of its
+        extensions (:func:`split_message`)."""
+        if not self._keys:
+            return
+        key, exts = self._keys[-1], set(self._sample_exts)
+        before = self._runs.get(key)
+        if before is not None and before.isdisjoint(exts):
+            self._split = self._split or key
+        self._runs[key] = exts
+
     @property
     def num_samples(self) -> int:
         return len(self._keys)
 
     def index(self) -> TarIndex:
         import numpy as np  # deferred: stage-in's start-up should not pay for numpy
+
+        self._end_sample()
+        self._runs.clear()  # (ended: a second call finds nothing new)
 
         return TarIndex(
             keys=self._keys,
@@ -146,6 +168,7 @@ class SampleGrouper:
             sizes=np.asarray(self._sizes, dtype=np.int64),
             duplicates_checked=True,
             duplicate=self._duplicate,
+            split=self._split,
         )
 
 
@@ -153,6 +176,43 @@ def repeated_member(member: str) -> str:
     """What stage-in and `stager index` say of a shard with ``member`` (``"key.ext"``) twice in
     one sample, which the loader, like webdataset, refuses."""
     return f"member {member!r} appears twice in one sample; re-create this shard"
+
+
+def split_message(key: str) -> str:
+    """What is said of a shard whose sample ``key`` has members apart, other samples between
+    them and no extension in common (GNU tar of a directory stores files in the order the
+    directory lists them: ``k.jpg``, ``m.jpg``, ``k.cls``): read as webdataset reads it, it is
+    two samples, each missing what the other holds. A sample stored twice whole (the same
+    extensions) is two samples, as webdataset reads it, and is not refused."""
+    return (
+        f"the members of sample {key!r} are not next to each other (more of them come after "
+        "other samples), so it would be read as two samples, each missing members; re-create "
+        "this shard with each sample's files together (GNU tar: --sort=name)"
+    )
+
+
+def split_sample(index: TarIndex) -> str | None:
+    """The key of the first sample whose members lie apart (:func:`split_message`), or None."""
+    if index.duplicates_checked:
+        return index.split
+    runs: dict[str, set[str]] = {}
+    for i, key in enumerate(index.keys):
+        text = name_text(key) if isinstance(key, bytes) else str(key)
+        exts = {ext for ext, _, _ in index.members(i)}
+        if text in runs and runs[text].isdisjoint(exts):
+            return text
+        runs[text] = exts
+    return None
+
+
+def grouping_problem(index: TarIndex) -> str | None:
+    """What is wrong with how ``index``'s members group into samples, said in one sentence:
+    a member twice in one sample, or a sample's members apart; None where nothing is."""
+    twice = duplicate_member(index)
+    if twice is not None:
+        return repeated_member(twice)
+    key = split_sample(index)
+    return None if key is None else split_message(key)
 
 
 def duplicate_member(index: TarIndex) -> str | None:

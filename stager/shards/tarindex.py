@@ -32,9 +32,11 @@ from stager.shards.members import (
     TarIndex,
     any_compressed,
     duplicate_member,
+    grouping_problem,
     is_compressed,
     repeated_member,
     split_key,
+    split_message,
 )
 from stager.shards.tarend import RESTAGE_HELPS, check_after_end, check_end
 from stager.shards.tarheader import BLOCK
@@ -44,6 +46,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "duplicate_member",
+    "grouping_problem",
     "repeated_member",
     "TarIndex",
     "index_tar",
@@ -246,9 +249,9 @@ def count_samples(path: str | Path) -> int:
     path = Path(path)
     if not is_compressed(path):
         index = index_tar(path)
-        twice = duplicate_member(index)
-        if twice is not None:
-            raise IntegrityError(f"{path}: {repeated_member(twice)}")
+        problem = grouping_problem(index)
+        if problem is not None:
+            raise IntegrityError(f"{path}: {problem}")
         return index.num_samples
     with open(path, "rb") as handle:
         return count_samples_stream(handle, str(path), compressed=True)
@@ -293,6 +296,17 @@ def _sparse_member(shard: str, member: str) -> IntegrityError:
     )
 
 
+def _end_sample(runs: dict[str, set[str]], key: str | None, exts: set[str], name: str) -> None:
+    """Refuse a sample whose members lie apart: its key's latest sample had none of its
+    extensions (:func:`stager.shards.members.split_message`)."""
+    if key is None:
+        return
+    before = runs.get(key)
+    if before is not None and before.isdisjoint(exts):
+        raise IntegrityError(f"{name}: {split_message(key)}")
+    runs[key] = exts
+
+
 def count_samples_stream(stream: BinaryIO, name: str, *, compressed: bool = False) -> int:
     """Count the samples of a tar read sequentially from ``stream``, to its very end.
 
@@ -309,6 +323,7 @@ def count_samples_stream(stream: BinaryIO, name: str, *, compressed: bool = Fals
     count, last_key, last_name = 0, None, "<start of archive>"
     tar_ended = False  # (bytes after it that are no gzip: said as such, not "truncated")
     exts: set[str] = set()  # the current sample's, to refuse a member twice (as the loader)
+    runs: dict[str, set[str]] = {}  # each key's latest sample's extensions (split_message)
     try:
         with tarfile.open(fileobj=reader, mode="r|") as tar:  # type: ignore[call-overload]
             for info in tar:
@@ -317,14 +332,16 @@ def count_samples_stream(stream: BinaryIO, name: str, *, compressed: bool = Fals
                     raise _sparse_member(name, info.name)
                 parts = split_key(info.name) if info.isfile() else None
                 if parts and parts[0] != last_key:
+                    _end_sample(runs, last_key, exts, name)
                     count += 1
                     last_key = parts[0]
-                    exts.clear()
+                    exts = set()
                 if parts:
                     if parts[1] in exts:
                         twice = f"{parts[0]}.{parts[1]}"
                         raise IntegrityError(f"{name}: {repeated_member(twice)}")
                     exts.add(parts[1])
+            _end_sample(runs, last_key, exts, name)
             tail = reader.bytes_from(tar.offset, BLOCK)
             check_end(tail, name, tar.offset, last_name, compressed)
             tar_ended = True

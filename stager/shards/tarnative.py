@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from stager.native import load_optional
-from stager.shards.members import TarColumns, TarIndex
+from stager.shards.members import TarColumns, TarIndex, repeated_member, split_message
 from stager.shards.tarheader import UTF8
 
 __all__ = [
@@ -73,6 +73,15 @@ class WalkResult:
     def duplicate(self) -> str | None:
         """The first member named twice in one sample (``"key.ext"``), found by the walk."""
         return self.parts["duplicate"]
+
+    @property
+    def problem(self) -> str | None:
+        """What is wrong with how the members group into samples, said in one sentence
+        (:func:`stager.shards.members.grouping_problem`), or None."""
+        if self.parts["duplicate"] is not None:
+            return repeated_member(self.parts["duplicate"])
+        split = self.parts.get("split")
+        return None if split is None else split_message(split)
 
     def index(self) -> TarIndex:
         return to_index(self.parts)
@@ -127,4 +136,5 @@ def to_index(parts: dict[str, Any]) -> TarIndex:
         columns=TarColumns(key_bytes, codes, parts["ext_names"]),
         duplicates_checked=True,
         duplicate=parts["duplicate"],
+        split=parts.get("split"),
     )

@@ -246,9 +246,12 @@ class TarSampleCounter:
 
     @property
     def repeated_member(self) -> str | None:
-        """A member named twice in one sample (``"key.ext"``) as the compiled walk found it;
-        None where there is none, or where only indexing the copy would tell."""
-        return None if self._walk_parts is None else self._walk_parts["duplicate"]
+        """A member named twice in one sample (``"key.ext"``), or a sample whose members lie
+        apart (its key), as the compiled walk found it; None where there is none, or where
+        only indexing the copy would tell."""
+        if self._walk_parts is None:
+            return None
+        return self._walk_parts["duplicate"] or self._walk_parts.get("split")
 
     def result(self) -> TarIndex | WalkResult | None:
         """:meth:`index`, or where the compiled walk vouched, its columns as they came (no

@@ -203,18 +203,19 @@ def _refuse_repeated_members(run: Staging, indexes: Indexes) -> None:
     under exit 0 and then in the loader once training has started."""
     # (one pass of plain lookups, the few found sorted: a sort and a property call per shard
     # were ~1.5 us of each shard's serial finish)
-    twice_in: dict[str, str] = {}
+    problems: dict[str, str] = {}
     for relpath, index in indexes.items():
         if isinstance(index, WalkResult):
-            twice = index.parts["duplicate"]
+            parts = index.parts
+            problem = index.problem if parts["duplicate"] or parts.get("split") else None
         else:
-            twice = tarindex.duplicate_member(index)
-        if twice is not None:
-            twice_in[relpath] = twice
-    for relpath in sorted(twice_in):
+            problem = tarindex.grouping_problem(index)
+        if problem is not None:
+            problems[relpath] = problem
+    for relpath in sorted(problems):
         if relpath in run.entries:
             del indexes[relpath]
-            _unstage_corrupt(run, relpath, tarindex.repeated_member(twice_in[relpath]))
+            _unstage_corrupt(run, relpath, problems[relpath])
 
 
 def _verify_count(run: Staging, relpath: str, indexes: Indexes) -> None:
