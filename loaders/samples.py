@@ -245,6 +245,14 @@ def unpack_ragged(batch: Any) -> Any:
     return batch
 
 
+def _alike(samples: list[Any]) -> bool:
+    """Whether ``samples`` are all of the first one's kind, and lists all of its length."""
+    first = samples[0]
+    if isinstance(first, list):
+        return all(isinstance(s, list) and len(s) == len(first) for s in samples)
+    return all(isinstance(s, type(first)) for s in samples)
+
+
 def collate_samples(samples: list[Any]) -> Any:
     """torch's default collation, but bytes/str/None, PIL images, other objects and ragged
     tensors stay lists.
@@ -256,12 +264,17 @@ def collate_samples(samples: list[Any]) -> Any:
     first = samples[0]
     if isinstance(first, tuple):
         return tuple(collate_samples(list(column)) for column in zip(*samples, strict=True))
-    if isinstance(first, dict):
+    if isinstance(first, dict) and all(isinstance(s, dict) for s in samples):
         # Every member any sample has, None where one lacks it, as a raw batch gives them: the
         # first sample's keys raised KeyError when it had more, and dropped the others' extra
         # members (a caption) when it had fewer, by the shuffle's order.
         keys = dict.fromkeys(k for s in samples for k in s)
         return {k: collate_samples([s.get(k) for s in samples]) for k in keys}
+    if isinstance(first, (dict, list)) and not _alike(samples):
+        # Values of several kinds ("txt;json": a str here, a dict there) or lists of several
+        # lengths (a JSON array): one per sample, as webdataset gives them. default_collate
+        # raised "each element in list of batch should be of equal size", naming nothing.
+        return list(samples)
     if isinstance(first, (bytes, str)) or not isinstance(first, _COLLATABLE):
         return list(samples)
     if any(s is None for s in samples):

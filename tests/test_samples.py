@@ -272,3 +272,34 @@ def test_samples_with_other_members_batch_alike_whatever_their_order_and_path(
                 }
                 got.add(tuple(sorted(by_key.items())))
     assert got == {(("a", ("jpg", "cls")), ("b", ("jpg",)))}
+
+
+def test_json_and_text_samples_batch_one_per_sample_where_they_differ(tmp_path: Path) -> None:
+    """Captions with a JSON list of several lengths, and samples with a .txt or a .json: the
+    default collate raised torch's "each element in list of batch should be of equal size"
+    (naming nothing), and "txt;json" an AttributeError from inside the loader."""
+    import json
+
+    from .trees import tar_bytes
+
+    data = tmp_path / "captions"
+    data.mkdir()
+    members = []
+    for i in range(6):
+        meta = {"tags": ["t"] * (i + 1), "id": i}
+        members.append((f"c{i}.json", json.dumps(meta).encode()))
+        if i % 2:
+            members.append((f"c{i}.txt", f"caption {i}".encode()))
+    (data / "shard-000000.tar").write_bytes(tar_bytes(members))
+    options = LoaderOptions(dest=str(tmp_path / "none"), world_size=1)
+    batches = list(ShardedLoader(str(data), batch_size=6, decode="rgb8", options=options))
+    (batch,) = batches
+    tags = batch["json"]["tags"]
+    assert sorted(len(t) for t in tags) == [1, 2, 3, 4, 5, 6]  # (one list per sample)
+    assert sorted(batch["json"]["id"].tolist()) == list(range(6))
+    picked = ShardedLoader(
+        str(data), batch_size=6, decode="rgb8", to_tuple=("__key__", "txt;json"), options=options
+    )
+    ((keys, texts),) = list(picked)
+    by_key = dict(zip(keys, texts, strict=True))
+    assert by_key["c1"] == "caption 1" and by_key["c0"] == {"tags": ["t"], "id": 0}
