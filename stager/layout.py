@@ -226,8 +226,8 @@ def canonical_root(spec: str | Sequence[str]) -> str:
     """
     first = spec if isinstance(spec, str) else next(iter(spec), "")
     root = source_root(spec)
-    if is_remote_url(first):
-        return f"{first.split('://', 1)[0]}://{root}"
+    if is_remote_url(first):  # (a store's root has no leading /: a list over two buckets
+        return f"{first.split('://', 1)[0]}://{root.lstrip('/')}"  # recorded s3:///, named s3://)
     return f"file://{root}"
 
 

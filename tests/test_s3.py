@@ -388,3 +388,31 @@ def test_named_shards_on_an_unreachable_store_are_one_line_and_exit_3(tmp_path: 
         done = run_cli("stage-in", *argv, "--dest", str(tmp_path / "d"), env=env, timeout=240)
         assert done.returncode == EXIT_SOURCE, done.stderr
         assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_list_over_two_buckets_is_loaded_from_its_staged_copy(
+    endpoint: str, local_ds: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Staged, its manifest recorded the root s3:/// where the loader named it s3://, and
+    refused its own copy as another dataset's (LoaderOptions(name=...) did not help)."""
+    from stager_loaders import LoaderOptions, ShardedLoader
+
+    other = f"stager-second-{uuid.uuid4().hex[:6]}"
+    client = _client(endpoint)
+    client.create_bucket(Bucket=other)
+    shards = sorted(local_ds.glob("*.tar"))[:2]
+    client.upload_file(str(shards[0]), BUCKET, f"two/{shards[0].name}")
+    client.upload_file(str(shards[1]), other, f"two/{shards[1].name}")
+    client.close()
+    urls = [f"s3://{BUCKET}/two/{shards[0].name}", f"s3://{other}/two/{shards[1].name}"]
+    listed = tmp_path / "shards.txt"
+    listed.write_text("\n".join(urls) + "\n")
+    dest = tmp_path / "scratch"
+    argv = ("--from-list", str(listed), "--dest", str(dest), "--name", "two", *FAST)
+    result = run_cli("stage-in", *argv, env=_env(endpoint))
+    assert result.returncode == 0, result.stderr
+    for key, value in s3_env(endpoint).items():
+        monkeypatch.setenv(key, value)
+    options = LoaderOptions(dest=str(dest), name="two", world_size=1)
+    loader = ShardedLoader(urls, batch_size=4, options=options)
+    assert loader.shards.from_source == 0 and len(loader.shards) == 2
