@@ -211,3 +211,53 @@ def test_a_restore_that_fails_names_the_side_that_failed(tmp_path: Path) -> None
         assert error.exit_code == EXIT_DEST and "--dest" not in str(error)
         assert str(error).startswith(f"cannot read step-2 from {url}: ")
     assert full.exit_code == EXIT_DEST and "pass --dest" in str(full) and str(root) in str(full)
+
+
+def test_a_killed_multipart_upload_is_aborted_by_the_next_run(
+    endpoint: str, tmp_path: Path
+) -> None:
+    """kill -9 during the upload of a file past s3fs's part size left a multipart upload that
+    the next run's cleanup did not abort: its parts stay stored (and billed), unlisted."""
+    import signal
+    import subprocess
+    import time
+
+    import boto3
+
+    from .conftest import BIN
+
+    env = clean_env(**s3_env(endpoint))
+    run = uuid.uuid4().hex[:8]
+    dest = f"s3://{BUCKET}/{run}/mpu"
+    big = tmp_path / "scratch" / "big.pt"
+    big.parent.mkdir(parents=True)
+    big.write_bytes(os.urandom(72 << 20))  # (two parts of 50 MiB)
+    proc = subprocess.Popen(
+        [str(BIN / "stage-out"), "--bw-limit", "30", str(big), dest],
+        env=env,
+        stderr=subprocess.DEVNULL,
+    )
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
+
+    def uploads() -> list:
+        listed = client.list_multipart_uploads(Bucket=BUCKET, Prefix=f"{run}/")
+        return listed.get("Uploads", [])
+
+    deadline = time.monotonic() + 60
+    while not uploads():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert uploads()  # (left by the kill)
+    again = run_cli("stage-out", str(big), dest, env=env)
+    assert again.returncode == 0, again.stderr
+    assert "cleaned an interrupted stage-out of big.pt" in again.stderr
+    assert not uploads()
+    client.close()

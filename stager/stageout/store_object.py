@@ -130,6 +130,19 @@ class ObjectCommitStore(CommitStore):
         for key in self._keys_of(path):
             with contextlib.suppress(FileNotFoundError):
                 self.fs.rm_file(key)
+        self._abort_uploads(path)
+
+    def _abort_uploads(self, path: str) -> None:
+        """Abort the multipart uploads under ``path`` that a killed stage-out left: a listing
+        shows none of their parts, which S3 keeps, and bills, until aborted (s3fs only)."""
+        call = getattr(self.fs, "call_s3", None)
+        if call is None or not hasattr(self.fs, "abort_mpu"):
+            return
+        bucket, _, prefix = path.partition("/")
+        with contextlib.suppress(Exception):  # (best effort: a policy may not allow listing)
+            listed = call("list_multipart_uploads", Bucket=bucket, Prefix=prefix.rstrip("/") + "/")
+            for upload in listed.get("Uploads", []):
+                self.fs.abort_mpu(bucket, upload["Key"], upload["UploadId"])
 
     def _keys_of(self, path: str) -> list[str]:
         """The keys at ``path`` and below it, found without pattern matching (``find``)."""
