@@ -19,6 +19,7 @@ from stager.errors import (
     EXIT_FULL,
     EXIT_INTEGRITY,
     EXIT_INTERRUPTED,
+    EXIT_SOURCE,
     EXIT_USAGE,
     IntegrityError,
 )
@@ -843,6 +844,15 @@ def test_a_shard_rewritten_behind_an_http_server_is_copied_again(tmp_path: Path)
         assert again.returncode == 0, again.stderr
         assert "1 copied" in again.stderr, again.stderr
         assert (tmp_path / "s" / "ds" / "train-000001.tar").read_bytes() == rewritten
+        # HTTP has no directories: its listing page was staged as a "file" named ds
+        page = run_cli("stage-in", f"http://127.0.0.1:{port}/ds", "--dest", str(tmp_path / "p"))
+        assert page.returncode == EXIT_SOURCE and "is a web page, not a shard" in page.stderr
+        # a glob's links carry no size: every copy was retried, every rerun copied everything
+        globbed = (f"http://127.0.0.1:{port}/ds/*.tar", "--dest", str(tmp_path / "g"))
+        for copied in ("2 copied", "0 copied"):
+            done = run_cli("stage-in", *globbed, "--jitter-max", "0")
+            assert done.returncode == 0 and copied in done.stderr, done.stderr
+            assert "retry" not in done.stderr, done.stderr
     finally:
         server.terminate()
         server.wait()

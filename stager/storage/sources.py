@@ -172,6 +172,17 @@ def _glob(spec: str, fs: fsspec.AbstractFileSystem | None, path: str, name: str)
         infos = [(p, info) for p, info in found if info is not None]
     else:
         infos = [(p, info_of(info)) for p, info in matches]
+        # An HTTP listing's links carry no size (0 here): each copy was then retried, "copied
+        # 10240 bytes but the source listed 0", and every rerun copied everything again.
+        unsized = [i for i, (_, info) in enumerate(matches) if info.get("size") is None]
+        if unsized:
+            try:
+                sized = stat_many(fs, [matches[i][0] for i in unsized], 8)
+            except Exception as exc:  # noqa: BLE001 - translated at this boundary
+                raise translate(exc, spec) from exc
+            for i, info in zip(unsized, sized, strict=True):
+                if info is not None:
+                    infos[i] = (matches[i][0], info)
     root = glob_root(path) or ""  # (path is a glob here: never None)
     # A wildcard matches no hidden name (.git/, ._a.tar), as in the shell; fsspec's glob does
     files, hidden = leave_out_hidden(fs, [m for m in infos if m[1].kind != DIRECTORY], root, path)
@@ -332,6 +343,13 @@ def _resolve(
         raise translate(FileNotFoundError(path), spec)
     if info.kind == DIRECTORY:
         return _walk(spec, fs, path.rstrip("/") or "/", name, jobs, stat_listed)
+    if fs is not None and protocol_of(fs) in ("http", "https") and not is_shard_name(path):
+        # (HTTP has no directories: http://host/ds answers with its listing page, which was
+        # staged as a "file" named ds, and the loader refused that copy)
+        raise SourceError(
+            f"source {spec} is a web page, not a shard (an HTTP server's directory listing?): "
+            "HTTP has no directories; name the shards in a list (--from-list) or a brace pattern"
+        )
     root = posixpath.dirname(path)
     if info.kind == OTHER:
         raise SourceError(
