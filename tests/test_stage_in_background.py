@@ -198,3 +198,37 @@ def test_a_waiter_reports_the_error_of_a_copier_that_failed_before_its_plan(
         stop(waiter)
     assert waiter.returncode == EXIT_USAGE, waited
     assert "stager index" in waited
+
+
+def test_a_plan_rewritten_while_it_is_read_reads_as_no_plan_or_the_plan(tmp_path: Path) -> None:
+    """A copier discards an earlier run's plan, then writes its own. A waiter that read in
+    between and checked after found the plan there and failed its step with "manifest not
+    found" (a two-node job on the test cluster, once). Read while a writer discards and
+    rewrites it thousands of times, the plan is either absent or whole."""
+    import os
+    import threading
+
+    from stager.stagein.status import discard_plan
+
+    src = dataset(tmp_path)
+    dest = tmp_path / "scratch"
+    finished(start_copier(src, dest))
+    staged = StagedDataset(dest, "ds")
+    text = staged.staging_path.read_bytes()
+    done = threading.Event()
+
+    def rewrite() -> None:
+        spare = staged.staging_path.with_name("plan.spare")
+        while not done.is_set():
+            discard_plan(staged)
+            spare.write_bytes(text)
+            os.replace(spare, staged.staging_path)
+
+    writer = threading.Thread(target=rewrite)
+    writer.start()
+    try:
+        seen = {read_plan(staged) is None for _ in range(3000)}
+    finally:
+        done.set()
+        writer.join()
+    assert False in seen  # (read whole at least once: the race was run)

@@ -118,9 +118,12 @@ def read_plan(staged: StagedDataset) -> tuple[ManifestColumns, PlanFacts] | None
     path = staged.staging_path
     try:
         columns = read_columns(path)
-    except UsageError:
-        if not path.exists():
-            return None  # removed between the check and the read: no plan
+    except UsageError as exc:
+        # Not there when read: no plan now, even where one is there a moment later (a copier
+        # discards an earlier run's plan, then writes its own: a waiter that read in between
+        # and checked after failed the job step with "manifest not found")
+        if isinstance(exc.__cause__, FileNotFoundError) or not path.exists():
+            return None
         raise
     return columns, PlanFacts.from_meta(dict(columns.meta), path)
 
