@@ -93,7 +93,8 @@ def staged_whole_from(meta: dict[str, str], directory: str) -> bool:
 
 def staged_dir_above(spec: str | Sequence[str]) -> StagedDataset | None:
     """The staged copy whose directory holds ``spec``'s root strictly below it (a local path
-    on scratch), found by its ``.stager`` directory; None for anything else."""
+    on scratch), found by its ``.stager`` directory with a manifest, a plan or a journal in
+    it; None for anything else."""
     first = spec if isinstance(spec, str) else next(iter(spec), "")
     if not first or is_remote_url(first):
         return None
@@ -104,8 +105,9 @@ def staged_dir_above(spec: str | Sequence[str]) -> StagedDataset | None:
             staged = StagedDataset.of("/".join(parts[:depth]))
         except UsageError:  # (no dataset's name)
             continue
-        if staged.meta_dir.is_dir():
-            return staged
+        made = (staged.manifest_path, staged.staging_path, staged.journal_path)
+        if staged.meta_dir.is_dir() and any(path.exists() for path in made):
+            return staged  # (a stage-out destination has a .stager too: its commits)
     return None
 
 

@@ -190,9 +190,15 @@ def test_a_part_named_by_its_path_on_scratch_comes_from_the_copys_manifest(
     (copy / "train" / "tra-000001.tar").unlink()  # (missing: read from the recorded source)
     shards = resolve_dataset(f"{copy}/train")
     assert shards.from_source == 1 and str(src / "train") in shards.locations[1]
-    (copy / ".stager" / "manifest.json").unlink()  # (a stage-in that never finished)
+    (copy / ".stager" / "manifest.json").unlink()  # (a stage-in killed before its manifest
+    (copy / ".stager" / "journal").write_text("")  # leaves its journal)
     with pytest.raises(UsageError, match="has not finished"):
         resolve_dataset(f"{copy}/train")
+    # A stage-out destination has a .stager too (its commits): no staged copy above a source
+    elsewhere = src.parent.parent / "runs"
+    (elsewhere / ".stager" / "commits").mkdir(parents=True)
+    shutil.copytree(src / "val", elsewhere / "val")
+    assert resolve_dataset(str(elsewhere / "val")).staged_dir is None
 
 
 def test_a_part_of_a_copy_being_made_in_the_background_is_refused(tmp_path: Path) -> None:
