@@ -346,7 +346,10 @@ def resolve_dataset(
         return inside
     if other is not None:
         raise other
-    resolved = resolve_source(spec, name=name)
+    # (a remote glob's shards unsized: their counts come from the manifest beside them, and
+    # a HEAD per shard per rank at every start asked the server for sizes nothing used)
+    remote = is_remote_url(spec if isinstance(spec, str) else next(iter(spec), ""))
+    resolved = resolve_source(spec, name=name, stat_listed=not remote)
     refs = list(_source_refs(resolved, source_samples(resolved)).values())
     log.warning(
         "no staged copy of %s under %s: reading all %d shard(s) from the source; "

@@ -245,39 +245,51 @@ def unpack_ragged(batch: Any) -> Any:
     return batch
 
 
+def _kind(value: Any) -> Any:
+    """What collates alike: numbers with numbers (bool apart), arrays with arrays, else the
+    type."""
+    if isinstance(value, bool):
+        return bool
+    if isinstance(value, numbers.Number):
+        return numbers.Number
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        return np.ndarray
+    return type(value)
+
+
 def _alike(samples: list[Any]) -> bool:
-    """Whether ``samples`` are all of the first one's kind, and lists all of its length."""
+    """Whether ``samples`` are all of one kind (:func:`_kind`), and lists all of one length."""
     first = samples[0]
     if isinstance(first, list):
         return all(isinstance(s, list) and len(s) == len(first) for s in samples)
-    return all(isinstance(s, type(first)) for s in samples)
+    kind = _kind(first)
+    return all(_kind(s) is kind for s in samples)
 
 
 def collate_samples(samples: list[Any]) -> Any:
-    """torch's default collation, but bytes/str/None, PIL images, other objects and ragged
-    tensors stay lists.
+    """torch's default collation, but bytes/str/None, PIL images, other objects, ragged
+    tensors and values of several kinds stay lists.
 
     default_collate would fail on images of different sizes and on PIL images (``decode="pil"``).
     Tensors of different shapes travel as one :class:`RaggedBatch` and reach the training loop
-    as a list of tensors.
+    as a list of tensors. Values of several kinds ("txt;json": a str here, a dict there; a
+    number and a dict) and lists of several lengths (a JSON array) are one per sample, as
+    webdataset gives them: default_collate raised "each element in list of batch should be of
+    equal size" or "Could not infer dtype", naming nothing, by the order samples came in.
     """
+    if any(s is None for s in samples) or not _alike(samples):
+        return list(samples)
     first = samples[0]
-    if isinstance(first, tuple):
-        return tuple(collate_samples(list(column)) for column in zip(*samples, strict=True))
-    if isinstance(first, dict) and all(isinstance(s, dict) for s in samples):
+    if isinstance(first, (tuple, list)):  # (transposed as default_collate does, each column ours)
+        columns = [collate_samples(list(column)) for column in zip(*samples, strict=True)]
+        return tuple(columns) if isinstance(first, tuple) else columns
+    if isinstance(first, dict):
         # Every member any sample has, None where one lacks it, as a raw batch gives them: the
         # first sample's keys raised KeyError when it had more, and dropped the others' extra
         # members (a caption) when it had fewer, by the shuffle's order.
         keys = dict.fromkeys(k for s in samples for k in s)
         return {k: collate_samples([s.get(k) for s in samples]) for k in keys}
-    if isinstance(first, (dict, list)) and not _alike(samples):
-        # Values of several kinds ("txt;json": a str here, a dict there) or lists of several
-        # lengths (a JSON array): one per sample, as webdataset gives them. default_collate
-        # raised "each element in list of batch should be of equal size", naming nothing.
-        return list(samples)
     if isinstance(first, (bytes, str)) or not isinstance(first, _COLLATABLE):
-        return list(samples)
-    if any(s is None for s in samples):
         return list(samples)
     if isinstance(first, (torch.Tensor, np.ndarray)) and len({tuple(s.shape) for s in samples}) > 1:
         same_dtype = len({s.dtype for s in samples}) == 1

@@ -44,7 +44,7 @@ from stager.errors import IntegrityError, StagingStopped
 from stager.layout import StagedDataset
 from stager.shards.loader_index import FlatIndex, cached_index
 from stager.shards.manifest import Manifest
-from stager.shards.tarindex import TarIndex, index_tar
+from stager.shards.tarindex import TarIndex, grouping_problem, index_tar
 from stager.stagein.status import CopierWatch, Outcome, PlanFacts, published, read_outcome
 from stager.storage.copy import copy_file
 from stager.storage.listing import split_fs
@@ -175,7 +175,11 @@ class ShardGate:
         final = Path(self.path(shard))
 
         def publish(partial: str, final_path: str) -> None:
-            counted = index_tar(partial).num_samples if final_path.endswith(".tar") else None
+            index = index_tar(partial) if final_path.endswith(".tar") else None
+            problem = grouping_problem(index) if index is not None else None
+            if problem is not None:
+                raise IntegrityError(f"{url}: {problem}")
+            counted = index.num_samples if index is not None else None
             if counted is not None and want.samples is not None and counted != want.samples:
                 raise IntegrityError(
                     f"{url}: holds {counted} samples but the plan says {want.samples}; the source "
@@ -272,6 +276,9 @@ class GrowingTarDataset(Dataset):
                 f"{self.gate.path(shard)}: has {index.num_samples} samples but the plan says "
                 f"{self.counts[shard]}; rerun stage-in"
             )
+        problem = grouping_problem(index)  # (as the staged, source and streamed paths refuse
+        if problem is not None:  # it: half-samples were read while the copier still ran)
+            raise IntegrityError(f"{self.gate.path(shard)}: {problem}")
         self._indexes[shard] = index
         if len(self._indexes) > INDEXES_KEPT:
             self._indexes.popitem(last=False)

@@ -28,7 +28,7 @@ from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 from stager.storage.paths import NAME_MAX, partial_of
 from stager_loaders import LoaderOptions, ShardedLoader
 
-from .conftest import clean_env, mount_tmpfs, run_cli
+from .conftest import BIN, clean_env, mount_tmpfs, run_cli
 from .inproc import clean_process_env, run_main
 
 FAST = ["--jitter-max", "0", "--quiet"]
@@ -71,6 +71,19 @@ def test_a_report_never_replaces_a_staged_file_a_device_or_a_link(
         )
         assert result.returncode == EXIT_USAGE and "--report" in _one_line_error(result.stderr)
     assert shard.read_bytes() == before
+    # /dev/stdout where stdout is a job's log file: the report was renamed over the log
+    log = tmp_path / "job.log"
+    with open(log, "w") as out:
+        out.write("earlier line\n")
+        out.flush()
+        argv = [str(BIN / "stage-in"), str(src), "--dest", str(dest), *FAST]
+        subprocess.run([*argv, "--report", "/dev/stdout"], stdout=out, env=clean_env(), check=True)
+        out.write("later line\n")
+    text = log.read_text()
+    assert text.startswith("earlier line\n{") and text.endswith("}\nlater line\n"), text
+    logs = dest / "logs" / "stage-in.json"  # (beside the datasets, in a directory of its own)
+    argv = ["stage-in", str(src), "--dest", str(dest), *FAST, "--report", str(logs)]
+    assert run_main(capsys, *argv).returncode == 0 and logs.is_file()
     # A FIFO stays a FIFO and its reader gets the report (the rename replaced the node).
     fifo = tmp_path / "report.fifo"
     os.mkfifo(fifo)
@@ -261,6 +274,10 @@ def test_a_cache_overlapping_the_destination_or_inside_the_source_is_refused_fir
         assert result.returncode == EXIT_USAGE and "--cache" in _one_line_error(result.stderr)
         assert not dest.exists() or not any(dest.iterdir())
     assert sorted(p.name for p in src.iterdir()) == before
+    # a directory of its own under a destination root that jobs share (docs/jobs.md) is fine
+    shared = tmp_path / "shared"
+    argv = ["stage-in", str(src), "--dest", str(shared), *FAST, "--cache", str(shared / "cache")]
+    assert run_main(capsys, *argv).returncode == 0
 
 
 def test_make_dataset_and_index_say_what_failed_in_one_line(tmp_path: Path, src: Path) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from stager.errors import StagingStopped
+from stager.errors import IntegrityError, StagingStopped
 from stager.layout import StagedDataset
 from stager_loaders import LoaderOptions, ShardedLoader
 from stager_loaders.staging import StagingReader
@@ -193,3 +193,34 @@ def test_a_background_run_that_ended_with_a_corrupt_shard_is_resolved_as_it_ende
     keys = _keys(loader)
     assert len(keys) == sum(COUNTS) - COUNTS[1]
     assert not [k for k in keys if k.startswith("s00001-")]
+
+
+def test_a_sample_whose_members_lie_apart_is_refused_while_the_copier_runs(
+    tmp_path: Path,
+) -> None:
+    """A dataset indexed before stager refused such shards (its manifest counts the parts as
+    samples): the staged, source and streamed paths raise, but the loader reading while stage-in
+    --background copied gave the half-samples to training."""
+    from stager.shards.build import build_manifest, write_manifest
+    from stager.shards.manifest import Manifest, ManifestEntry
+    from stager.storage.hashing import hash_file
+    from stager.storage.sources import resolve_source
+
+    from .trees import tar_bytes
+
+    src = dataset(tmp_path)
+    split = src / "zz-split.tar"
+    split.write_bytes(tar_bytes([(n, b"x") for n in ("x1.npy", "x2.npy", "x1.cls", "x2.cls")]))
+    manifest_path = src / "stager-manifest.json"
+    manifest_path.unlink()
+    whole = build_manifest(resolve_source(str(src / "train-*.tar")))
+    entry = ManifestEntry("zz-split.tar", split.stat().st_size, hash_file(split), 4)
+    write_manifest(Manifest((*whole.entries, entry), whole.meta), str(manifest_path))
+    dest = tmp_path / "scratch"
+    copier = start_copier(src, dest, "--bw-limit", "0.4")
+    try:
+        wait_plan(dest)
+        with pytest.raises(IntegrityError, match="members of sample 'x1' are not next to"):
+            _keys(_loader(src, dest))
+    finally:
+        stop(copier)

@@ -303,3 +303,13 @@ def test_json_and_text_samples_batch_one_per_sample_where_they_differ(tmp_path: 
     ((keys, texts),) = list(picked)
     by_key = dict(zip(keys, texts, strict=True))
     assert by_key["c1"] == "caption 1" and by_key["c0"] == {"tags": ["t"], "id": 0}
+
+
+def test_values_of_several_kinds_batch_alike_whatever_comes_first() -> None:
+    """Which value came first decided: a number then a dict raised "Could not infer dtype of
+    dict", a dict then a number gave a list; ragged lists nested in lists still raised."""
+    for batch in ([3, {"a": 1}], [{"a": 1}, 3], [3, "x"], [True, "x"]):
+        assert collate_samples(list(batch)) == batch
+    assert collate_samples([[[1, 2], [3]], [[4], [5, 6]]]) == [[[1, 2], [4]], [[3], [5, 6]]]
+    assert collate_samples([[{"a": 1}], [{"b": 2}]]) == [{"a": [1, None], "b": [None, 2]}]
+    assert torch.equal(collate_samples([1, 2]), torch.tensor([1, 2]))  # (numbers still stack)

@@ -138,18 +138,22 @@ def vet_cache(root: Path) -> None:
         CacheLayout._refuse_foreign(root)
 
 
-def check_cache_place(root: Path, dest_root: Path, source_root: str | None) -> None:
-    """Refuse a cache where it cannot outlive the job or would write into the data: at the
-    destination root, inside it or holding it (a job's cleanup removed the cache, or the cache
-    was taken for a staged dataset), or inside a local source (its objects, locks and tag were
-    written into the dataset on the shared filesystem). Checked before anything is written:
-    ``--cache X --dest X`` made the destination, then refused X as "not empty"."""
+def check_cache_place(
+    root: Path, dest_root: Path, dataset_dir: Path | None, source_root: str | None
+) -> None:
+    """Refuse a cache where it would be taken for staged data or write into the data: the
+    destination root itself or a directory holding it, inside this run's staged dataset
+    (``dataset_dir``), or inside a local source (its objects, locks and tag were written into
+    the dataset on the shared filesystem). A cache in a directory of its own under a shared
+    destination root is fine. Checked before anything is written: ``--cache X --dest X`` made
+    the destination, then refused X as "not empty"."""
     cache, dest = os.path.realpath(root), os.path.realpath(dest_root)
-    if _within(cache, dest) or _within(dest, cache):
+    inside_copy = dataset_dir is not None and _within(cache, os.path.realpath(dataset_dir))
+    if _within(dest, cache) or inside_copy:
+        where = dataset_dir if inside_copy else dest_root
         raise UsageError(
-            f"--cache {root} and the destination {dest_root} overlap: a cache outlives jobs, "
-            "and a job's scratch is removed with it; put the cache in a directory of its own "
-            "outside the destination (e.g. /scratch/cache-$USER)"
+            f"--cache {root} and {where} overlap: the cache needs a directory of its own, "
+            "outside the staged datasets (e.g. /scratch/cache-$USER)"
         )
     if source_root is not None and _within(cache, os.path.realpath(source_root)):
         raise UsageError(

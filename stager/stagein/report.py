@@ -85,9 +85,11 @@ class StageInReport:
     def write(self, path: str | os.PathLike[str]) -> None:
         """Write atomically so a reader never sees half a report; nothing is left on failure.
 
-        A path that exists and is not a regular file (``/dev/stdout``, a FIFO, a link to one)
-        is written to as it is: a rename over it replaced the device node or the link itself.
-        A link to a regular file keeps its link: its target is replaced.
+        A path that exists and is not a regular file (a FIFO, a device), or that names a
+        stream (``/dev/stdout``, ``/proc/self/fd/1``, a link into ``/dev`` or ``/proc``), is
+        appended to as it is: a rename over it replaced the device node, the link, or, where
+        stdout was a job's log file, the whole log. A link to another regular file keeps its
+        link: its target is replaced.
         Raises :class:`~stager.errors.ScratchFull` or :class:`~stager.errors.DestinationError`
         naming the path when it cannot be written.
         """
@@ -97,8 +99,12 @@ class StageInReport:
         try:
             if path.is_dir():
                 raise IsADirectoryError(errno.EISDIR, "is a directory")
-            if path.exists() and not path.is_file():  # (a device, a FIFO, a link to one)
-                with open(path, "w") as stream:
+            fd = _own_stream(path)
+            if fd is not None:  # (its offset is the shell's: a reopened file wrote over lines)
+                _write_all(fd, text.encode())
+                return
+            if path.exists() and (_names_a_stream(path) or not path.is_file()):
+                with open(path, "a") as stream:
                     stream.write(text)
                 return
             path = Path(os.path.realpath(path)) if path.is_symlink() else path
@@ -124,3 +130,38 @@ class StageInReport:
     def from_json(cls, payload: dict) -> StageInReport:
         payload = {k: v for k, v in payload.items() if k in cls.__dataclass_fields__}
         return cls(**payload)
+
+
+def _names_a_stream(path: Path) -> bool:
+    """Whether ``path`` names an open stream rather than a file to replace: it is under
+    ``/dev`` or ``/proc``, or a link whose target is (``/dev/stdout`` -> ``/proc/self/fd/1``)."""
+    streams = ("/dev/", "/proc/")
+    text = os.path.abspath(path)
+    if text.startswith(streams):
+        return True
+    return path.is_symlink() and os.path.abspath(
+        os.path.join(os.path.dirname(text), os.readlink(path))
+    ).startswith(streams)
+
+
+def _own_stream(path: Path) -> int | None:
+    """The descriptor ``path`` names in this process (``/dev/stdout``, ``/dev/fd/1``,
+    ``/proc/self/fd/1``), written through as it is; None for any other path."""
+    text = os.path.abspath(path)
+    named = {"/dev/stdout": 1, "/dev/stderr": 2}
+    if text in named:
+        return named[text]
+    for prefix in ("/dev/fd/", "/proc/self/fd/", f"/proc/{os.getpid()}/fd/"):
+        number = text.removeprefix(prefix)
+        if number != text and number.isdigit():
+            return int(number)
+    return None
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    while data:
+        data = data[os.write(fd, data) :]

@@ -157,11 +157,14 @@ def _list_urls(urls: list[str], name: str, jobs: int, spec: str, where: str) -> 
     return _from_paths(fs, paths, _common_dir(paths), name, jobs, spec)
 
 
-def _glob(spec: str, fs: fsspec.AbstractFileSystem | None, path: str, name: str) -> SourceSet:
+def _glob(
+    spec: str, fs: fsspec.AbstractFileSystem | None, path: str, name: str, sized: bool
+) -> SourceSet:
     try:
         matches = sorted(glob_matches(fs, path).items())
     except Exception as exc:  # noqa: BLE001 - translated at this boundary
         raise translate(exc, spec) from exc
+    unknown: set[str] = set()  # (remote shards whose size is left for the caller to ask)
     if fs is None:
         # Stat'ed again: fsspec's version (mtime, created) never equals the copy's (inode, mtime,
         # ctime); a --cache fill took that for a source changing under it, and cached nothing.
@@ -173,14 +176,19 @@ def _glob(spec: str, fs: fsspec.AbstractFileSystem | None, path: str, name: str)
     else:
         infos = [(p, info_of(info)) for p, info in matches]
         # An HTTP listing's links carry no size (0 here): each copy was then retried, "copied
-        # 10240 bytes but the source listed 0", and every rerun copied everything again.
+        # 10240 bytes but the source listed 0", and every rerun copied everything again. Asked
+        # of each (a HEAD) where sizes are wanted now, else left unknown for the caller to ask
+        # (stage-in's fill_sizes; a loader reading the source needs none: a HEAD per shard per
+        # rank at every start)
         unsized = [i for i, (_, info) in enumerate(matches) if info.get("size") is None]
-        if unsized:
+        if not sized:
+            unknown = {matches[i][0] for i in unsized}
+        elif unsized:
             try:
-                sized = stat_many(fs, [matches[i][0] for i in unsized], 8)
+                asked = stat_many(fs, [matches[i][0] for i in unsized], 8)
             except Exception as exc:  # noqa: BLE001 - translated at this boundary
                 raise translate(exc, spec) from exc
-            for i, info in zip(unsized, sized, strict=True):
+            for i, info in zip(unsized, asked, strict=True):
                 if info is not None:
                     infos[i] = (matches[i][0], info)
     root = glob_root(path) or ""  # (path is a glob here: never None)
@@ -198,6 +206,8 @@ def _glob(spec: str, fs: fsspec.AbstractFileSystem | None, path: str, name: str)
         raise SourceError(no_shards_message(spec, not_shards))
     left_out = tuple(sorted([*hidden, *not_shards]))
     matched = [shard_at(fs, p, root, info) for p, info in files if info.kind != OTHER]
+    if unknown:
+        matched = [replace(m, size=None) if m.path in unknown else m for m in matched]
     shards = unique_shards(matched, exact=fs is not None)  # (keys: x//y.tar is not x/y.tar)
     skipped = tuple(display(fs, p) for p, info in files if info.kind == OTHER)
     spec_id = canonical_spec(spec)
@@ -334,7 +344,7 @@ def _resolve(
     fs, path = split_fs(spec)
     drop_listings(fs)  # (listed afresh: an object may have changed since an earlier listing)
     if glob_root(path) is not None:
-        return _glob(spec, fs, path, name)
+        return _glob(spec, fs, path, name, stat_listed)
     try:
         info = stat_one(fs, path)
     except Exception as exc:  # noqa: BLE001 - translated at this boundary

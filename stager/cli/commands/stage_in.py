@@ -6,7 +6,6 @@ import argparse
 import dataclasses
 import os
 import sys
-from pathlib import Path
 
 from stager.cache.paths import (
     check_cache_place,
@@ -25,6 +24,7 @@ from stager.cli.argtypes import (
     size,
 )
 from stager.cli.fanout_flags import add_fanout_arguments, fanout_options_from_args
+from stager.cli.places import check_report_place, dataset_dir_of
 from stager.cli.staging_flags import (
     add_background_arguments,
     background_dataset,
@@ -269,8 +269,9 @@ def _run(args: argparse.Namespace) -> int:
             )
 
     options = options_from_args(args, slurm)
+    dataset_dir = dataset_dir_of(args, options)
     if args.report:
-        _check_report_place(args.report, options.dest_root)
+        check_report_place(args.report, options.dest_root, dataset_dir)
     uncached_mode = "--fanout" if args.fanout else "--background" if args.background else None
     if uncached_mode and options.cache_dir is not None:
         if args.cache:
@@ -282,7 +283,10 @@ def _run(args: argparse.Namespace) -> int:
     if options.cache_dir is not None:  # (before anything is written to the destination)
         local_source = args.source and not args.from_list and not is_remote_url(args.source)
         check_cache_place(
-            options.cache_dir, options.dest_root, source_root(args.source) if local_source else None
+            options.cache_dir,
+            options.dest_root,
+            dataset_dir,
+            source_root(args.source) if local_source else None,
         )
         vet_cache(options.cache_dir)
     select = None
@@ -326,18 +330,6 @@ def _run(args: argparse.Namespace) -> int:
     if not slurm.in_slurm and not args.dest and not os.environ.get("STAGER_DEST"):
         _outside_a_job(report)
     return 0
-
-
-def _check_report_place(report: str, dest_root: Path) -> None:
-    """Refuse a ``--report`` inside the datasets under the destination root (links followed):
-    it was renamed over whatever was there, a staged shard too, with exit 0."""
-    where, root = os.path.realpath(report), os.path.realpath(dest_root)
-    if os.path.dirname(where).startswith(root.rstrip("/") + "/"):
-        raise UsageError(
-            f"--report {report} is inside a staged dataset's directory under {dest_root}: it "
-            "would be written over a staged file; write it beside them (DEST/report.json) or "
-            "elsewhere"
-        )
 
 
 def _outside_a_job(report: StageInReport) -> None:
