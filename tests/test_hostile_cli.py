@@ -322,3 +322,20 @@ def test_a_chained_url_to_a_missing_file_is_a_source_error(tmp_path: Path) -> No
         "stage-in", f"zip://x.tar::file://{tmp_path}/missing.zip", "--dest", str(tmp_path / "s")
     )
     assert result.returncode == EXIT_SOURCE and "not found" in _one_line_error(result.stderr)
+
+
+def test_a_shard_named_with_its_suffix_in_upper_case_is_refused(
+    src: Path, tmp_path: Path, capsys
+) -> None:
+    """``X.TAR`` named on its own (or in a list) was staged "as it is": samples neither counted
+    nor checked (a split one passed), a dataset name of its own, and the loader then refused the
+    copy as another dataset's. A walk and a glob leave such a file out; named, it is refused."""
+    cased = tmp_path / "up" / "X.TAR"
+    cased.parent.mkdir()
+    cased.write_bytes((src / "train-000000.tar").read_bytes())
+    listed = tmp_path / "list.txt"
+    listed.write_text(f"{cased}\n")
+    for argv in ((str(cased),), ("--from-list", str(listed))):
+        result = run_main(capsys, "stage-in", *argv, "--dest", str(tmp_path / "s"), *FAST)
+        assert result.returncode == EXIT_SOURCE and "rename it to lower case" in result.stderr
+        assert not (tmp_path / "s").exists() or not list((tmp_path / "s").rglob("*.TAR"))

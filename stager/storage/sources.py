@@ -27,6 +27,7 @@ from stager.layout import (
     glob_root,
     is_left_out_tar,
     is_shard_name,
+    is_shard_name_but_for_case,
 )
 from stager.leftout import no_shards_message
 from stager.patterns import expand_pattern, is_pattern
@@ -88,6 +89,7 @@ def _from_paths(
 ) -> SourceSet:
     """Stat ``paths`` (named by the user) in parallel; those that do not exist are ``missing``."""
     unique = list(dict.fromkeys(paths))  # a name listed twice is one shard
+    _refuse_cased(unique, spec)
     try:
         infos = stat_many(fs, unique, jobs)
     except StagerError:
@@ -105,6 +107,19 @@ def _from_paths(
     where = display(fs, root or "/")
     distinct = unique_shards(shards, exact=fs is not None)  # (keys: x//y.tar is not x/y.tar)
     return SourceSet(where, name, distinct, tuple(missing), fs, spec, tuple(skipped), named=True)
+
+
+def _refuse_cased(paths: list[str], spec: str) -> None:
+    """Refuse a shard named explicitly with its suffix not in lower case (``X.TAR``), as a
+    walk and a glob leave such a file out: it was staged as a file "as it is", its samples
+    neither counted nor checked, under a dataset name of its own, and the loader then refused
+    that copy as another dataset's."""
+    cased = [p for p in paths if is_shard_name_but_for_case(posixpath.basename(p))]
+    if cased:
+        raise SourceError(
+            f"{cased[0]!r} (in {spec}) is named like a shard but for the case of its suffix, "
+            "and suffixes are matched as written (*.tar, *.tgz, *.tar.gz); rename it to lower case"
+        )
 
 
 def fill_sizes(
@@ -360,6 +375,7 @@ def _resolve(
             f"source {spec} is a web page, not a shard (an HTTP server's directory listing?): "
             "HTTP has no directories; name the shards in a list (--from-list) or a brace pattern"
         )
+    _refuse_cased([path], spec)
     root = posixpath.dirname(path)
     if info.kind == OTHER:
         raise SourceError(
