@@ -41,6 +41,7 @@ from stager.shards.manifest import ManifestColumns, read_columns
 
 from .packedstrings import PackedStrings
 from .selection import is_whole_directory
+from .spelling import is_local_spec
 
 if TYPE_CHECKING:
     from .resolve import DatasetShards
@@ -59,23 +60,28 @@ __all__ = [
 MOST_LEVELS = 16
 
 
+def _directories_above(spec: str | Sequence[str]) -> Iterator[tuple[str, list[str]]]:
+    """Each directory above ``spec``'s root, nearest first, at most :data:`MOST_LEVELS` and
+    never the filesystem's (or a bucket list's) root; with the parts of the root below it."""
+    parts = source_root(spec).rstrip("/").split("/")
+    for depth in range(len(parts) - 1, max(0, len(parts) - 1 - MOST_LEVELS), -1):
+        directory = "/".join(parts[:depth])
+        if not posixpath.basename(directory):
+            return
+        yield directory, parts[depth:]
+
+
 def enclosing_copies(root: Path, spec: str | Sequence[str]) -> Iterator[tuple[StagedDataset, str]]:
     """The staged datasets under ``root`` that the directories above ``spec``'s root would be
     staged as, nearest first, each with that directory as a staged manifest records a source
     (``file:///nfs/ds``, ``s3://bucket/ds``); only those with a manifest."""
     first = spec if isinstance(spec, str) else next(iter(spec), "")
     scheme = first.split("://", 1)[0] if is_remote_url(first) else "file"
-    parts = source_root(spec).rstrip("/").split("/")
-    lowest = max(0, len(parts) - 1 - MOST_LEVELS)
-    for depth in range(len(parts) - 1, lowest, -1):
-        if any(part.startswith(".") for part in parts[depth:]):
+    for directory, below in _directories_above(spec):
+        if any(part.startswith(".") for part in below):
             return  # (left out of a copy of any directory above it)
-        directory = "/".join(parts[:depth])
-        name = posixpath.basename(directory)
-        if not name:
-            return
         try:
-            staged = StagedDataset(root, name)
+            staged = StagedDataset(root, posixpath.basename(directory))
         except UsageError:  # (a name stage-in never stages under)
             continue
         if staged.manifest_path.is_file():
@@ -95,14 +101,11 @@ def staged_dir_above(spec: str | Sequence[str]) -> StagedDataset | None:
     """The staged copy whose directory holds ``spec``'s root strictly below it (a local path
     on scratch), found by its ``.stager`` directory with a manifest, a plan or a journal in
     it; None for anything else."""
-    first = spec if isinstance(spec, str) else next(iter(spec), "")
-    if not first or is_remote_url(first):
+    if not spec or not is_local_spec(spec):
         return None
-    parts = source_root(spec).rstrip("/").split("/")
-    lowest = max(1, len(parts) - 1 - MOST_LEVELS)
-    for depth in range(len(parts) - 1, lowest, -1):
+    for directory, _ in _directories_above(spec):
         try:
-            staged = StagedDataset.of("/".join(parts[:depth]))
+            staged = StagedDataset.of(directory)
         except UsageError:  # (no dataset's name)
             continue
         made = (staged.manifest_path, staged.staging_path, staged.journal_path)

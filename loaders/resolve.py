@@ -37,7 +37,7 @@ from .failed import recorded_corrupt, recorded_failures
 from .packedstrings import PackedStrings
 from .selection import staged_selection, url_prefix
 from .sourcecounts import source_samples
-from .spelling import check_same_root, real_spelling, spelled_from
+from .spelling import check_same_root, is_local_spec, real_spelling, spelled_from
 
 __all__ = ["ShardRef", "DatasetShards", "resolve_dataset"]
 
@@ -186,7 +186,7 @@ def _from_staged(
     enclosing: ManifestColumns | None = None,
 ) -> DatasetShards:
     """``spec``'s shards in the staged copy ``dataset_dir``, read from the source where missing.
-    ``enclosing``: its manifest, read by :func:`_enclosing_copy` (a copy of a directory above
+    ``enclosing``: its manifest, read by :mod:`loaders.enclosing` (a copy of a directory above
     ``spec``'s root, not of its root)."""
     columns = enclosing or read_columns(StagedDataset.of(dataset_dir).manifest_path)
     if enclosing is None:
@@ -348,8 +348,7 @@ def resolve_dataset(
         raise other
     # (a remote glob's shards unsized: their counts come from the manifest beside them, and
     # a HEAD per shard per rank at every start asked the server for sizes nothing used)
-    remote = is_remote_url(spec if isinstance(spec, str) else next(iter(spec), ""))
-    resolved = resolve_source(spec, name=name, stat_listed=not remote)
+    resolved = resolve_source(spec, name=name, stat_listed=is_local_spec(spec))
     refs = list(_source_refs(resolved, source_samples(resolved)).values())
     log.warning(
         "no staged copy of %s under %s: reading all %d shard(s) from the source; "

@@ -17,13 +17,13 @@ from pathlib import Path
 from stager.errors import UsageError
 from stager.layout import canonical_root, is_remote_url, source_path, source_root
 
-__all__ = ["check_same_root", "real_spelling", "same_local_root", "spelled_from"]
+__all__ = ["check_same_root", "is_local_spec", "real_spelling", "same_local_root", "spelled_from"]
 
 
 def real_spelling(spec: str | Sequence[str]) -> str | list[str] | None:
     """``spec`` with its local root resolved through symlinks; None where that changes nothing
     or the source is not local."""
-    if not _local(spec):
+    if not is_local_spec(spec):
         return None
     root = source_root(spec)
     real = os.path.realpath(root)
@@ -37,13 +37,14 @@ def real_spelling(spec: str | Sequence[str]) -> str | list[str] | None:
 def same_local_root(staged_root: str, spec: str | Sequence[str]) -> bool:
     """Whether a staged copy's recorded root and ``spec``'s are one directory by their real
     paths (both local)."""
-    if not _local(spec) or is_remote_url(staged_root):
+    if not is_local_spec(spec) or is_remote_url(staged_root):
         return False
     mine = os.path.realpath(source_root(spec))
     return os.path.realpath(source_path(staged_root)) == mine
 
 
-def _local(spec: str | Sequence[str]) -> bool:
+def is_local_spec(spec: str | Sequence[str]) -> bool:
+    """Whether ``spec`` (a SOURCE, or a list's first URL) names local paths."""
     return not is_remote_url(spec if isinstance(spec, str) else next(iter(spec), ""))
 
 
@@ -51,7 +52,7 @@ def spelled_from(spec: str | Sequence[str], staged_root: str) -> str | list[str]
     """``spec`` with its root spelled as a staged copy records it, where the two are one local
     directory by another spelling (:func:`same_local_root`): a glob, a file or a list through
     a symlink then selects the staged relpaths, which hang from the recorded spelling."""
-    if not _local(spec) or is_remote_url(staged_root):
+    if not is_local_spec(spec) or is_remote_url(staged_root):
         return spec if isinstance(spec, str) else list(spec)
     root, recorded = source_root(spec), source_path(staged_root)
     if root == recorded:

@@ -31,7 +31,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from stager.errors import IntegrityError, SourceError
 from stager.plan.order import seeded_rng
 from stager.plan.streaming import StreamingPlan
-from stager.shards.members import split_message
+from stager.shards.members import SampleRuns, split_message
 from stager.shards.tarindex import RESTAGE_HELPS, count_samples, is_compressed, split_key
 
 from .samples import SamplePipeline
@@ -63,15 +63,12 @@ def iter_tar_samples(location: str) -> Iterator[dict[str, Any]]:
     """Samples of one tar/tgz stream as dicts of bytes, grouped by key the way webdataset does."""
     last_name = "<start of archive>"
     current: dict[str, Any] | None = None
-    runs: dict[str, set[str]] = {}  # each key's latest sample's members (split_message)
+    runs = SampleRuns()
 
     def ended(sample: dict[str, Any]) -> dict[str, Any]:
-        exts = set(sample) - {"__key__", "__shard__"}
-        before = runs.get(sample["__key__"])
-        if before is not None and before.isdisjoint(exts):
+        if runs.apart(sample["__key__"], set(sample) - {"__key__", "__shard__"}):
             message = split_message(sample["__key__"])
             raise IntegrityError(f"{location}: {message}, or pass on_error='skip'")
-        runs[sample["__key__"]] = exts
         return sample
 
     with _open(location) as handle:

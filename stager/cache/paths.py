@@ -28,6 +28,7 @@ from pathlib import Path
 
 from stager.errors import UsageError
 from stager.storage.dest import ensure_private_dir, vet_private_dir
+from stager.storage.paths import within
 from stager.units import parse_size
 
 __all__ = [
@@ -148,22 +149,18 @@ def check_cache_place(
     destination root is fine. Checked before anything is written: ``--cache X --dest X`` made
     the destination, then refused X as "not empty"."""
     cache, dest = os.path.realpath(root), os.path.realpath(dest_root)
-    inside_copy = dataset_dir is not None and _within(cache, os.path.realpath(dataset_dir))
-    if _within(dest, cache) or inside_copy:
+    inside_copy = dataset_dir is not None and within(cache, os.path.realpath(dataset_dir))
+    if within(dest, cache) or inside_copy:
         where = dataset_dir if inside_copy else dest_root
         raise UsageError(
             f"--cache {root} and {where} overlap: the cache needs a directory of its own, "
             "outside the staged datasets (e.g. /scratch/cache-$USER)"
         )
-    if source_root is not None and _within(cache, os.path.realpath(source_root)):
+    if source_root is not None and within(cache, os.path.realpath(source_root)):
         raise UsageError(
             f"--cache {root} is inside the source {source_root}: the cache would be written "
             "into the dataset; put it on node-local disk outside the source"
         )
-
-
-def _within(path: str, directory: str) -> bool:
-    return path == directory or path.startswith(directory.rstrip("/") + "/")
 
 
 def resolve_cache_dir(flag: str | None, env: Mapping[str, str] | None = None) -> Path | None:

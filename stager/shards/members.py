@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 __all__ = [
     "COMPRESSED_SUFFIXES",
     "SampleGrouper",
+    "SampleRuns",
     "TarColumns",
     "TarIndex",
     "any_compressed",
@@ -103,6 +104,23 @@ class TarIndex:
         return [(self.exts[j], int(self.offsets[j]), int(self.sizes[j])) for j in range(lo, hi)]
 
 
+class SampleRuns:
+    """Each key's latest sample's extensions, to tell a sample whose members lie apart
+    (:func:`split_message`): its key met again in a sample sharing none of its extensions. The
+    grouper, the array check, the stream counter and the loader's stream all ask it alike."""
+
+    __slots__ = ("_latest",)
+
+    def __init__(self) -> None:
+        self._latest: dict[str, set[str]] = {}
+
+    def apart(self, key: str, exts: set[str]) -> bool:
+        """Record ``key``'s sample of ``exts``; whether it is one whose members lie apart."""
+        before = self._latest.get(key)
+        self._latest[key] = exts
+        return before is not None and before.isdisjoint(exts)
+
+
 class SampleGrouper:
     """Builds a :class:`TarIndex` from file members met in archive order, grouped into samples
     the way WebDataset groups them (consecutive members with the same key). The ``tarfile``
@@ -116,7 +134,7 @@ class SampleGrouper:
         self._sizes: list[int] = []
         self._sample_exts: list[str] = []  # the current sample's extensions so far
         self._duplicate: str | None = None  # the first "key.ext" met twice in one sample
-        self._runs: dict[str, set[str]] = {}  # each key's latest sample's extensions
+        self._runs = SampleRuns()
         self._split: str | None = None  # the first sample whose members lie apart
 
     def add(self, name: str, offset: int, size: int) -> None:
@@ -144,11 +162,9 @@ class SampleGrouper:
         extensions (:func:`split_message`)."""
         if not self._keys:
             return
-        key, exts = self._keys[-1], set(self._sample_exts)
-        before = self._runs.get(key)
-        if before is not None and before.isdisjoint(exts):
+        key = self._keys[-1]
+        if self._runs.apart(key, set(self._sample_exts)):
             self._split = self._split or key
-        self._runs[key] = exts
 
     @property
     def num_samples(self) -> int:
@@ -158,7 +174,7 @@ class SampleGrouper:
         import numpy as np  # deferred: stage-in's start-up should not pay for numpy
 
         self._end_sample()
-        self._runs.clear()  # (ended: a second call finds nothing new)
+        self._runs = SampleRuns()  # (ended: a second call finds nothing new)
 
         return TarIndex(
             keys=self._keys,
@@ -195,13 +211,11 @@ def split_sample(index: TarIndex) -> str | None:
     """The key of the first sample whose members lie apart (:func:`split_message`), or None."""
     if index.duplicates_checked:
         return index.split
-    runs: dict[str, set[str]] = {}
+    runs = SampleRuns()
     for i, key in enumerate(index.keys):
         text = name_text(key) if isinstance(key, bytes) else str(key)
-        exts = {ext for ext, _, _ in index.members(i)}
-        if text in runs and runs[text].isdisjoint(exts):
+        if runs.apart(text, {ext for ext, _, _ in index.members(i)}):
             return text
-        runs[text] = exts
     return None
 
 

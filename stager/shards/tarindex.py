@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, BinaryIO
 from stager.errors import IntegrityError
 from stager.shards.members import (
     SampleGrouper,
+    SampleRuns,
     TarIndex,
     any_compressed,
     duplicate_member,
@@ -296,15 +297,10 @@ def _sparse_member(shard: str, member: str) -> IntegrityError:
     )
 
 
-def _end_sample(runs: dict[str, set[str]], key: str | None, exts: set[str], name: str) -> None:
-    """Refuse a sample whose members lie apart: its key's latest sample had none of its
-    extensions (:func:`stager.shards.members.split_message`)."""
-    if key is None:
-        return
-    before = runs.get(key)
-    if before is not None and before.isdisjoint(exts):
+def _end_sample(runs: SampleRuns, key: str | None, exts: set[str], name: str) -> None:
+    """Refuse a sample whose members lie apart (:func:`stager.shards.members.split_message`)."""
+    if key is not None and runs.apart(key, exts):
         raise IntegrityError(f"{name}: {split_message(key)}")
-    runs[key] = exts
 
 
 def count_samples_stream(stream: BinaryIO, name: str, *, compressed: bool = False) -> int:
@@ -323,7 +319,7 @@ def count_samples_stream(stream: BinaryIO, name: str, *, compressed: bool = Fals
     count, last_key, last_name = 0, None, "<start of archive>"
     tar_ended = False  # (bytes after it that are no gzip: said as such, not "truncated")
     exts: set[str] = set()  # the current sample's, to refuse a member twice (as the loader)
-    runs: dict[str, set[str]] = {}  # each key's latest sample's extensions (split_message)
+    runs = SampleRuns()
     try:
         with tarfile.open(fileobj=reader, mode="r|") as tar:  # type: ignore[call-overload]
             for info in tar:

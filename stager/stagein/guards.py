@@ -12,6 +12,7 @@ from stager.errors import ScratchFull, StagerError, UsageError
 from stager.layout import StagedDataset
 from stager.shards.manifest import Manifest
 from stager.stagein.options import StageInOptions
+from stager.storage.paths import within
 from stager.storage.sources import SourceSet
 from stager.units import human_bytes
 
@@ -33,7 +34,7 @@ def check_outside_source(staged: StagedDataset, source: SourceSet) -> None:
     if source.named:  # no rerun finds the copies; only a shard inside the copy is a danger
         # a realpath per directory, not per shard (a list may name a million)
         dirs = {os.path.dirname(shard.path) for shard in source.shards}
-        into = {d for d in dirs if _within(os.path.realpath(d), dest)}
+        into = {d for d in dirs if within(os.path.realpath(d), dest)}
         inside = [s.url for s in source.shards if os.path.dirname(s.path) in into]
         if inside:
             raise UsageError(
@@ -42,22 +43,17 @@ def check_outside_source(staged: StagedDataset, source: SourceSet) -> None:
                 "DEST/NAME holds no source shard"
             )
         return
-    if _within(dest, root):
+    if within(dest, root):
         raise UsageError(
             f"the destination {staged.dir} is inside the source {source.root_url}: each run "
             "would stage its own copy again; pass --dest outside the source"
         )
-    if _within(root, dest):
+    if within(root, dest):
         raise UsageError(
             f"the source {source.root_url} is inside the staged copy's directory {staged.dir}: "
             "staging would write over the source's own files; pass --dest (or --name) so "
             "that DEST/NAME does not hold the source"
         )
-
-
-def _within(path: str, directory: str) -> bool:
-    """Whether ``path`` is ``directory`` or below it (both resolved)."""
-    return path == directory or path.startswith(directory.rstrip("/") + "/")
 
 
 def check_same_source(staged: StagedDataset, source: SourceSet) -> None:

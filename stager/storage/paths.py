@@ -27,6 +27,7 @@ __all__ = [
     "PARTIAL_SUFFIX",
     "partial_of",
     "discard",
+    "within",
     "not_utf8",
 ]
 
@@ -77,6 +78,11 @@ def partial_of(final: str) -> str:
     room = NAME_MAX - _PARTIAL_BYTES - len(digest) - 1
     head = name.encode()[:room].decode("utf-8", "ignore")
     return f"{final[: len(final) - len(name)]}{head}~{digest}{PARTIAL_SUFFIX}"
+
+
+def within(path: str, directory: str) -> bool:
+    """Whether ``path`` is ``directory`` or below it (both resolved, as strings)."""
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
 
 
 def discard(path: str | os.PathLike[str]) -> None:
