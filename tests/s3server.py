@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["FlakyProxy", "moto_server", "s3_env", "free_port", "refusing_proxy"]
+__all__ = ["FlakyProxy", "moto_server", "s3_client", "s3_env", "free_port", "refusing_proxy"]
 
 
 def free_port() -> int:
@@ -33,6 +33,19 @@ def s3_env(endpoint_url: str) -> dict[str, str]:
         "AWS_DEFAULT_REGION": "us-east-1",
         "NO_PROXY": "127.0.0.1,localhost",
     }
+
+
+def s3_client(endpoint_url: str):
+    """A boto3 client of the server, with moto's dummy credentials (to set the store up)."""
+    import boto3
+
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint_url,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
 
 
 @contextmanager

@@ -580,35 +580,40 @@ def test_a_run_with_a_corrupt_and_a_missing_shard_counts_each_kind() -> None:
     )
 
 
-@pytest.mark.parametrize("native_walk", ["1", "0"])
+@pytest.fixture(params=["1", "0"])
+def either_walk(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test once with the compiled tar walk and once with the Python one."""
+    monkeypatch.setenv("STAGER_NATIVE_TAR", request.param)
+
+
+def _shards_dir(src: Path, shards: dict[str, list[tuple[str, bytes]]], suffix: str) -> Path:
+    """``src`` holding a shard ``<name><suffix>`` of each member list, gzipped unless .tar."""
+    import gzip
+
+    from .trees import tar_bytes
+
+    src.mkdir()
+    for name, members in shards.items():
+        data = tar_bytes(members)
+        (src / f"{name}{suffix}").write_bytes(gzip.compress(data) if suffix != ".tar" else data)
+    return src
+
+
 @pytest.mark.parametrize("suffix", [".tar", ".tar.gz"])
 def test_a_member_twice_in_one_sample_fails_that_shard_as_the_loader_would(
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
-    suffix: str,
-    native_walk: str,
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], either_walk: None, suffix: str
 ) -> None:
     """``k.jpg`` twice (or ``k.jpg`` and ``k.JPG``) in one sample: the loader refuses the
     shard, as webdataset does. stage-in said it as a warning ("no loader index written") under
     exit 0, and `stager index` counted it; both now fail it with exit 4 and one FAILED line,
     and stage-in keeps the other shards staged, as for any corrupt shard."""
-    import gzip
-
-    from .trees import tar_bytes
-
-    monkeypatch.setenv("STAGER_NATIVE_TAR", native_walk)
-    src = tmp_path / "ds"
-    src.mkdir()
     shards = {
         "a": [("k1.jpg", b"a"), ("k1.jpg", b"b"), ("k2.jpg", b"c")],
         "b": [("m1.jpg", b"a"), ("m1.cls", b"1"), ("m2.jpg", b"b")],
         "c": [("n1.jpg", b"a"), ("n1.JPG", b"b")],
         "d": [("p1.jpg", b"a"), ("p2.jpg", b"b"), ("p1.jpg", b"c")],  # (two samples named p1)
     }
-    for name, members in shards.items():
-        data = tar_bytes(members)
-        (src / f"{name}{suffix}").write_bytes(gzip.compress(data) if suffix != ".tar" else data)
+    src = _shards_dir(tmp_path / "ds", shards, suffix)
     result = run_main(capsys, "stage-in", str(src), "--dest", str(tmp_path / "s"), *LOUD)
     assert result.returncode == EXIT_INTEGRITY, result.stderr
     failed = sorted(line for line in result.stderr.splitlines() if line.startswith("FAILED"))
@@ -624,37 +629,23 @@ def test_a_member_twice_in_one_sample_fails_that_shard_as_the_loader_would(
     assert not list(src.glob("stager-manifest.*"))
 
 
-@pytest.mark.parametrize("native_walk", ["1", "0"])
 @pytest.mark.parametrize("suffix", [".tar", ".tar.gz"])
 def test_a_sample_whose_members_lie_apart_fails_that_shard(
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
-    suffix: str,
-    native_walk: str,
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], either_walk: None, suffix: str
 ) -> None:
     """GNU tar of a directory stores files in the order the directory lists them: k1.jpg,
     k2.jpg, k1.cls. Read as webdataset reads it, k1 is two samples, each missing a member:
     `stager index` counted them, and the loader gave half-samples (or a KeyError mid-epoch).
     Now stage-in fails that shard (exit 4, one FAILED line naming the sample), as `stager
     index` and the loader do; a sample stored twice whole is two samples, as before."""
-    import gzip
-
     from stager_loaders import LoaderOptions, ShardedLoader
 
-    from .trees import tar_bytes
-
-    monkeypatch.setenv("STAGER_NATIVE_TAR", native_walk)
-    src = tmp_path / "ds"
-    src.mkdir()
     shards = {
         "apart": [("k1.jpg", b"a"), ("k2.jpg", b"b"), ("k1.cls", b"1"), ("k2.cls", b"2")],
         "whole": [("m1.jpg", b"a"), ("m1.cls", b"1"), ("m2.jpg", b"b"), ("m2.cls", b"2")],
         "twice": [("p1.jpg", b"a"), ("p2.jpg", b"b"), ("p1.jpg", b"c")],
     }
-    for name, members in shards.items():
-        data = tar_bytes(members)
-        (src / f"{name}{suffix}").write_bytes(gzip.compress(data) if suffix != ".tar" else data)
+    src = _shards_dir(tmp_path / "ds", shards, suffix)
     result = run_main(capsys, "stage-in", str(src), "--dest", str(tmp_path / "s"), *LOUD)
     assert result.returncode == EXIT_INTEGRITY, result.stderr
     failed = [line for line in result.stderr.splitlines() if line.startswith("FAILED")]

@@ -24,7 +24,7 @@ from stager.storage.hashing import hash_file
 from stager.storage.sources import resolve_source
 
 from .conftest import clean_env, run_cli
-from .s3server import FlakyProxy, moto_server, refusing_proxy, s3_env
+from .s3server import FlakyProxy, moto_server, refusing_proxy, s3_client, s3_env
 
 pytestmark = pytest.mark.s3
 
@@ -35,22 +35,10 @@ FAST = ["--jitter-max", "0", "--retry-delay", "0.05", "--quiet"]
 @pytest.fixture(scope="module")
 def endpoint() -> str:
     with moto_server() as url:
-        client = _client(url)
+        client = s3_client(url)
         client.create_bucket(Bucket=BUCKET)
         client.close()
         yield url
-
-
-def _client(url: str):
-    import boto3
-
-    return boto3.client(
-        "s3",
-        endpoint_url=url,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        region_name="us-east-1",
-    )
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +54,7 @@ def local_ds(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def prefix(endpoint: str, local_ds: Path) -> str:
     """A fresh prefix holding the dataset's shards: ``<uuid>/ds``."""
     key_prefix = f"{uuid.uuid4().hex[:8]}/ds"
-    client = _client(endpoint)
+    client = s3_client(endpoint)
     for path in sorted(local_ds.glob("*.tar")):
         client.upload_file(str(path), BUCKET, f"{key_prefix}/{path.name}")
     client.close()
@@ -113,7 +101,7 @@ def test_hidden_keys_under_a_prefix_are_left_out_as_a_local_walk_leaves_them(
 ) -> None:
     """``._x.tar`` (AppleDouble, no tar) and ``.cache/`` under a prefix: left out with one
     warning, as from a local directory, where they failed the run (exit 4)."""
-    client = _client(endpoint)
+    client = s3_client(endpoint)
     client.put_object(Bucket=BUCKET, Key=f"{prefix}/._train-000000.tar", Body=b"\0\5\26\7" * 9)
     first = sorted(local_ds.glob("*.tar"))[0]
     client.upload_file(str(first), BUCKET, f"{prefix}/.cache/old.tar")
@@ -145,7 +133,7 @@ def test_index_on_s3_then_stage_in_verifies_against_it(
     result = run_cli("stager", "index", f"s3://{BUCKET}/{prefix}/", env=env)
     assert result.returncode == 0, result.stderr
     body = (
-        _client(endpoint)
+        s3_client(endpoint)
         .get_object(Bucket=BUCKET, Key=f"{prefix}/stager-manifest.json")["Body"]
         .read()
     )
@@ -169,7 +157,7 @@ def test_index_on_s3_then_stage_in_verifies_against_it(
     # Same bytes count, different content: only the manifest's hash can catch it.
     tampered = bytearray((local_ds / "train-000004.tar").read_bytes())
     tampered[2000] ^= 0x55
-    _client(endpoint).put_object(
+    s3_client(endpoint).put_object(
         Bucket=BUCKET, Key=f"{prefix}/train-000004.tar", Body=bytes(tampered)
     )
     dest = tmp_path / "b"
@@ -234,7 +222,7 @@ def test_a_manifest_beside_the_source_that_cannot_be_read_stops_the_run(
     assert indexed.returncode == 0, indexed.stderr
     tampered = bytearray((local_ds / "train-000001.tar").read_bytes())
     tampered[2000] ^= 0x55  # same size, other bytes: only the manifest's hash tells
-    _client(endpoint).put_object(
+    s3_client(endpoint).put_object(
         Bucket=BUCKET, Key=f"{prefix}/train-000001.tar", Body=bytes(tampered)
     )
     source = f"s3://{BUCKET}/{prefix}/"
@@ -265,7 +253,7 @@ def test_keys_that_would_land_on_one_path_are_refused_naming_both(
     twice with the other's hash. Refused before any byte moves: the key with an empty part by
     its name (alone, it was staged as ``x/y.tar``, and the loader's fallback read the other)."""
     key_prefix = f"{uuid.uuid4().hex[:8]}/kc"
-    client = _client(endpoint)
+    client = s3_client(endpoint)
     for key in ("x//y.tar", "x/y.tar"):
         client.upload_file(str(sorted(local_ds.glob("*.tar"))[0]), BUCKET, f"{key_prefix}/{key}")
     client.close()
@@ -278,7 +266,7 @@ def test_keys_that_would_land_on_one_path_are_refused_naming_both(
     assert len(result.stderr.strip().splitlines()) == 1
     assert not list(tmp_path.rglob("*.tar*"))
     # a key naming a file that another key needs as a directory: retried as "changing" before
-    client = _client(endpoint)
+    client = s3_client(endpoint)
     shard = str(sorted(local_ds.glob("*.tar"))[0])
     for key in ("sub.tar", "sub.tar/in.tar"):
         client.upload_file(shard, BUCKET, f"{key_prefix}-kd/{key}")
@@ -289,7 +277,7 @@ def test_keys_that_would_land_on_one_path_are_refused_naming_both(
     assert "'sub.tar' would be a file and a directory" in result.stderr, result.stderr
     # a key with a '.' or '..' part, named in a list (a walk leaves it out as hidden): staged as
     # a/b.tar or b.tar before, where the loader's source fallback read another key (or none)
-    client = _client(endpoint)
+    client = s3_client(endpoint)
     for key in ("a/../b.tar", "a/./d.tar", "a//e.tar", "c.tar"):
         client.upload_file(shard, BUCKET, f"{key_prefix}-kp/{key}")
     client.close()
@@ -360,7 +348,7 @@ def test_an_object_rewritten_after_its_listing_is_read_as_it_is_now(
     first = ShardedLoader(source, batch_size=4, to_tuple=("__key__",), options=options)
     shards = sorted(local_ds.glob("*.tar"))
     # the first shard's object now holds the second's bytes: another size, another ETag
-    _client(endpoint).upload_file(str(shards[1]), BUCKET, f"{prefix}/{shards[0].name}")
+    s3_client(endpoint).upload_file(str(shards[1]), BUCKET, f"{prefix}/{shards[0].name}")
     second = ShardedLoader(source, batch_size=4, to_tuple=("__key__",), options=options)
     assert second.skipped_shards == [] and len(second) > 0
     keys = [k for (batch,) in second for k in batch]
@@ -369,7 +357,7 @@ def test_an_object_rewritten_after_its_listing_is_read_as_it_is_now(
     listed = resolve_source(f"{source}/{shards[2].name}").shards[0]
     item = CopyItem(listed, str(tmp_path / "x.tar"), listed.size, None, False)
     other = next(s for s in shards if s.stat().st_size != item.size)
-    _client(endpoint).upload_file(str(other), BUCKET, f"{prefix}/{shards[2].name}")
+    s3_client(endpoint).upload_file(str(other), BUCKET, f"{prefix}/{shards[2].name}")
     now = relisted(resolve_source(source), item)
     assert now.size == other.stat().st_size != item.size
     assert now.shard.version != item.shard.version and now.shard.path == item.shard.path
@@ -398,7 +386,7 @@ def test_a_list_over_two_buckets_is_loaded_from_its_staged_copy(
     from stager_loaders import LoaderOptions, ShardedLoader
 
     other = f"stager-second-{uuid.uuid4().hex[:6]}"
-    client = _client(endpoint)
+    client = s3_client(endpoint)
     client.create_bucket(Bucket=other)
     shards = sorted(local_ds.glob("*.tar"))[:2]
     client.upload_file(str(shards[0]), BUCKET, f"two/{shards[0].name}")

@@ -15,7 +15,7 @@ import pytest
 from stager.errors import EXIT_CHECKPOINT
 
 from .conftest import clean_env, run_cli
-from .s3server import moto_server, s3_env
+from .s3server import moto_server, s3_client, s3_env
 from .test_stageout import same_tree, set_mtime, write_ckpt_dir, write_ckpt_file
 
 pytestmark = pytest.mark.s3
@@ -25,23 +25,15 @@ BUCKET = "stager-stageout-test"
 
 @pytest.fixture(scope="module")
 def endpoint() -> str:
-    import boto3
 
     with moto_server() as url:
-        client = boto3.client(
-            "s3",
-            endpoint_url=url,
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing",
-            region_name="us-east-1",
-        )
+        client = s3_client(url)
         client.create_bucket(Bucket=BUCKET)
         client.close()
         yield url
 
 
 def test_s3_round_trip_keep_and_marker_visibility(endpoint: str, tmp_path: Path) -> None:
-    import boto3
 
     env = clean_env(**s3_env(endpoint))
     dest = f"s3://{BUCKET}/{uuid.uuid4().hex}/run"
@@ -65,13 +57,7 @@ def test_s3_round_trip_keep_and_marker_visibility(endpoint: str, tmp_path: Path)
 
     # Without its marker a fully uploaded checkpoint is invisible: restore falls back.
     bucket, _, key = dest[len("s3://") :].partition("/")
-    client = boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        region_name="us-east-1",
-    )
+    client = s3_client(endpoint)
     client.delete_object(Bucket=bucket, Key=f"{key}/.stager/commits/step-2.json")
     client.close()
     got = run_cli("stage-in", "--checkpoint", dest, "--dest", str(tmp_path / "local2"), env=env)
@@ -222,8 +208,6 @@ def test_a_killed_multipart_upload_is_aborted_by_the_next_run(
     import subprocess
     import time
 
-    import boto3
-
     from .conftest import BIN
 
     env = clean_env(**s3_env(endpoint))
@@ -237,13 +221,7 @@ def test_a_killed_multipart_upload_is_aborted_by_the_next_run(
         env=env,
         stderr=subprocess.DEVNULL,
     )
-    client = boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        region_name="us-east-1",
-    )
+    client = s3_client(endpoint)
 
     def uploads() -> list:
         listed = client.list_multipart_uploads(Bucket=BUCKET, Prefix=f"{run}/")
