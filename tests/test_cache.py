@@ -100,6 +100,9 @@ def test_a_second_job_reads_nothing_from_the_source(capsys, tmp_path: Path, coun
     assert list((staged / ".stager" / "index").iterdir())
     # The cache is private.
     assert (cache.stat().st_mode & 0o777) == 0o700
+    # Keeping the index of a copy served from the cache (its files the cache's own) leaves no
+    # temporary name behind (a rename of a link over the same file does nothing).
+    assert not [p for p in cache.rglob("*") if ".partial" in p.name]
 
 
 def test_the_loader_reads_a_copy_served_from_the_cache(

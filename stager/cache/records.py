@@ -137,6 +137,22 @@ class DatasetRecord:
             record = cls(**payload)
         except TypeError:
             return None
-        if not all(isinstance(x, dict) for x in (record.shards, record.jobs, record.known)):
-            return None
-        return record
+        return record if _well_formed(record) else None
+
+
+def _well_formed(record: DatasetRecord) -> bool:
+    """Whether a record read as JSON has the shape this version writes (one of another
+    version, or damaged, is no record: every command that reads records passes it by)."""
+    if not all(isinstance(x, dict) for x in (record.shards, record.jobs, record.known)):
+        return False
+    if not all(isinstance(x, str) for x in (record.key, record.spec, record.name, record.source)):
+        return False
+    numbers = (int, float)
+    if not isinstance(record.last_used, numbers) or isinstance(record.last_used, bool):
+        return False
+    if not all(isinstance(t, numbers) for t in record.jobs.values()):
+        return False
+    return all(
+        isinstance(v, list) and len(v) == 2 and isinstance(v[0], str) and type(v[1]) is int
+        for v in record.shards.values()
+    )

@@ -325,6 +325,8 @@ def _mirror(src_dir: Path, dst_dir: Path, *, replace: bool) -> None:
             continue
         tmp = target.with_name(f"{target.name}.{os.getpid()}{PARTIAL_SUFFIX}")
         try:
+            if _same_file(path, target):
+                continue  # (a copy made from the cache links its index: the cache's own file)
             target.parent.mkdir(parents=True, exist_ok=True)
             discard(tmp)
             try:
@@ -333,4 +335,15 @@ def _mirror(src_dir: Path, dst_dir: Path, *, replace: bool) -> None:
                 shutil.copyfile(path, tmp)
             os.replace(tmp, target)
         except OSError:
+            pass  # best effort (keep_index)
+        finally:
+            # rename() of one link of a file over another of the same file does nothing and
+            # leaves both names (another job linked the same file there meanwhile)
             discard(tmp)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
