@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from stager.cache.store import ShardCache
 from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 
 from .inproc import clean_process_env, run_main
@@ -61,3 +62,72 @@ def test_a_dataset_record_of_another_shape_is_no_record(capsys, tmp_path: Path) 
     code, report, stderr = _stage(capsys, src, tmp_path / "job3", cache)
     assert code == 0, stderr
     _assert_identical(src, tmp_path / "job3" / "ds")
+
+
+# -- a fill lock held by a process that makes no progress ----------------------------------
+def test_a_fill_that_makes_progress_is_waited_for_and_a_stalled_one_is_not(
+    tmp_path: Path,
+) -> None:
+    from stager.cache.fillwait import wait_for_fill
+    from stager.cache.locks import FileLock
+
+    group = tmp_path / "objects" / "ab"
+    group.mkdir(parents=True)
+    holder = FileLock(tmp_path / "ab.lock")
+    assert holder.acquire()
+    partial = group / "abcd.partial"
+    partial.write_bytes(b"")
+    looks = []
+
+    def filler_writes(_seconds: float) -> None:  # each pause of the waiter: the filler writes
+        looks.append(1)
+        with partial.open("ab") as out:
+            out.write(b"x")
+        if len(looks) == 5:
+            holder.release()  # its copy is done
+
+    waiter = FileLock(tmp_path / "ab.lock")
+    assert wait_for_fill(waiter, group, timeout_s=None, stall_s=0.0, sleep=filler_writes)
+    assert waiter.held and len(looks) == 5
+    waiter.release()
+
+    assert holder.acquire()  # now a holder that writes nothing
+    stalled = FileLock(tmp_path / "ab.lock")
+    assert not wait_for_fill(stalled, group, timeout_s=None, stall_s=0.0, sleep=lambda _s: None)
+    assert not stalled.held
+    holder.release()
+
+
+def test_a_shard_whose_fill_lock_is_held_by_a_stalled_job_is_copied_past_the_cache(
+    capsys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another job holding the fill locks, stopped (Slurm's suspend, Ctrl-Z): its shards were
+    failed as source errors after --lock-timeout (an hour); they are copied past the cache."""
+    from stager.cache import fillwait
+    from stager.cache.locks import FileLock
+    from stager.cache.paths import FILL_LOCK_CHARS
+
+    monkeypatch.setattr(fillwait, "FILL_STALL_S", 0.2)
+    src = tmp_path / "nfs" / "ds"
+    write_synthetic_dataset(src, SPEC)
+    cache = tmp_path / "cache"
+    ShardCache.open(cache)  # (a cache of its own, its lock files made)
+    held = []
+    for group in range(16**FILL_LOCK_CHARS):  # (every group: whichever the shards' keys are)
+        lock = FileLock(cache / "locks" / "fill" / f"{group:0{FILL_LOCK_CHARS}x}.lock")
+        assert lock.acquire(blocking=False)
+        held.append(lock)
+    try:
+        # (--lock-timeout: without the stall watch this waited for the lock's timeout)
+        code, report, stderr = _stage(capsys, src, tmp_path / "job1", cache, "--lock-timeout", "60")
+    finally:
+        for lock in held:
+            lock.release()
+    assert code == 0, stderr
+    _assert_identical(src, tmp_path / "job1" / "ds")
+    assert stderr.count("holds a fill lock of the cache and wrote nothing") == 1, stderr
+    assert report["files_from_cache"] == 0
+    # Once the locks are free, the next job fills the cache, and the one after reads from it.
+    assert _stage(capsys, src, tmp_path / "job2", cache)[0] == 0
+    code, report, stderr = _stage(capsys, src, tmp_path / "job3", cache)
+    assert code == 0 and report["files_from_cache"] == SPEC.num_shards, stderr

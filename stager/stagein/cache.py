@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from stager.cache.fillwait import wait_for_fill
 from stager.cache.keys import dataset_key, shard_key
 from stager.cache.locks import FileLock
 from stager.cache.records import ObjectRecord
@@ -178,6 +179,8 @@ class StageCache:
         self.counts = _Counts(methods={})
         self.used: list[ObjectRecord] = []  # records of what this run served or filled
         self.filled_up = False  # the cache's filesystem ran out of space: copy past it
+        self.stalled_fills = 0  # shards copied past a fill lock whose holder made no progress
+        self.stalled_groups: set[Path] = set()  # the fill locks' groups where that happened
 
     @classmethod
     def start(
@@ -300,7 +303,14 @@ class StageCache:
         if served is not None:
             return served
         lock = self.store.fill_lock(key)
-        lock.acquire()
+        group_dir = self.store.object_path(key).parent
+        if group_dir in self.stalled_groups:  # (its holder stalled once: no second wait)
+            got = lock.acquire(blocking=False)
+        else:
+            got = wait_for_fill(lock, group_dir, timeout_s=self.store.lock_timeout_s)
+        if not got:
+            self._passed_a_stalled_fill(group_dir)
+            return Claim(item)  # (from the source straight to scratch)
         try:
             record = self.store.lookup(key)  # filled by another job while we waited?
             served = self._serve(item, record) if record is not None else None
@@ -311,6 +321,18 @@ class StageCache:
             lock.release()
             return served
         return Claim(item, fill=(self, key, lock))
+
+    def _passed_a_stalled_fill(self, group_dir: Path) -> None:
+        with self._count_lock:
+            self.stalled_groups.add(group_dir)
+            self.stalled_fills += 1
+            first = self.stalled_fills == 1
+        if first:
+            self._warn(
+                "another process of yours holds a fill lock of the cache and wrote nothing "
+                "for a while (a suspended or stopped job? a hung read?): the shards it holds "
+                "up are copied to scratch without the cache"
+            )
 
     def ran_out_of_space(self, exc: BaseException) -> bool:
         """Whether ``exc`` is the cache's own filesystem filling up during a fill; then the
