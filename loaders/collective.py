@@ -13,7 +13,8 @@ rank count its share and the ranks add up the results, one all-reduce of a count
 Outside an initialised group (one process, or a launcher without ``init_process_group``) both
 are local, and so for a loader of a world other than the group's (``LoaderOptions(rank=0,
 world_size=1)`` on rank 0 alone, for a validation pass there: a collective on one rank would
-wait forever). Under ``--subset node`` nodes hold different shards on purpose: neither applies.
+wait forever). Under ``--subset node`` nodes hold different shards on purpose: only the ranks of
+one node compare what they see, and counting is each node's own.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from stager.errors import IntegrityError, SourceError, one_line
+from stager.errors import IntegrityError, SourceError, UsageError, one_line
 from stager.plan.ranks import WorldLayout
 
 __all__ = ["agree_on_dataset", "count_in_shares"]
@@ -41,23 +42,76 @@ def _group(layout: WorldLayout) -> tuple[Any, int, int, str] | None:
     return dist, dist.get_rank(), dist.get_world_size(), device
 
 
-def agree_on_dataset(fingerprint: str, source: object, subset: str, layout: WorldLayout) -> None:
+def agree_on_dataset(
+    fingerprint: str, settings: str, source: object, subset: str, layout: WorldLayout
+) -> str:
     """Raise :class:`SourceError` on every rank unless every rank's shard list and sample
-    counts have this ``fingerprint`` (:func:`stager.plan.ranks.fingerprint`); one all-reduce."""
-    group = _group(layout) if subset != "node" else None
-    if group is not None and not _same_everywhere(group, fingerprint):
+    counts have this ``fingerprint`` (:func:`stager.plan.ranks.fingerprint`), and
+    :class:`UsageError` unless every rank was given the same ``settings`` (a digest of the
+    knobs that cut the epoch); one all-reduce.
+
+    Returns the fingerprint a loader state records. Under ``--subset node`` each node holds
+    other shards, so only the ranks of one node must agree on them, and the state's
+    fingerprint is the job's: every node's in turn (one all-gather), so the state rank 0 saves
+    resumes the ranks of every node, as a state saved under ``--subset all`` does.
+    """
+    group = _group(layout)
+    if group is None:
+        return fingerprint
+    if subset != "node":
+        same_shards, same_settings = _same_everywhere(group, fingerprint, settings)
+        if not same_shards:
+            raise _differ(group[2], source)
+        if not same_settings:
+            raise _settings_differ(group[2])
+        return fingerprint
+    (same_settings,) = _same_everywhere(group, settings)
+    per_rank = _gathered(group, fingerprint)
+    ranks = layout.ranks_per_node
+    nodes = [per_rank[first : first + ranks] for first in range(0, len(per_rank), ranks)]
+    if any(len(set(node)) != 1 for node in nodes):
         raise _differ(group[2], source)
+    if not same_settings:
+        raise _settings_differ(group[2])
+    job = hashlib.sha256(b"node subsets\0" + "\0".join(n[0] for n in nodes).encode())
+    return job.hexdigest()[:16]
 
 
-def _same_everywhere(group: tuple[Any, int, int, str], digest: str) -> bool:
-    """Whether every rank holds this hex ``digest``; one all-reduce of two integers."""
+def _same_everywhere(group: tuple[Any, int, int, str], *digests: str) -> tuple[bool, ...]:
+    """Whether every rank holds each of these hex ``digests``; one all-reduce of two integers
+    each."""
     import torch
 
     dist, _, _, device = group
-    mine = int(digest[:15], 16)  # (60 bits: an int64 holds it and its negation)
-    value = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return int(value[0].item()) == -int(value[1].item())
+    values = []
+    for digest in digests:
+        mine = int(digest[:15], 16)  # (60 bits: an int64 holds it and its negation)
+        values += [mine, -mine]
+    tensor = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    reduced = tensor.cpu().tolist()
+    return tuple(reduced[i] == -reduced[i + 1] for i in range(0, len(reduced), 2))
+
+
+def _gathered(group: tuple[Any, int, int, str], digest: str) -> list[str]:
+    """Each rank's hex ``digest`` (its first 15 digits), in rank order; one all-gather."""
+    import torch
+
+    dist, _, world, device = group
+    mine = torch.tensor([int(digest[:15], 16)], dtype=torch.int64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    return [f"{int(value):015x}" for value in torch.cat(every).cpu().tolist()]
+
+
+def _settings_differ(world: int) -> UsageError:
+    return UsageError(
+        f"the {world} ranks were given different loader settings (batch_size, seed, shuffle, "
+        "even or block_samples): their epochs would not line up (samples read twice or never, "
+        "or one rank waiting for batches another never sends). Pass the same values on every "
+        "rank; the loader already shuffles each rank's share apart, so a seed per rank is "
+        "not needed"
+    )
 
 
 def _differ(world: int, source: object) -> SourceError:
@@ -91,12 +145,18 @@ def count_in_shares(
 
         dist, _, _, device = group
         names = "\0".join(name(i) for i in range(len(known)))
-        if not _same_everywhere(group, hashlib.sha256(names.encode()).hexdigest()):
+        if not _same_everywhere(group, hashlib.sha256(names.encode()).hexdigest())[0]:
             raise _differ(group[2], source)
-        unknown = torch.tensor([n is None for n in known], dtype=torch.int64, device=device)
-        if len(known):
+        # Whether any rank lacks a count first (one integer): where none does (a manifest on
+        # every rank), no flag per shard crosses the network.
+        lacking = torch.tensor([len(todo)], dtype=torch.int64, device=device)
+        dist.all_reduce(lacking, op=dist.ReduceOp.MAX)
+        if int(lacking.item()):
+            unknown = torch.tensor([n is None for n in known], dtype=torch.int64, device=device)
             dist.all_reduce(unknown, op=dist.ReduceOp.MAX)
-        todo = [i for i, flag in enumerate(unknown.cpu().tolist()) if flag]
+            todo = [i for i, flag in enumerate(unknown.cpu().tolist()) if flag]
+        else:
+            todo = []
     rank, world = (group[1], group[2]) if group is not None else (0, 1)
     counts: dict[int, int] = {}
     errors: dict[int, Exception] = {}

@@ -151,9 +151,6 @@ class ShardedLoader(DataLoader):
                 f"({len(self.skipped_shards)}, first: {self.skipped_shards[0]}): nothing to "
                 "train on"
             )
-        self.fingerprint = fingerprint(self.shards.relpaths, self.shard_samples)
-        # (else each rank plans its own epoch)
-        agree_on_dataset(self.fingerprint, source, self.shards.subset, self.layout)
         self.plan_options = PlanOptions(
             batch_size=batch_size,
             seed=seed,
@@ -161,6 +158,14 @@ class ShardedLoader(DataLoader):
             even=even,
             block_samples=options.block_samples,
             subset=self.shards.subset,
+        )
+        # (else each rank plans its own epoch; under --subset node, the job's fingerprint)
+        self.fingerprint = agree_on_dataset(
+            fingerprint(self.shards.relpaths, self.shard_samples),
+            self.plan_options.digest(),
+            source,
+            self.shards.subset,
+            self.layout,
         )
         per_rank = agree_per_rank(
             int(self.shard_samples.sum()), self.layout, even, self.plan_options.subset

@@ -135,6 +135,13 @@ class PlanOptions:
         if self.block_samples < 1:
             raise ValueError(f"block_samples must be >= 1, got {self.block_samples}")
 
+    def digest(self) -> str:
+        """A hex digest of every knob: ranks whose digests differ plan epochs that do not line
+        up (loaders.collective compares them)."""
+        values = (self.batch_size, self.seed, self.shuffle, self.even, self.block_samples)
+        text = "\0".join(map(str, (*values, self.subset)))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
 
 def plan_order(
     counts: Sequence[int] | np.ndarray, *, epoch: int, options: PlanOptions, salt: int = 0
