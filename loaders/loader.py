@@ -19,7 +19,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from stager.errors import IntegrityError, ResumeMismatch, StagingStopped, UsageError
+from stager.errors import IntegrityError, ResumeMismatch, SourceError, StagingStopped, UsageError
 from stager.gcpause import collection_paused
 from stager.plan.elastic import remaining_after
 from stager.plan.ranks import PlanOptions, WorldLayout, fingerprint
@@ -27,7 +27,7 @@ from stager.plan.ranks import PlanOptions, WorldLayout, fingerprint
 from .collective import agree_on_dataset
 from .dataset import PackedBatch
 from .metrics import LoaderMetrics, batch_length
-from .options import DROP_LAST_HINT, LEGACY_KEYWORDS, LoaderOptions
+from .options import DATALOADER_KEYWORDS, DROP_LAST_HINT, LEGACY_KEYWORDS, LoaderOptions
 from .orders import EpochOrders
 from .readers import Reader, open_reader
 from .resolve import DatasetShards, resolve_dataset
@@ -72,10 +72,40 @@ def _with_legacy(options: LoaderOptions, legacy: dict[str, Any]) -> LoaderOption
     """Fold the keywords earlier versions took (``rank=``, ``persistent_workers=``...) in."""
     if "drop_last" in legacy:
         raise UsageError(DROP_LAST_HINT)
+    if "sampler" in legacy or "batch_sampler" in legacy:
+        raise UsageError(
+            "ShardedLoader plans each rank's batches itself (no overlap, equal counts on every "
+            "rank): pass no sampler= or batch_sampler= (a DistributedSampler is not needed)"
+        )
     unknown = sorted(set(legacy) - set(LEGACY_KEYWORDS))
     if unknown:
         raise TypeError(f"ShardedLoader() got an unexpected keyword argument {unknown[0]!r}")
     return dataclasses.replace(options, **legacy) if legacy else options
+
+
+def _to_dataloader(keywords: dict[str, Any]) -> dict[str, Any]:
+    """Take DataLoader's own keywords the loader passes on as they are out of ``keywords``, and
+    refuse in one line those that would undo its plan (a bare TypeError named none of them)."""
+    if keywords.pop("generator", None) is not None:
+        raise UsageError(
+            "ShardedLoader shuffles with its own seeded order (the same on every rank, another "
+            "each epoch): pass seed= instead of generator="
+        )
+    if not keywords.pop("in_order", True):
+        raise UsageError(
+            "in_order=False would let batches arrive out of the planned order, which exact "
+            "resume and equal epochs rely on; it is not offered"
+        )
+    return {name: keywords.pop(name) for name in DATALOADER_KEYWORDS if name in keywords}
+
+
+def _refuse_batch_size(batch_size: Any) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise UsageError(
+            f"batch_size must be a positive integer, not {batch_size!r}: the loader plans every "
+            "rank's batches (equal counts on every rank), so unbatched loading "
+            "(DataLoader's batch_size=None) is not offered; use batch_size=1"
+        )
 
 
 class ShardedLoader(DataLoader):
@@ -89,6 +119,9 @@ class ShardedLoader(DataLoader):
     is ``even="drop"``). Rarer settings (rank and world overrides, worker tuning, where the
     staged copy is) are in :class:`LoaderOptions`; ``rank=``, ``world_size=``,
     ``persistent_workers=`` and ``prefetch_factor=`` are still accepted as keywords.
+    DataLoader's ``timeout=``, ``worker_init_fn=`` and ``multiprocessing_context=`` are passed
+    on as they are; ``sampler=``, ``batch_sampler=``, ``generator=``, ``in_order=False`` and
+    ``drop_last=`` are refused in one line saying what to pass instead.
     """
 
     def __init__(
@@ -108,7 +141,9 @@ class ShardedLoader(DataLoader):
         options: LoaderOptions | None = None,
         **legacy: Any,
     ):
+        passed = _to_dataloader(legacy)  # (timeout=, worker_init_fn=, multiprocessing_context=)
         options = _with_legacy(options or LoaderOptions(), legacy)
+        _refuse_batch_size(batch_size)
         make_decoder(decode)  # refuse a bad spec now, not in a worker
         if isinstance(shuffle, str) and shuffle not in ("none", "global", "blocked"):
             raise UsageError(f"shuffle must be True, False, 'global' or 'blocked', not {shuffle!r}")
@@ -145,6 +180,12 @@ class ShardedLoader(DataLoader):
         self.skipped_shards: list[str] = self.reader.skipped_shards
         self.skipped_shards[:0] = self.shards.left_out  # found corrupt by stage-in
         self.shard_samples = self.reader.counts
+        if self.shards.subset == "all" and not int(self.shard_samples.sum()):
+            if not self.skipped_shards:  # (a node's share may be empty; the dataset not)
+                raise SourceError(
+                    f"the {len(self.shard_samples)} shard(s) of {source} hold no sample: "
+                    "nothing to train on (empty tars?)"
+                )
         if self.skipped_shards and not int(self.shard_samples.sum()):
             raise IntegrityError(  # else a training loop of no steps, said only in a log line
                 f"every shard of {source} with samples was left out as corrupt "
@@ -182,7 +223,11 @@ class ShardedLoader(DataLoader):
             and workers_on
             and not self.reader.restarts_workers,
             prefetch_factor=options.prefetch_factor if workers_on else None,
+            **passed,
         )
+        # DataLoader leaves it None beside a batch sampler; code that sizes batches from it
+        # (loggers, trainers) reads the loader's (DataLoader refuses a plain assignment).
+        object.__setattr__(self, "batch_size", batch_size)
 
     # -- epochs -------------------------------------------------------------------------------
     def __len__(self) -> int:

@@ -11,10 +11,12 @@ from dataclasses import dataclass
 
 from stager.errors import UsageError
 
-__all__ = ["LoaderOptions", "LEGACY_KEYWORDS", "DROP_LAST_HINT"]
+__all__ = ["LoaderOptions", "LEGACY_KEYWORDS", "DROP_LAST_HINT", "DATALOADER_KEYWORDS"]
 
 #: Constructor keywords of earlier versions that now live in ``LoaderOptions``; still accepted.
 LEGACY_KEYWORDS = ("rank", "world_size", "persistent_workers", "prefetch_factor")
+#: DataLoader's own keywords that ShardedLoader passes on to it as they are.
+DATALOADER_KEYWORDS = ("timeout", "worker_init_fn", "multiprocessing_context")
 
 DROP_LAST_HINT = (
     "ShardedLoader has no drop_last: pass even='drop' (every rank drops the same number of "
