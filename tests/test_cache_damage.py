@@ -131,3 +131,46 @@ def test_a_shard_whose_fill_lock_is_held_by_a_stalled_job_is_copied_past_the_cac
     assert _stage(capsys, src, tmp_path / "job2", cache)[0] == 0
     code, report, stderr = _stage(capsys, src, tmp_path / "job3", cache)
     assert code == 0 and report["files_from_cache"] == SPEC.num_shards, stderr
+
+
+# -- objects damaged into something else ---------------------------------------------------
+@pytest.mark.parametrize("damage", ["object is a directory", "group is a file"])
+def test_an_object_or_group_damaged_into_another_kind_is_replaced_by_the_next_fill(
+    capsys, tmp_path: Path, damage: str
+) -> None:
+    """A directory where a cached object was (or a file where its group directory was) failed
+    every later job (exit 5 'a directory has that name (made in scratch?)', or exit 3), and
+    `stager clean --cache` said it removed it but left it."""
+    import shutil
+
+    src = tmp_path / "nfs" / "ds"
+    write_synthetic_dataset(src, SPEC)
+    cache = tmp_path / "cache"
+    assert _stage(capsys, src, tmp_path / "job1", cache)[0] == 0
+    obj = sorted(p for p in (cache / "objects").rglob("*") if p.is_file() and "." not in p.name)[0]
+    if damage == "object is a directory":
+        obj.chmod(0o644)
+        obj.unlink()
+        (obj / "inside").mkdir(parents=True)
+    else:
+        shutil.rmtree(obj.parent)
+        obj.parent.write_text("junk")
+    for job in ("job2", "job3"):
+        code, report, stderr = _stage(capsys, src, tmp_path / job, cache)
+        assert code == 0, stderr
+        _assert_identical(src, tmp_path / job / "ds")
+    assert report["files_from_cache"] == SPEC.num_shards  # (job2 filled it again)
+
+    # clean --cache removes such damage where nothing names it
+    if damage == "object is a directory":
+        obj.chmod(0o644)
+        obj.unlink()
+        obj.mkdir()
+    else:
+        shutil.rmtree(obj.parent)
+        obj.parent.write_text("junk")
+    for record in (cache / "datasets").glob("*.json"):
+        record.unlink()  # (nothing names it now)
+    cleaned = run_main(capsys, "stager", "clean", "--cache", str(cache))
+    assert cleaned.returncode == 0, cleaned.stderr
+    assert not obj.exists() and (not obj.parent.exists() or obj.parent.is_dir())

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -140,6 +141,24 @@ class ShardCache:
         """Where shard ``key``'s bytes go; written only under its lock (the copy that writes
         there creates its directory when missing)."""
         return self.layout.object_path(key)
+
+    def clear_way(self, key: str) -> bool:
+        """Make room for a fill of ``key`` (under its lock): its group a directory, its object's
+        place free of anything that is no file (a directory or link put there by hand or by
+        damage), so the fill's rename lands. False where that cannot be done: the shard is
+        then copied past the cache (a fill failing there failed the job, exit 5, every time)."""
+        path = self.layout.object_path(key)
+        try:
+            for place, wanted in ((path.parent, stat.S_ISDIR), (path, stat.S_ISREG)):
+                try:
+                    mode = os.lstat(place).st_mode
+                except FileNotFoundError:
+                    continue
+                if not wanted(mode):
+                    remove_any(place)
+        except OSError:
+            return False
+        return True
 
     def keep(
         self,
@@ -311,6 +330,14 @@ class ShardCache:
 
 def _usage(record: DatasetRecord, *, in_use: bool = False) -> DatasetUsage:
     return DatasetUsage(record.key, record.last_used, record.objects, in_use)
+
+
+def remove_any(path: Path) -> None:
+    """Remove ``path`` whatever it is (a directory with what it holds; a link, not its target)."""
+    if stat.S_ISDIR(os.lstat(path).st_mode):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
 
 
 def _mirror(src_dir: Path, dst_dir: Path, *, replace: bool) -> None:

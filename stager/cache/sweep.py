@@ -6,14 +6,14 @@ same rules decide what stays (:meth:`ShardCache.keep_reason`), under the same ca
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
 from stager.cache.paths import RECORD_SUFFIX
 from stager.cache.records import DatasetRecord
-from stager.cache.store import ShardCache
+from stager.cache.store import ShardCache, remove_any
 from stager.node.jobs import JobStates
-from stager.storage.paths import discard
 from stager.units import human_duration
 
 __all__ = ["CacheSweep", "sweep"]
@@ -70,7 +70,10 @@ def _orphans(cache: ShardCache, named: set[str], *, remove: bool) -> tuple[int, 
     """Remove (or count) object files no kept dataset names; returns (count, bytes)."""
     count = nbytes = 0
     for directory in sorted(cache.layout.objects_dir.glob("*")):
-        if not directory.is_dir():
+        if not directory.is_dir() or directory.is_symlink():  # (damage: a file in a group's place)
+            if remove:
+                with contextlib.suppress(OSError):
+                    remove_any(directory)
             continue
         for path in sorted(directory.iterdir()):
             key = path.name.split(".", 1)[0]
@@ -80,9 +83,9 @@ def _orphans(cache: ShardCache, named: set[str], *, remove: bool) -> tuple[int, 
             if not lock.acquire(blocking=False):
                 continue  # a filler is at work on it (or on a key sharing its lock)
             try:
-                size = path.stat().st_size
+                size = path.lstat().st_size
                 if remove:
-                    discard(path)
+                    remove_any(path)  # (a directory in an object's place too: damage)
                 if path.name == key:
                     count += 1
                 nbytes += size

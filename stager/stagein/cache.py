@@ -21,6 +21,7 @@ current version; the staged manifest and the loader index are written by
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from dataclasses import dataclass
@@ -128,10 +129,9 @@ def _same_fs(a: Path, b: Path) -> bool:
 
 
 def _free_bytes(path: Path) -> int:
-    try:
+    with contextlib.suppress(OSError):
         return free_bytes(path)
-    except OSError:
-        return 0
+    return 0
 
 
 def _unfit(missing: list[tuple[str, int]], free_bytes: int) -> set[str]:
@@ -320,13 +320,16 @@ class StageCache:
         if served is not None:
             lock.release()
             return served
+        if not self.store.clear_way(key):  # (what is in the object's place cannot go)
+            lock.release()
+            self._warn(f"{self.store.object_path(key)} is in the way: {item.shard.url} not cached")
+            return Claim(item)
         return Claim(item, fill=(self, key, lock))
 
     def _passed_a_stalled_fill(self, group_dir: Path) -> None:
         with self._count_lock:
+            first, self.stalled_fills = not self.stalled_groups, self.stalled_fills + 1
             self.stalled_groups.add(group_dir)
-            self.stalled_fills += 1
-            first = self.stalled_fills == 1
         if first:
             self._warn(
                 "another process of yours holds a fill lock of the cache and wrote nothing "
