@@ -174,3 +174,44 @@ def test_an_object_or_group_damaged_into_another_kind_is_replaced_by_the_next_fi
     cleaned = run_main(capsys, "stager", "clean", "--cache", str(cache))
     assert cleaned.returncode == 0, cleaned.stderr
     assert not obj.exists() and (not obj.parent.exists() or obj.parent.is_dir())
+
+
+def test_clean_cache_on_a_read_only_filesystem_is_one_line(capsys, tmp_path: Path) -> None:
+    """It ended in a traceback (OSError on the cache lock), exit 1, --dry-run too."""
+    import subprocess
+
+    from .conftest import mount_tmpfs
+
+    src = tmp_path / "nfs" / "ds"
+    write_synthetic_dataset(src, SPEC)
+    with mount_tmpfs(tmp_path / "fs", "4m") as fs:
+        assert _stage(capsys, src, tmp_path / "job1", fs / "cache")[0] == 0
+        subprocess.run(["mount", "-o", "remount,ro", str(fs)], check=True)
+        for extra in ([], ["--dry-run"]):
+            cleaned = run_main(capsys, "stager", "clean", "--cache", str(fs / "cache"), *extra)
+            assert cleaned.returncode == 5, cleaned.stderr
+            assert "Traceback" not in cleaned.stderr
+            assert cleaned.stderr.count("\n") == 1 and "Read-only file system" in cleaned.stderr
+
+
+@pytest.mark.parametrize("fsync", [False, True])
+def test_a_cached_shard_copied_into_scratch_reaches_the_disk_with_fsync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fsync: bool
+) -> None:
+    """--fsync made no fsync for shards served from a cache on another filesystem (copied)."""
+    import hashlib
+    import os as os_module
+
+    from stager.cache import place
+
+    synced: list[int] = []
+    real_fsync = os_module.fsync
+    monkeypatch.setattr(place.os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
+    cached = tmp_path / "object"
+    cached.write_bytes(b"shard bytes" * 100)
+    digest = "sha256:" + hashlib.sha256(cached.read_bytes()).hexdigest()
+    final = tmp_path / "scratch" / "x.tar"
+    final.parent.mkdir()
+    method = place.place_file(str(cached), str(final), digest=digest, link=False, fsync=fsync)
+    assert method in (place.COPY, place.REFLINK) and final.read_bytes() == cached.read_bytes()
+    assert len(synced) == (1 if fsync else 0)

@@ -38,13 +38,15 @@ _UNSUPPORTED = {
 _BLOCK = 4 << 20
 
 
-def place_file(src: str, final: str, *, digest: str, link: bool = True) -> str:
+def place_file(src: str, final: str, *, digest: str, link: bool = True, fsync: bool = False) -> str:
     """Publish the bytes of ``src`` as ``final``; return how (:data:`LINK`, ...).
 
     ``digest``: the ``"<algorithm>:<hex>"`` the bytes must hash to, checked when they are
     copied. Raises ``FileNotFoundError`` when ``src`` is gone (evicted meanwhile: the caller
     copies from the source instead), :class:`HashMismatch` when a copy does not match, and
     other ``OSError`` as they come (ENOSPC included). Nothing is left under ``.partial``.
+    ``fsync``: a copy or clone reaches the disk before its rename (``--fsync``; a link shares
+    the cached file's blocks, made durable when it was filled).
     """
     partial = partial_of(final)
     discard(partial)
@@ -56,9 +58,9 @@ def place_file(src: str, final: str, *, digest: str, link: bool = True) -> str:
             except OSError as exc:
                 if exc.errno not in _UNSUPPORTED:
                     raise
-                method = _clone_or_copy(src, partial, digest)
+                method = _clone_or_copy(src, partial, digest, fsync)
         else:
-            method = _clone_or_copy(src, partial, digest)
+            method = _clone_or_copy(src, partial, digest, fsync)
         os.replace(partial, final)
     except BaseException:
         discard(partial)
@@ -76,7 +78,7 @@ def _link(src: str, partial: str) -> None:
         os.link(src, partial)
 
 
-def _clone_or_copy(src: str, partial: str, digest: str) -> str:
+def _clone_or_copy(src: str, partial: str, digest: str, fsync: bool) -> str:
     os.makedirs(os.path.dirname(partial), exist_ok=True)
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
     with open(src, "rb", buffering=0) as reader:
@@ -84,12 +86,15 @@ def _clone_or_copy(src: str, partial: str, digest: str) -> str:
         try:
             try:
                 fcntl.ioctl(fd, FICLONE, reader.fileno())
-                return REFLINK
+                method = REFLINK
             except OSError as exc:
                 if exc.errno not in _UNSUPPORTED:
                     raise
-            _copy(reader, fd, src, digest)
-            return COPY
+                _copy(reader, fd, src, digest)
+                method = COPY
+            if fsync:
+                os.fsync(fd)
+            return method
         finally:
             os.close(fd)
 

@@ -188,9 +188,10 @@ class ShardCache:
         discard(self.layout.record_path(key))
         discard(self.layout.object_path(key))
 
-    def place(self, record: ObjectRecord, final: Path) -> str:
+    def place(self, record: ObjectRecord, final: Path, *, fsync: bool = False) -> str:
         """Publish a cached shard at ``final`` (:func:`stager.cache.place.place_file`)."""
-        return place_file(str(self.layout.object_path(record.key)), str(final), digest=record.hash)
+        path = str(self.layout.object_path(record.key))
+        return place_file(path, str(final), digest=record.hash, fsync=fsync)
 
     # -- datasets ---------------------------------------------------------------------------
     def dataset_lock(self, dkey: str) -> FileLock:

@@ -76,7 +76,7 @@ class Claim:
             # The source changed between the listing and the copy: these bytes are the source's
             # current ones (the copy checked that), but not those of the key; never cache them.
             try:
-                cache.store.place(_unrecorded(key, result), item.final)
+                cache.store.place(_unrecorded(key, result), item.final, fsync=cache.fsync)
             finally:
                 discard(self.target)
             return result
@@ -92,11 +92,11 @@ class Claim:
         except OSError as exc:  # the record cannot be written: stage the bytes, uncached
             cache._warn(f"{item.shard.url} not cached: {exc.strerror or one_line(exc)}")
             try:
-                cache.store.place(_unrecorded(key, result), item.final)
+                cache.store.place(_unrecorded(key, result), item.final, fsync=cache.fsync)
             finally:
                 cache.store.drop(key)
             return result
-        method = cache.store.place(record, item.final)
+        method = cache.store.place(record, item.final, fsync=cache.fsync)
         cache.count_placed(method, filled=True, size=result.size, record=record)
         return result
 
@@ -107,9 +107,8 @@ class Claim:
 
 def _unusable(root: Path, exc: OSError) -> str:
     """The warning of a cache its filesystem refuses (read-only, full): the run goes on without."""
-    return (
-        f"the cache at {root} cannot be used ({exc.strerror or one_line(exc)}): copying without it"
-    )
+    why = exc.strerror or one_line(exc)
+    return f"the cache at {root} cannot be used ({why}): copying without it"
 
 
 def _unrecorded(key: str, result: CopyResult) -> ObjectRecord:
@@ -122,10 +121,9 @@ def _by_url(plan: LocalPlan, shards: dict[str, tuple[str, int]]) -> dict[str, tu
 
 
 def _same_fs(a: Path, b: Path) -> bool:
-    try:
+    with contextlib.suppress(OSError):
         return os.stat(a).st_dev == os.stat(b).st_dev
-    except OSError:
-        return False
+    return False
 
 
 def _free_bytes(path: Path) -> int:
@@ -179,6 +177,7 @@ class StageCache:
         self.counts = _Counts(methods={})
         self.used: list[ObjectRecord] = []  # records of what this run served or filled
         self.filled_up = False  # the cache's filesystem ran out of space: copy past it
+        self.fsync = False  # --fsync: copies placed in scratch reach the disk before renaming
         self.stalled_fills = 0  # shards copied past a fill lock whose holder made no progress
         self.stalled_groups: set[Path] = set()  # the fill locks' groups where that happened
 
@@ -205,6 +204,7 @@ class StageCache:
                 lock_timeout_s=options.lock_timeout_s,
             )
             cache = cls(store, source, staged, report, log, job_id=job_id)
+            cache.fsync = options.fsync
             cache._lock.acquire()
         except (OSError, DestinationError) as exc:
             cause = exc.__cause__ if isinstance(exc, DestinationError) else exc
@@ -356,7 +356,7 @@ class StageCache:
     def _serve(self, item: CopyItem, record: ObjectRecord) -> Claim | None:
         """Place a cached shard; None when it vanished or proved damaged (copy it instead)."""
         try:
-            method = self.store.place(record, item.final)
+            method = self.store.place(record, item.final, fsync=self.fsync)
         except FileNotFoundError:
             return None  # evicted or replaced since it was looked up
         except HashMismatch as exc:

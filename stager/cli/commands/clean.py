@@ -13,7 +13,7 @@ from stager.cache.store import ShardCache
 from stager.cache.sweep import sweep
 from stager.cli.argtypes import duration
 from stager.cli.commands.ls import add_node_arguments
-from stager.errors import DestinationError, UsageError, one_line
+from stager.errors import DestinationError, StagerError, UsageError, one_line
 from stager.node.clean import choose_job_dirs, remove_tree
 from stager.node.inventory import is_job_id, take_inventory
 from stager.node.jobs import JobStates, query_job_states
@@ -132,10 +132,19 @@ def _clean_cache(args: argparse.Namespace) -> int:
     if not (root / "CACHEDIR.TAG").is_file():
         _say(f"[{node}] nothing to clean: no cache at {root}")
         return 0
-    cache = ShardCache.open(root, limit_bytes=0)
-    swept = sweep(
-        cache, states=query_job_states(), older_than_s=args.older_than, dry_run=args.dry_run
-    )
+    try:
+        cache = ShardCache.open(root, limit_bytes=0)
+        swept = sweep(
+            cache, states=query_job_states(), older_than_s=args.older_than, dry_run=args.dry_run
+        )
+    except OSError as exc:
+        if isinstance(exc, StagerError):
+            raise
+        raise DestinationError(
+            f"cannot clean the cache at {root}: {exc.strerror or exc}"
+            + (f" ({exc.filename})" if exc.filename else "")
+            + "; check its filesystem (read-only?) and its permissions"
+        ) from exc
     verb = "would evict" if args.dry_run else "evicted"
     now = time.time()
     for record in swept.evicted:
