@@ -215,3 +215,70 @@ def test_a_cached_shard_copied_into_scratch_reaches_the_disk_with_fsync(
     method = place.place_file(str(cached), str(final), digest=digest, link=False, fsync=fsync)
     assert method in (place.COPY, place.REFLINK) and final.read_bytes() == cached.read_bytes()
     assert len(synced) == (1 if fsync else 0)
+
+
+# -- bytes named but never filled, and what a kill in the middle leaves ---------------------
+def _register(cache: ShardCache, dkey: str, key: str, *, fill: bool) -> frozenset[str]:
+    bypassed = cache.register(
+        dkey, spec=dkey, name=dkey, source="", shards={"x.tar": (key, 60)},
+        missing=[(key, 60)], job_id=None,
+    ).bypassed  # fmt: skip
+    if fill and key not in bypassed:
+        cache.object_path(key).parent.mkdir(parents=True, exist_ok=True)
+        cache.object_path(key).write_bytes(b"x" * 60)
+    return bypassed
+
+
+def test_shards_a_failed_run_named_but_never_filled_evict_nothing(tmp_path: Path) -> None:
+    """A run names its shards when it starts; one that failed or was killed before filling
+    them left bytes in the count that do not exist, and the next job evicted a real dataset."""
+    from stager.node.jobs import JobStates
+
+    cache = ShardCache.open(
+        tmp_path / "cache", limit_bytes=150, job_states=lambda: JobStates(frozenset())
+    )
+    _register(cache, "a", "aa01", fill=True)
+    _register(cache, "b", "bb01", fill=False)  # (its run failed before filling)
+    assert _register(cache, "c", "cc01", fill=True) == frozenset()
+    assert sorted(d.key for d in cache.datasets()) == ["a", "b", "c"]  # a kept, nothing evicted
+    assert not next(d for d in cache.datasets() if d.key == "b").shards  # (b's phantom dropped)
+
+
+def test_a_kill_inside_an_eviction_leaves_no_uncounted_objects(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed after the evicted dataset's record went and before its objects did, objects
+    stayed that nothing named or counted, over the cap for good. Objects go first now: a kill
+    leaves a record naming what is gone, which the next eviction counts and drops."""
+    from stager.node.jobs import JobStates
+
+    cache = ShardCache.open(
+        tmp_path / "cache", limit_bytes=100, job_states=lambda: JobStates(frozenset())
+    )
+    _register(cache, "a", "aa01", fill=True)
+
+    def killed(dkey: str) -> None:
+        raise KeyboardInterrupt  # (the kill, between the objects and the record)
+
+    monkeypatch.setattr(cache, "forget_dataset", killed)
+    with pytest.raises(KeyboardInterrupt):
+        _register(cache, "b", "bb01", fill=True)  # evicts a
+    monkeypatch.undo()
+    assert not cache.object_path("aa01").exists()  # the objects went first
+    _register(cache, "c", "cc01", fill=True)
+    objects = [p for p in (tmp_path / "cache" / "objects").rglob("*") if p.is_file()]
+    named = {k for d in cache.datasets() for k in d.objects}
+    assert {p.name for p in objects} <= named  # nothing on disk that no record names
+
+
+def test_a_dead_fillers_partial_is_removed_by_the_next_fill_of_its_group(tmp_path: Path) -> None:
+    """kill -9 during a fill left <object>.partial; where that shard changed (another key) no
+    fill ever overwrote it, and it outlived every clean rerun, uncounted."""
+    cache = ShardCache.open(tmp_path / "cache")
+    dead = cache.object_path("ab" + "0" * 62).with_name("ab" + "0" * 62 + ".partial")
+    dead.parent.mkdir(parents=True)
+    dead.write_bytes(b"half a shard")
+    key = "ab" + "1" * 62  # (another shard of the same group: its fill lock is the same)
+    with cache.fill_lock(key):
+        assert cache.clear_way(key)
+    assert not dead.exists()

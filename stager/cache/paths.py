@@ -22,6 +22,8 @@ with another or escape the root.
 from __future__ import annotations
 
 import os
+import shutil
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +41,7 @@ __all__ = [
     "resolve_cache_dir",
     "resolve_cache_limit",
     "default_limit_bytes",
+    "remove_any",
 ]
 
 #: The environment variables that stand for ``--cache`` and ``--cache-limit``.
@@ -183,3 +186,11 @@ def default_limit_bytes(root: Path) -> int:
     """Without ``--cache-limit``: half the cache's filesystem, so jobs keep room beside it."""
     stats = os.statvfs(root)  # (shutil.disk_usage's total; shutil costs ~3 ms of each start)
     return stats.f_blocks * stats.f_frsize // 2
+
+
+def remove_any(path: Path) -> None:
+    """Remove ``path`` whatever it is (a directory with what it holds; a link, not its target)."""
+    if stat.S_ISDIR(os.lstat(path).st_mode):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)

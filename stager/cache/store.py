@@ -6,7 +6,7 @@ Concurrency (every lock is an ``flock``, released by the kernel when its holder 
   lock, writes ``<object>.partial``, renames it to the object, then writes the record. Others
   wanting the shard wait on the lock and then find the record: each shard is read from the
   source once per node, whatever the number of jobs. A kill leaves a ``.partial`` or an object
-  without a record; neither is ever served, and the next filler overwrites them.
+  without a record; neither is ever served, and the next fill of their group removes them.
 * A stage-in holds its dataset's lock shared from before it registers until it ends, and
   registers (names its shards, adds its job, evicts if over the cap) under the cache lock.
   Eviction runs under the cache lock too, and skips a dataset whose lock anyone holds or whose
@@ -19,6 +19,7 @@ Concurrency (every lock is an ``flock``, released by the kernel when its holder 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import stat
@@ -29,7 +30,7 @@ from pathlib import Path
 
 from stager.cache.evict import DatasetUsage, cache_bytes, plan_eviction, shards_over_limit
 from stager.cache.locks import FileLock, lock_is_held
-from stager.cache.paths import RECORD_SUFFIX, CacheLayout, default_limit_bytes
+from stager.cache.paths import RECORD_SUFFIX, CacheLayout, default_limit_bytes, remove_any
 from stager.cache.place import place_file
 from stager.cache.records import DatasetRecord, ObjectRecord
 from stager.layout import PARTIAL_SUFFIX
@@ -67,6 +68,7 @@ class ShardCache:
         self.limit_bytes = limit_bytes
         self.lock_timeout_s = lock_timeout_s
         self._job_states = job_states
+        self._swept_groups: set[Path] = set()  # groups whose dead fillers' partials are gone
 
     @classmethod
     def open(
@@ -150,14 +152,19 @@ class ShardCache:
         path = self.layout.object_path(key)
         try:
             for place, wanted in ((path.parent, stat.S_ISDIR), (path, stat.S_ISREG)):
-                try:
-                    mode = os.lstat(place).st_mode
-                except FileNotFoundError:
-                    continue
-                if not wanted(mode):
-                    remove_any(place)
+                with contextlib.suppress(FileNotFoundError):
+                    if not wanted(os.lstat(place).st_mode):
+                        remove_any(place)
         except OSError:
             return False
+        if path.parent not in self._swept_groups:  # (once a group a run: a listing each)
+            self._swept_groups.add(path.parent)
+            # Under the group's lock no fill of it runs: a partial there is a dead filler's
+            # (kill -9), whose shard may never be filled again to overwrite it.
+            with contextlib.suppress(OSError), os.scandir(path.parent) as entries:
+                for entry in entries:
+                    if entry.name.endswith(PARTIAL_SUFFIX):
+                        discard(entry.path)
         return True
 
     def keep(
@@ -256,6 +263,8 @@ class ShardCache:
             freed: set[str] = set()
             if total > self.limit_bytes or any(len(r.jobs) > _MAX_LEASES for r in records.values()):
                 states = self._job_states()
+            if total > self.limit_bytes and self._forget_phantoms(records, dkey):
+                total = cache_bytes(_usage(r) for r in records.values())
             if total > self.limit_bytes:
                 assert states is not None
                 usages = [
@@ -281,13 +290,35 @@ class ShardCache:
                     if record is not own:
                         record.write(self.layout.dataset_path(record.key))
             own.write(self.layout.dataset_path(dkey))
-            for record in evicted:
-                self.forget_dataset(record.key)
+            # The objects before the records that name them: a kill in between leaves a record
+            # naming objects that are gone, which the next eviction counts and drops again,
+            # never objects that nothing names and nothing counts.
             named = {k for r in records.values() for k in r.objects}
             for key in freed | (before - named):
                 if key not in named:
                     self.drop(key)
+            for record in evicted:
+                self.forget_dataset(record.key)
         return Registration(frozenset(bypassed), tuple(evicted), total, self.limit_bytes)
+
+    def _forget_phantoms(self, records: Mapping[str, DatasetRecord], own: str) -> bool:
+        """Before evicting: drop from records no stage-in holds the shards whose objects are
+        not there (named by a run that failed or was killed before filling them), so bytes
+        that do not exist evict no dataset. One stat per object named, only over the cap."""
+        changed = False
+        for key, record in records.items():
+            if key == own or lock_is_held(self.layout.dataset_lock(key)):
+                continue  # (a run filling it now: its shards are on their way)
+            there = {
+                relpath: entry
+                for relpath, entry in record.shards.items()
+                if os.path.isfile(self.layout.object_path(entry[0]))
+            }
+            if len(there) != len(record.shards):
+                record.shards = there
+                record.write(self.layout.dataset_path(key))
+                changed = True
+        return changed
 
     def forget_dataset(self, dkey: str) -> None:
         """Drop a dataset's record and kept index (the caller drops objects no one names)."""
@@ -331,14 +362,6 @@ class ShardCache:
 
 def _usage(record: DatasetRecord, *, in_use: bool = False) -> DatasetUsage:
     return DatasetUsage(record.key, record.last_used, record.objects, in_use)
-
-
-def remove_any(path: Path) -> None:
-    """Remove ``path`` whatever it is (a directory with what it holds; a link, not its target)."""
-    if stat.S_ISDIR(os.lstat(path).st_mode):
-        shutil.rmtree(path)
-    else:
-        os.unlink(path)
 
 
 def _mirror(src_dir: Path, dst_dir: Path, *, replace: bool) -> None:

@@ -10,9 +10,9 @@ import contextlib
 import time
 from dataclasses import dataclass
 
-from stager.cache.paths import RECORD_SUFFIX
+from stager.cache.paths import RECORD_SUFFIX, remove_any
 from stager.cache.records import DatasetRecord
-from stager.cache.store import ShardCache, remove_any
+from stager.cache.store import ShardCache
 from stager.node.jobs import JobStates
 from stager.units import human_duration
 
