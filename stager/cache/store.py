@@ -6,7 +6,7 @@ Concurrency (every lock is an ``flock``, released by the kernel when its holder 
   lock, writes ``<object>.partial``, renames it to the object, then writes the record. Others
   wanting the shard wait on the lock and then find the record: each shard is read from the
   source once per node, whatever the number of jobs. A kill leaves a ``.partial`` or an object
-  without a record; neither is ever served, and the next fill of their group removes them.
+  without a record; neither is ever served (the next fill of the group removes a partial).
 * A stage-in holds its dataset's lock shared from before it registers until it ends, and
   registers (names its shards, adds its job, evicts if over the cap) under the cache lock.
   Eviction runs under the cache lock too, and skips a dataset whose lock anyone holds or whose
