@@ -452,8 +452,10 @@ def test_no_cache_ignores_the_environment(capsys, tmp_path: Path, monkeypatch) -
     src = tmp_path / "ds"
     write_synthetic_dataset(src, SPEC)
     monkeypatch.setenv("STAGER_CACHE", str(tmp_path / "c"))
+    monkeypatch.setenv("STAGER_CACHE_LIMIT", "banana")  # (not read: no cache is used)
     result = run_main(capsys, "stage-in", str(src), "--dest", str(tmp_path / "d"), "--no-cache")
     assert result.returncode == 0 and not (tmp_path / "c").exists()
+    monkeypatch.delenv("STAGER_CACHE_LIMIT")
     result = run_main(capsys, "stage-in", str(src), "--dest", str(tmp_path / "e"))
     assert result.returncode == 0 and (tmp_path / "c" / "CACHEDIR.TAG").exists()
 

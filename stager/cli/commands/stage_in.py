@@ -217,6 +217,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def options_from_args(args: argparse.Namespace, slurm: SlurmEnv) -> StageInOptions:
+    cache_dir = None if args.no_cache else resolve_cache_dir(args.cache)
     return StageInOptions(
         dest_root=resolve_dest_root(args.dest, slurm=slurm),
         name=args.name,
@@ -234,8 +235,9 @@ def options_from_args(args: argparse.Namespace, slurm: SlurmEnv) -> StageInOptio
         lock_timeout_s=args.lock_timeout,
         min_free_bytes=args.min_free,
         subset=args.subset,
-        cache_dir=None if args.no_cache else resolve_cache_dir(args.cache),
-        cache_limit_bytes=resolve_cache_limit(args.cache_limit),
+        cache_dir=cache_dir,
+        # (read only where a cache is used: a bad $STAGER_CACHE_LIMIT fails no --no-cache run)
+        cache_limit_bytes=resolve_cache_limit(args.cache_limit) if cache_dir else None,
     )
 
 
