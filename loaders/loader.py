@@ -160,6 +160,7 @@ class ShardedLoader(DataLoader):
         self._to_tuple = tuple_fields(to_tuple)
         self._own_collate = collate_fn is None
         self._epoch, self._skip, self._consumed = 0, 0, 0
+        self._iterators = 0  # iter() calls so far: only the newest iterator reads
         self._collected = False
         self._elastic_origin: dict[str, int] | None = None
         self.metrics = LoaderMetrics(log_every=options.log_every)
@@ -244,6 +245,7 @@ class ShardedLoader(DataLoader):
             self._epoch, self._skip, self._consumed = epoch, 0, 0
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        self._iterators += 1  # (an earlier iterator still live is ended: see _deliver)
         start, self._skip = self._skip, 0
         self._consumed = start
         spec = self.orders.begin(
@@ -267,13 +269,21 @@ class ShardedLoader(DataLoader):
             gc.collect()
         inner = super().__iter__()
         _widen_result_pipe(inner)
-        return self._deliver(self.reader.deliver(inner, start))
+        return self._deliver(self.reader.deliver(inner, start), self._iterators)
 
-    def _deliver(self, inner: Iterator[Any]) -> Iterator[Any]:
+    def _deliver(self, inner: Iterator[Any], generation: int) -> Iterator[Any]:
         asked = time.perf_counter()  # from the loop asking for a batch to its arrival: the wait
         staging = self.reader if isinstance(self.reader, StagingReader) else None
         try:
             for batch in inner:
+                if generation != self._iterators:
+                    # Two live iterators shared one position (state_dict counted both, and a
+                    # second iter() rewound the first): the newer one reads the epoch.
+                    raise UsageError(
+                        "this iterator of the loader was ended by a newer iter(loader): a loader "
+                        "reads one pass at a time (its position is what state_dict() saves); "
+                        "build a second loader to read two at once"
+                    )
                 self._consumed += 1  # before the caller sees it: a checkpoint in the step has it
                 if isinstance(batch, PackedBatch):
                     out = batch.unpack(self._to_tuple)
