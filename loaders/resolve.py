@@ -25,6 +25,7 @@ import numpy as np
 
 from stager.errors import IntegrityError, SourceError, UsageError
 from stager.layout import StagedDataset, dataset_name, is_remote_url
+from stager.shards.digests import DigestColumn
 from stager.shards.indexkey import changed_ns
 from stager.shards.manifest import ManifestColumns, read_columns
 from stager.shards.tarindex import any_compressed
@@ -88,6 +89,9 @@ class DatasetShards:
     # it is still being made (read by stager_loaders.staging.StagingReader)
     staging: PlanFacts | None = None
     growing: bool = False
+    # while it is being made, each shard's digest in that plan, kept compact: a reader that
+    # copies a shard itself verifies it against them (stager_loaders.waiting.ShardGate)
+    hashes: DigestColumn | None = None
     # shards stage-in found corrupt, left out with on_error="skip" (the loader's skipped_shards)
     left_out: tuple[str, ...] = ()
 

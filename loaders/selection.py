@@ -48,6 +48,7 @@ class Selection:
             [columns.sizes[i] for i in keep],
             [columns.samples[i] for i in keep],
             columns.meta,
+            None if columns.hashes is None else [columns.hashes[i] for i in keep],
         )
         prefix = url_prefix(root)
         failed = [f for f in failures if self.test(f["url"].removeprefix(prefix))]

@@ -141,6 +141,9 @@ class ManifestColumns:
     sizes: list[int]
     samples: list[int | None]
     meta: dict[str, str]
+    #: each shard's canonical digest, as read (None where the columns were derived, as by a
+    #: selection): a reader that copies shards itself keeps them compact (shards.digests)
+    hashes: list[str | None] | None = None
 
 
 def read_columns(path: str | os.PathLike[str]) -> ManifestColumns:
@@ -165,6 +168,7 @@ def read_columns(path: str | os.PathLike[str]) -> ManifestColumns:
         [e.size for e in manifest.entries],
         [e.samples for e in manifest.entries],
         dict(manifest.meta),
+        [e.hash for e in manifest.entries],
     )
 
 
@@ -203,6 +207,7 @@ def _fast_columns(payload: object) -> ManifestColumns | None:
         sizes,
         samples,
         {str(k): str(v) for k, v in meta.items()},
+        hashes,
     )
 
 
