@@ -46,7 +46,14 @@ from stager.stagein.node import attach_report, run_once_per_node
 from stager.stagein.options import StageInOptions
 from stager.stagein.progress import Progress
 from stager.stagein.report import StageInReport
-from stager.stagein.run import copy_per_node, new_report, prepare, stage_in, staged_dataset
+from stager.stagein.run import (
+    checked_manifest,
+    copy_per_node,
+    new_report,
+    prepare,
+    stage_in,
+    staged_dataset,
+)
 from stager.storage.dest import ensure_private_dir
 from stager.storage.paths import safe_join
 from stager.storage.sources import SourceSet
@@ -167,6 +174,7 @@ def _run_fanout(
             staged,
             report,
             log,
+            manifest=checked_manifest(source, options, staged),
             size_later=False,
             heartbeat=heartbeat,
         )

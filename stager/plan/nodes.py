@@ -19,8 +19,15 @@ from stager.storage.sources import SourceSet, SourceShard
 __all__ = ["select_node_shards"]
 
 
-def select_node_shards(source: SourceSet, *, num_nodes: int, node: int) -> Sequence[SourceShard]:
-    """The shards node ``node`` of ``num_nodes`` stages, in source order."""
+def select_node_shards(
+    source: SourceSet, *, num_nodes: int, node: int, weights: Sequence[int] | None = None
+) -> Sequence[SourceShard]:
+    """The shards node ``node`` of ``num_nodes`` stages, in source order.
+
+    ``weights``: each listed shard's bytes, in listing order (stage-in takes them from the
+    manifest where it describes the shard: :mod:`stager.stagein.subset`); default: the shards'
+    listed sizes. Every node must pass the same, or two nodes may both take a shard, or none.
+    """
     if not 0 <= node < num_nodes:
         raise UsageError(f"node {node} outside a job of {num_nodes} node(s); check SLURM_NODEID")
     if len(source.shards) < num_nodes:
@@ -28,5 +35,9 @@ def select_node_shards(source: SourceSet, *, num_nodes: int, node: int) -> Seque
             f"--subset node needs at least one shard per node ({len(source.shards)} shards, "
             f"{num_nodes} nodes); use --subset all"
         )
-    owner = node_owner([s.size or 0 for s in source.shards], num_nodes)
+    if weights is None:
+        weights = [s.size or 0 for s in source.shards]
+    elif len(weights) != len(source.shards):
+        raise ValueError(f"{len(weights)} weights for {len(source.shards)} shards")
+    owner = node_owner(weights, num_nodes)
     return [source.shards[i] for i in np.flatnonzero(owner == node).tolist()]

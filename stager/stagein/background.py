@@ -47,8 +47,9 @@ from stager.stagein.options import StageInOptions
 from stager.stagein.pacing import CopierStopped, OrderedThrottle
 from stager.stagein.plan import CopyItem, LocalPlan, clean_partials
 from stager.stagein.report import StageInReport
-from stager.stagein.run import jitter_s, new_report, prepare, staged_dataset
+from stager.stagein.run import checked_manifest, jitter_s, new_report, prepare, staged_dataset
 from stager.stagein.status import PlanFacts, discard_plan, write_plan
+from stager.stagein.subset import NodeSelect, node_share
 from stager.storage.paths import discard
 from stager.storage.sources import SourceSet, SourceShard
 
@@ -148,7 +149,7 @@ def background_stage_in(
     spec: str = "",
     copy_seed: int = 0,
     slurm: SlurmEnv | None = None,
-    select: Callable[[SourceSet], Sequence[SourceShard]] | None = None,
+    select: NodeSelect | None = None,
     stop: SignalSafeEvent | None = None,
 ) -> StageInReport:
     """Stage the source ``list_source()`` lists into ``staged``, in the loader's order.
@@ -198,14 +199,15 @@ class _BackgroundRun:
     log: TextIO
     stop: SignalSafeEvent
     copy_seed: int
-    select: Callable[[SourceSet], Sequence[SourceShard]] | None
+    select: NodeSelect | None
     copying: threading.Event = field(default_factory=threading.Event)
 
     def stage(
         self, source: SourceSet, report: StageInReport, heartbeat: Callable[[], None]
     ) -> None:
         options, staged, node = self.options, self.staged, self.slurm.node_name
-        shards = list(self.select(source) if self.select is not None else source.shards)
+        manifest = checked_manifest(source, options, staged)
+        source, shards = node_share(source, manifest, self.select, options.jobs)
         run, plan, expected = prepare(
             source,
             options,
@@ -214,6 +216,7 @@ class _BackgroundRun:
             staged,
             report,
             self.log,
+            manifest=manifest,
             size_later=False,
             heartbeat=heartbeat,
         )

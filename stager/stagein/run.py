@@ -31,7 +31,7 @@ from stager.leftout import (
     not_regular_message,
     skipped_message,
 )
-from stager.shards.manifest import ManifestEntry
+from stager.shards.manifest import Manifest, ManifestEntry
 from stager.shards.tarparse import load_scanner
 from stager.slurm import SlurmEnv
 from stager.stagein.copier import Copier
@@ -53,6 +53,7 @@ from stager.stagein.report import StageInReport
 from stager.stagein.sourcemanifest import load_source_manifest
 from stager.stagein.stagedtree import StagedNames
 from stager.stagein.status import discard_plan
+from stager.stagein.subset import NodeSelect, node_share
 from stager.storage.sources import SourceSet, SourceShard, fill_sizes
 
 __all__ = [
@@ -61,6 +62,7 @@ __all__ = [
     "staged_dataset",
     "jitter_s",
     "new_report",
+    "checked_manifest",
     "prepare",
     "copy_per_node",
 ]
@@ -110,11 +112,13 @@ def stage_in(
     options: StageInOptions,
     *,
     slurm: SlurmEnv | None = None,
-    select: Callable[[SourceSet], Sequence[SourceShard]] | None = None,
+    select: NodeSelect | None = None,
 ) -> StageInReport:
     """Stage ``source`` into ``options.dest_root / name`` on this node and return the report.
 
-    ``select`` narrows the shards (``--subset node``); default: all of them. Raises a
+    ``select`` narrows the shards (``--subset node``), called with the listing and each listed
+    shard's bytes, from the manifest where it describes the shard
+    (:data:`stager.stagein.subset.NodeSelect`); default: all of them. Raises a
     :class:`~stager.errors.StagerError` (with ``.report`` attached) when anything failed;
     everything that succeeded stays staged and is skipped by a rerun.
     """
@@ -138,6 +142,16 @@ def warn(log: TextIO, node: str, message: str) -> None:
     print(f"[{node}] warning: {message}", file=log, flush=True)
 
 
+def checked_manifest(
+    source: SourceSet, options: StageInOptions, staged: StagedDataset
+) -> Manifest | None:
+    """The source's manifest (:func:`load_source_manifest`) for :func:`prepare`, read once the
+    staged copy is known to be this source's (one fetched from a URL lands in its directory).
+    Read before the shards are chosen: ``--subset node`` partitions by the sizes it gives."""
+    check_same_source(staged, source)
+    return load_source_manifest(source, options, staged)
+
+
 def prepare(
     source: SourceSet,
     options: StageInOptions,
@@ -147,18 +161,18 @@ def prepare(
     report: StageInReport,
     log: TextIO,
     *,
+    manifest: Manifest | None,
     size_later: bool,
     heartbeat: Callable[[], None] = lambda: None,
 ) -> tuple[Staging, LocalPlan, Mapping[str, ManifestEntry]]:
     """Steps 2-3 of the module doc, shared with ``--fanout``: what to copy, and what to delete.
 
-    Returns the run (kept shards already in it), the local plan, and the source manifest's
-    entries by relpath (empty without a manifest; built on first use).
+    ``manifest``: :func:`checked_manifest`'s. Returns the run (kept shards already in it), the
+    local plan, and the source manifest's entries by relpath (empty without a manifest; built
+    on first use).
     """
     node = slurm.node_name
-    check_same_source(staged, source)
     discard_plan(staged)  # a background run's plan would vouch for names this run may replace
-    manifest = load_source_manifest(source, options, staged)
     expected = EntriesByRelpath(manifest)
     # A million shards: a Python pass per shard costs ~0.3 s, a dict of them 0.5 s, all before
     # the first copy. A listing that the manifest names one for one, in order (as `stager
@@ -256,16 +270,17 @@ def copy_per_node(
     source: SourceSet,
     options: StageInOptions,
     slurm: SlurmEnv,
-    select: Callable[[SourceSet], Sequence[SourceShard]] | None,
+    select: NodeSelect | None,
     staged: StagedDataset,
     report: StageInReport,
     log: TextIO,
     heartbeat: Callable[[], None] = lambda: None,
 ) -> None:
     """Steps 2-6 of the module doc: this node reads all its shards from the source itself."""
-    shards = list(select(source) if select is not None else source.shards)
     cached = options.cache_dir is not None
     with collection_paused():  # a million shards: see stager.gcpause
+        manifest = checked_manifest(source, options, staged)
+        source, shards = node_share(source, manifest, select, options.jobs)
         run, plan, expected = prepare(
             source,
             options,
@@ -274,6 +289,7 @@ def copy_per_node(
             staged,
             report,
             log,
+            manifest=manifest,
             size_later=not cached,
             heartbeat=heartbeat,
         )

@@ -26,7 +26,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TextIO
 
 from stager.errors import SourceError, StagerError
@@ -56,6 +56,7 @@ from stager.stagein.run import (
     staged_dataset,
 )
 from stager.stagein.status import discard_plan
+from stager.stagein.subset import NodeSelect
 from stager.storage.listing import some_file_names, split_fs, translate, walk_local
 from stager.storage.paths import check_encodable
 from stager.storage.sources import SourceSet, SourceShard
@@ -74,7 +75,7 @@ def stage_in_foreground(
     options: StageInOptions,
     slurm: SlurmEnv,
     list_source: Callable[[], SourceSet],
-    select: Callable[[SourceSet], Sequence[SourceShard]] | None,
+    select: NodeSelect | None,
 ) -> StageInReport:
     """The command line's stage-in without ``--background`` or ``--fanout``: streamed where
     :func:`streamable_root` allows, else listed by ``list_source()`` first. ``spec``: the

@@ -257,8 +257,9 @@ def _run(args: argparse.Namespace) -> int:
             "--fanout replicates the whole dataset on every node; it needs --subset all"
         )
     slurm = SlurmEnv.from_environ()
-    # Sizes come after the manifest (fewer stats), unless --subset node/--fanout select by size
-    defer_stats = args.subset == "all" and not args.fanout
+    # Sizes come after the manifest (fewer stats; --subset node's partition takes the sizes it
+    # gives, stager.stagein.subset), unless --fanout, which plans its exchange by size
+    defer_stats = not args.fanout
 
     def list_source() -> SourceSet:
         with collection_paused():  # a million shards: see stager.gcpause
@@ -295,8 +296,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.subset == "node":
         from stager.plan.nodes import select_node_shards
 
-        def select(src):  # noqa: ANN001, ANN202 - the stage_in callback
-            return select_node_shards(src, num_nodes=slurm.num_nodes, node=slurm.node)
+        def select(src, weights):  # noqa: ANN001, ANN202 - the stage_in callback
+            return select_node_shards(
+                src, num_nodes=slurm.num_nodes, node=slurm.node, weights=weights
+            )
 
     report: StageInReport | None
     try:
