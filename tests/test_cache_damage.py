@@ -280,5 +280,52 @@ def test_a_dead_fillers_partial_is_removed_by_the_next_fill_of_its_group(tmp_pat
     dead.write_bytes(b"half a shard")
     key = "ab" + "1" * 62  # (another shard of the same group: its fill lock is the same)
     with cache.fill_lock(key):
-        assert cache.clear_way(key)
+        cache.clear_way(key)
     assert not dead.exists()
+
+
+@pytest.mark.parametrize("damage", ["objects unreadable", "fill locks read-only"])
+def test_a_part_of_the_cache_it_may_not_use_is_passed_by_not_the_jobs_failure(
+    tmp_path: Path, damage: str
+) -> None:
+    """Run as a user is (root without its permission override): an unreadable objects group
+    failed the job as a read-only destination (exit 5), read-only fill locks as a source error
+    after retries (exit 3); a read-only cache filesystem was already passed by."""
+    import os
+    import shutil
+    import subprocess
+
+    from .conftest import BIN, clean_env
+
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to run without the permission override")
+    as_a_user = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search,-fowner", "--"]
+    src = tmp_path / "nfs" / "ds"
+    write_synthetic_dataset(src, SPEC)
+    cache = tmp_path / "cache"
+
+    def stage(dest: str) -> subprocess.CompletedProcess[str]:
+        argv = [str(BIN / "stage-in"), str(src), "--dest", str(tmp_path / dest), "--quiet"]
+        argv += ["--cache", str(cache), "--jitter-max", "0"]
+        return subprocess.run(as_a_user + argv, env=clean_env(), capture_output=True, text=True)
+
+    assert stage("job1").returncode == 0
+    if damage == "objects unreadable":
+        paths = list((cache / "objects").iterdir())
+        for path in paths:
+            path.chmod(0)
+    else:
+        src = tmp_path / "nfs" / "other"  # (every shard a miss: each fill needs its lock)
+        write_synthetic_dataset(src, SyntheticSpec(num_shards=3, samples_per_shard=4, seed=3))
+        paths = [cache / "locks" / "fill"]
+        for lock in paths[0].iterdir():
+            lock.unlink()
+        paths[0].chmod(0o555)
+    try:
+        result = stage("job2")
+    finally:
+        for path in paths:
+            path.chmod(0o700)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("the cache refused a shard") == 1, result.stderr
+    _assert_identical(src, tmp_path / "job2" / src.name)

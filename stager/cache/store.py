@@ -144,19 +144,16 @@ class ShardCache:
         there creates its directory when missing)."""
         return self.layout.object_path(key)
 
-    def clear_way(self, key: str) -> bool:
+    def clear_way(self, key: str) -> None:
         """Make room for a fill of ``key`` (under its lock): its group a directory, its object's
         place free of anything that is no file (a directory or link put there by hand or by
-        damage), so the fill's rename lands. False where that cannot be done: the shard is
-        then copied past the cache (a fill failing there failed the job, exit 5, every time)."""
+        damage), so the fill's rename lands. ``OSError`` where that cannot be done: the shard
+        is then copied past the cache (a fill failing there failed the job, exit 5, each time)."""
         path = self.layout.object_path(key)
-        try:
-            for place, wanted in ((path.parent, stat.S_ISDIR), (path, stat.S_ISREG)):
-                with contextlib.suppress(FileNotFoundError):
-                    if not wanted(os.lstat(place).st_mode):
-                        remove_any(place)
-        except OSError:
-            return False
+        for place, wanted in ((path.parent, stat.S_ISDIR), (path, stat.S_ISREG)):
+            with contextlib.suppress(FileNotFoundError):
+                if not wanted(os.lstat(place).st_mode):
+                    remove_any(place)
         if path.parent not in self._swept_groups:  # (once a group a run: a listing each)
             self._swept_groups.add(path.parent)
             # Under the group's lock no fill of it runs: a partial there is a dead filler's
@@ -165,7 +162,6 @@ class ShardCache:
                 for entry in entries:
                     if entry.name.endswith(PARTIAL_SUFFIX):
                         discard(entry.path)
-        return True
 
     def keep(
         self,

@@ -21,8 +21,6 @@ current version; the staged manifest and the loader index are written by
 
 from __future__ import annotations
 
-import contextlib
-import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +33,7 @@ from stager.cache.records import ObjectRecord
 from stager.cache.store import ShardCache
 from stager.errors import DestinationError, HashMismatch, ScratchFull, one_line
 from stager.layout import StagedDataset
-from stager.stagein.guards import free_bytes
+from stager.stagein.cachespace import cache_refusal, free_bytes_or_0, same_fs, unfit
 from stager.stagein.options import StageInOptions
 from stager.stagein.plan import CopyItem, LocalPlan
 from stager.stagein.report import StageInReport
@@ -120,30 +118,6 @@ def _by_url(plan: LocalPlan, shards: dict[str, tuple[str, int]]) -> dict[str, tu
     return {i.shard.url: shards[i.shard.relpath] for i in plan.to_copy if i.shard.relpath in shards}
 
 
-def _same_fs(a: Path, b: Path) -> bool:
-    with contextlib.suppress(OSError):
-        return os.stat(a).st_dev == os.stat(b).st_dev
-    return False
-
-
-def _free_bytes(path: Path) -> int:
-    with contextlib.suppress(OSError):
-        return free_bytes(path)
-    return 0
-
-
-def _unfit(missing: list[tuple[str, int]], free_bytes: int) -> set[str]:
-    """Keys to leave out, from the end, so that the rest fits in ``free_bytes``."""
-    need = sum(size for _key, size in missing)
-    out: set[str] = set()
-    for key, size in reversed(missing):
-        if need <= free_bytes:
-            break
-        out.add(key)
-        need -= size
-    return out
-
-
 @dataclass
 class _Counts:
     served: int = 0
@@ -180,6 +154,7 @@ class StageCache:
         self.fsync = False  # --fsync: copies placed in scratch reach the disk before renaming
         self.stalled_fills = 0  # shards copied past a fill lock whose holder made no progress
         self.stalled_groups: set[Path] = set()  # the fill locks' groups where that happened
+        self._first_refusal = threading.Lock()  # taken once: the cache's refusal is said once
 
     @classmethod
     def start(
@@ -241,16 +216,16 @@ class StageCache:
         urls = {key: url for url, (key, _size) in _by_url(plan, shards).items()}
         self.present = self.store.lookup_many(self.dkey, urls)
         missing = [(key, size) for key, size in shards.values() if key not in self.present]
-        self.same_fs = _same_fs(self.store.layout.root, self.staged.dir)
+        self.same_fs = same_fs(self.store.layout.root, self.staged.dir)
         if not self.same_fs:  # scratch gets copies; the cache's own disk must hold the fills
-            unfit = _unfit(missing, _free_bytes(self.store.layout.root))
-            if unfit:
+            left_out = unfit(missing, free_bytes_or_0(self.store.layout.root))
+            if left_out:
                 self._warn(
-                    f"not enough free space on the cache's filesystem for {len(unfit)} shard(s): "
-                    "they are copied to scratch without being cached"
+                    "not enough free space on the cache's filesystem for "
+                    f"{len(left_out)} shard(s): they are copied to scratch without being cached"
                 )
-                shards = {r: (k, s) for r, (k, s) in shards.items() if k not in unfit}
-                missing = [(k, s) for k, s in missing if k not in unfit]
+                shards = {r: (k, s) for r, (k, s) in shards.items() if k not in left_out}
+                missing = [(k, s) for k, s in missing if k not in left_out]
         try:
             registration = self.store.register(
                 self.dkey,
@@ -294,7 +269,25 @@ class StageCache:
         return sum(self.keys.get(i.shard.relpath) not in self.present for i in plan.to_copy)
 
     def claim(self, item: CopyItem) -> Claim:
-        """How ``item`` reaches scratch (see :class:`Claim`); waits while another job fills it."""
+        """How ``item`` reaches scratch (see :class:`Claim`); waits while another job fills it.
+        Where the cache refuses it (a part of it unreadable, not writable), copied past it."""
+        try:
+            return self._claim(item)
+        except OSError as exc:
+            if not self.refused(exc):
+                raise
+            return Claim(item)
+
+    def refused(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is the cache's own refusal (a path of it unreadable, not writable,
+        not a directory): the shard is then copied past the cache, said in one warning, where
+        it failed the job as a destination or source error."""
+        why = cache_refusal(exc, self.store.layout.root)
+        if why is not None and self._first_refusal.acquire(blocking=False):
+            self._warn(f"the cache refused a shard ({why}): copying such shards without it")
+        return why is not None
+
+    def _claim(self, item: CopyItem) -> Claim:
         key = self.keys.get(item.shard.relpath)
         if key is None or self.filled_up:
             return Claim(item)
@@ -320,10 +313,11 @@ class StageCache:
         if served is not None:
             lock.release()
             return served
-        if not self.store.clear_way(key):  # (what is in the object's place cannot go)
+        try:
+            self.store.clear_way(key)  # (what cannot go from the object's place: refused)
+        except BaseException:
             lock.release()
-            self._warn(f"{self.store.object_path(key)} is in the way: {item.shard.url} not cached")
-            return Claim(item)
+            raise
         return Claim(item, fill=(self, key, lock))
 
     def _passed_a_stalled_fill(self, group_dir: Path) -> None:

@@ -108,7 +108,7 @@ def copy_one(copier: Copier, item: CopyItem) -> None:
             result = claim.publish(result, counters[0].samples if counters else None)
     except Exception as exc:  # noqa: BLE001 - every failure becomes one report line
         cache = copier.cache if claim is not None else None
-        past_the_cache = cache is not None and cache.ran_out_of_space(exc)
+        past_the_cache = cache is not None and (cache.ran_out_of_space(exc) or cache.refused(exc))
         if not past_the_cache:
             kind = failure_kind(exc)
             if kind in ("full", "dest") and not isinstance(exc, PathBlocked):
