@@ -26,6 +26,7 @@ import numpy
 from stager.errors import FanoutError, GroupUnavailable, ScratchFull, StagerError, one_line
 from stager.fanout.group import FanoutOptions, NodeGroup, form_group
 from stager.plan.fanout import shard_list_digest
+from stager.plan.havebits import HaveBits
 from stager.storage.identity import node_neutral
 
 __all__ = ["READY", "NO_SPACE", "FAILED", "state_of", "handshake", "failure_told_to_peers"]
@@ -72,7 +73,7 @@ def handshake(
     items: Sequence[Any],
     label: Callable[[int], str],
     asked: tuple[str, int, bool],
-) -> list[list[bool]]:
+) -> HaveBits:
     """All-gather (shard-list digest, state, count, chunk), then the have-bitmaps; refuse any
     disagreement, and stop where another node is not ready. ``items`` are
     :class:`stager.fanout.exchange.ExchangeShard`; ``asked``: the source spec and chunk size,
@@ -105,8 +106,8 @@ def handshake(
         gathered = group.all_gather(group.torch.from_numpy(bits), forming=True)
     except Exception as exc:  # noqa: BLE001 - torch errors while forming: no group
         raise GroupUnavailable(f"handshake failed ({one_line(exc)[:300]})") from exc
-    count = len(items)
-    return [numpy.unpackbits(t.numpy())[:count].astype(bool).tolist() for t in gathered]
+    # Kept packed (nodes x shards bits): lists of bools were nodes x shards Python objects.
+    return HaveBits(numpy.stack([t.numpy() for t in gathered]), len(items))
 
 
 @contextlib.contextmanager

@@ -21,7 +21,11 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
 import xxhash
+
+from stager.plan.havebits import HaveBits
 
 __all__ = ["SKIP", "FanoutPlan", "plan_fanout", "shard_list_digest"]
 
@@ -50,68 +54,90 @@ class FanoutPlan:
         )
 
 
-def plan_fanout(sizes: Sequence[int | None], have: Sequence[Sequence[bool]]) -> FanoutPlan:
-    """Plan a fan-out over ``len(have)`` nodes; ``have[node][i]``: node ``node`` holds shard ``i``.
+def plan_fanout(
+    sizes: Sequence[int | None], have: HaveBits | Sequence[Sequence[bool]]
+) -> FanoutPlan:
+    """Plan a fan-out over ``have``'s nodes; ``have[node][i]``: node ``node`` holds shard ``i``
+    (as lists, or packed as :class:`HaveBits`).
 
     ``sizes[i]`` may be ``None`` (unknown until read); such shards weigh as zero bytes but still
     spread by count, because ties break on the number of shards owned.
+
+    Costs numpy passes over the packed bits, plus Python per shard (and, for a shard only some
+    nodes hold, one numpy pass over the nodes): never Python per (node, shard).
     """
-    num_nodes = len(have)
-    if num_nodes < 1:
-        raise ValueError("a fan-out needs at least one node")
-    count = len(sizes)
-    if any(len(row) != count for row in have):
+    if not isinstance(have, HaveBits):
+        have = HaveBits.from_lists(have)
+    num_nodes, count = have.num_nodes, len(sizes)
+    if have.count != count:
         raise ValueError("every node's have-list must cover every shard")
-    owners = [SKIP] * count
-    reads = [False] * count
-    load = [0] * num_nodes
-    owned = [0] * num_nodes
+    weight = np.array([size or 0 for size in sizes], dtype=np.int64)
+    holding = have.holder_counts()
+    owners = np.full(count, SKIP, dtype=np.int64)
+    load = np.zeros(num_nodes, dtype=np.int64)
+    owned = np.zeros(num_nodes, dtype=np.int64)
 
-    def take(i: int, node: int) -> None:
-        owners[i] = node
-        load[node] += sizes[i] or 0
-        owned[node] += 1
-
-    by_size = sorted(range(count), key=lambda i: (-(sizes[i] or 0), i))
-    # Held shards first: their owner is forced into a subset, so place them before the free ones.
-    for i in by_size:
-        holders = [r for r in range(num_nodes) if have[r][i]]
-        if holders and len(holders) < num_nodes:
-            take(i, min(holders, key=lambda r: (load[r], owned[r], r)))
-    heap = [(load[r], owned[r], r) for r in range(num_nodes)]
+    # Largest first, ties by index (a stable sort of the negated sizes).
+    by_size = np.argsort(-weight, kind="stable")
+    sizes_of = weight.tolist()
+    # Held shards first: their owner is forced into a subset, so place them before the free ones:
+    # the least loaded holder, ties on the shards owned, then on the node's index.
+    partial = by_size[(holding[by_size] > 0) & (holding[by_size] < num_nodes)]
+    no_holder = np.iinfo(np.int64).max  # (no node has read 8 EiB)
+    for block, rows in have.holder_rows(partial):
+        for i, row in zip(block, rows, strict=True):
+            loads = np.where(row, load, no_holder)
+            node = int(loads.argmin())  # the first least loaded: the lowest index
+            tied = loads == loads[node]
+            if np.count_nonzero(tied) > 1:
+                tied_nodes = np.flatnonzero(tied)
+                node = int(tied_nodes[owned[tied_nodes].argmin()])
+            owners[i] = node
+            load[node] += sizes_of[i]
+            owned[node] += 1
+    # Shards nobody holds: greedy LPT over (load, shards owned, node).
+    free = by_size[holding[by_size] == 0].tolist()
+    heap = list(zip(load.tolist(), owned.tolist(), range(num_nodes), strict=True))
     heapq.heapify(heap)
-    for i in by_size:
-        if any(have[r][i] for r in range(num_nodes)):
-            continue
-        _, _, node = heapq.heappop(heap)
-        take(i, node)
-        reads[i] = True
-        heapq.heappush(heap, (load[node], owned[node], node))
+    free_owners = []
+    for i in free:
+        node_load, node_owned, node = heap[0]
+        free_owners.append(node)
+        heapq.heapreplace(heap, (node_load + sizes_of[i], node_owned + 1, node))
+    owners[free] = free_owners
+    reads = holding == 0
     return FanoutPlan(
-        tuple(owners), _broadcast_order(sizes, owners, reads, num_nodes), tuple(reads)
+        tuple(owners.tolist()),
+        _broadcast_order(weight, owners, reads),
+        tuple(reads.tolist()),
     )
 
 
 def _broadcast_order(
-    sizes: Sequence[int | None], owners: list[int], reads: list[bool], num_nodes: int
+    weight: npt.NDArray[np.int64], owners: npt.NDArray[np.int64], reads: npt.NDArray[np.bool_]
 ) -> tuple[int, ...]:
     """Broadcast shards in the order their owners will have them, so reads and sends overlap.
 
     Assuming the nodes read the source at the same rate, a shard is ready when its owner has read
     it and everything it reads before it; already-held shards are ready at once and go first, so
-    they are sent while the owners' first source reads are still running.
+    they are sent while the owners' first source reads are still running. Ties: by owner, then
+    by index.
     """
-    ready: list[tuple[int, int, int]] = []
-    read_so_far = [0] * num_nodes
-    for i, owner in enumerate(owners):
-        if owner == SKIP:
-            continue
-        if reads[i]:
-            read_so_far[owner] += sizes[i] or 0
-            ready.append((read_so_far[owner], owner, i))
-        else:
-            ready.append((0, owner, i))
-    return tuple(i for _, _, i in sorted(ready))
+    ready = np.zeros(len(owners), dtype=np.int64)
+    # The reads grouped by owner, in index order within each: a running total of the bytes read,
+    # restarted at each owner's first read, is when each is ready.
+    read = np.flatnonzero(reads)
+    if read.size:
+        by_owner = read[np.argsort(owners[read], kind="stable")]
+        running = np.cumsum(weight[by_owner])
+        grouped = owners[by_owner]
+        first = np.flatnonzero(np.r_[True, grouped[1:] != grouped[:-1]])
+        start = np.zeros(read.size, dtype=np.intp)
+        start[first] = first
+        start = np.maximum.accumulate(start)  # each read's owner's first read
+        ready[by_owner] = running - (running - weight[by_owner])[start]
+    sent = np.flatnonzero(owners != SKIP)
+    return tuple(sent[np.lexsort((sent, owners[sent], ready[sent]))].tolist())
 
 
 def shard_list_digest(
