@@ -9,8 +9,10 @@ calling a full output place a source error."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -105,6 +107,14 @@ def test_a_report_never_replaces_a_staged_file_a_device_or_a_link(
     )
     assert result.returncode == 0 and kept.is_symlink() and '"files_total": 3' in target.read_text()
     assert not _leftovers(tmp_path)
+    # A regular file under /dev (/dev/shm: node-local scratch) is a file: replaced, not added to.
+    if os.access("/dev/shm", os.W_OK):
+        with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+            report = Path(shm) / "report.json"
+            for _ in range(2):
+                argv = ["stage-in", str(src), "--dest", str(dest), *FAST, "--report", str(report)]
+                assert run_main(capsys, *argv).returncode == 0
+            assert json.loads(report.read_text())["files_total"] == 3  # (one document)
 
 
 @pytest.mark.parametrize(

@@ -133,15 +133,22 @@ class StageInReport:
 
 
 def _names_a_stream(path: Path) -> bool:
-    """Whether ``path`` names an open stream rather than a file to replace: it is under
-    ``/dev`` or ``/proc``, or a link whose target is (``/dev/stdout`` -> ``/proc/self/fd/1``)."""
-    streams = ("/dev/", "/proc/")
+    """Whether ``path`` names an open stream rather than a file to replace: a descriptor
+    (``/dev/stdout``, ``/dev/fd/N``, anything under ``/proc``), or a link to one. A regular
+    file elsewhere under ``/dev`` (``/dev/shm``, a node-local scratch) is a file: replaced."""
+
+    def stream(text: str) -> bool:
+        return text.startswith(("/proc/", "/dev/fd/")) or text in _STD_STREAMS
+
     text = os.path.abspath(path)
-    if text.startswith(streams):
+    if stream(text):
         return True
-    return path.is_symlink() and os.path.abspath(
-        os.path.join(os.path.dirname(text), os.readlink(path))
-    ).startswith(streams)
+    return path.is_symlink() and stream(
+        os.path.abspath(os.path.join(os.path.dirname(text), os.readlink(path)))
+    )
+
+
+_STD_STREAMS = ("/dev/stdin", "/dev/stdout", "/dev/stderr")
 
 
 def _own_stream(path: Path) -> int | None:
