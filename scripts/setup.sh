@@ -29,8 +29,29 @@ if [[ ! -x .venv/bin/python ]]; then
 fi
 VPY=.venv/bin/python
 if ! "$VPY" -c "import torch" 2>/dev/null; then
-    echo "setup: installing torch==2.13.0 (CPU build)" >&2
-    "$VPY" -m pip install -q torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
+    # The CPU build: where the indexes this machine uses would give the CUDA build (its
+    # nvidia-* packages, gigabytes), from PyTorch's CPU index instead.
+    cuda=$("$VPY" -m pip install -q --dry-run --report - torch==2.13.0 2>/dev/null | "$VPY" -c '
+import json, sys
+try:
+    plan = json.load(sys.stdin)["install"]
+except Exception:
+    plan = []
+print(int(any(item["metadata"]["name"].startswith("nvidia-") for item in plan)))' || echo 0)
+    if [[ $cuda == 1 ]]; then
+        echo "setup: installing torch==2.13.0 (CPU build, from download.pytorch.org/whl/cpu)" >&2
+        "$VPY" -m pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
+            --extra-index-url https://pypi.org/simple --timeout 30 --retries 1 2>&1 \
+            | grep -v "^WARNING: Location" || true
+    fi
+    if ! "$VPY" -W ignore -c "import torch" 2>/dev/null; then  # (no CPU index reachable)
+        if [[ $cuda == 1 ]]; then
+            echo "setup: PyTorch's CPU index is out of reach: torch==2.13.0 as pip finds it" >&2
+        else
+            echo "setup: installing torch==2.13.0 (CPU build)" >&2
+        fi
+        "$VPY" -m pip install -q torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
+    fi
     "$VPY" -W ignore -c "import torch" || { echo "setup: torch failed to install" >&2; exit 1; }
 fi
 extra=""

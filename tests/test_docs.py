@@ -71,7 +71,10 @@ def docs_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _localise(body: str, root: Path) -> str:
-    return body.replace("/nfs/", f"{root}/nfs/").replace("/scratch/", f"{root}/scratch/")
+    """The docs' /nfs and /scratch paths under ``root``, which the test runs from: relative,
+    so a temporary directory whose path holds a space or quote does not split the commands."""
+    del root  # (the blocks run with cwd=root)
+    return body.replace("/nfs/", "./nfs/").replace("/scratch/", "./scratch/")
 
 
 @pytest.mark.parametrize(("where", "lang", "body"), BLOCKS, ids=[b[0] for b in BLOCKS])

@@ -563,14 +563,23 @@ def test_non_ascii_names_read_as_tarfile_reads_them_in_a_non_utf8_locale(tmp_pat
 
 def test_a_stream_tarfile_cannot_decode_is_an_integrity_error() -> None:
     """A PAX hdrcharset that is not UTF-8 makes tarfile raise UnicodeDecodeError; counting a
-    stream (a remote or compressed shard) reports it as a corrupt shard, by name."""
+    stream (a remote or compressed shard) reports it as a corrupt shard, by name. (Pythons
+    before 3.11.4's tarfile changes read past the record: there the count is tarfile's.)"""
+    import tarfile
+
     from stager.shards.tarindex import count_samples_stream
 
     record = _record(b"hdrcharset", b"\xff")
     data = _raw_header(b"p", len(record), b"x") + _padded(record)
     data += _raw_header(b"k.jpg", 3, b"0") + _padded(b"abc") + bytes(1024)
-    with pytest.raises(IntegrityError, match="s.tar"):
-        count_samples_stream(io.BytesIO(data), "s.tar")
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r|") as tar:
+            members = [m.name for m in tar]
+    except UnicodeDecodeError:
+        with pytest.raises(IntegrityError, match="s.tar"):
+            count_samples_stream(io.BytesIO(data), "s.tar")
+    else:  # (this Python's tarfile reads it: the count agrees with what it reads)
+        assert count_samples_stream(io.BytesIO(data), "s.tar") == len(members) == 1
 
 
 @pytest.mark.parametrize("fmt", ["gnu", "posix"])

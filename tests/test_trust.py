@@ -227,12 +227,14 @@ def test_2_a_shard_published_but_not_recorded_by_a_killed_run_goes_once_the_sour
 def test_2_outside_a_job_stage_in_says_where_it_staged(tmp_path: Path) -> None:
     src = tmp_path / "ds"
     write_synthetic_dataset(src, SyntheticSpec(num_shards=2, samples_per_shard=2))
-    result = run_cli("stage-in", str(src), "--quiet", env=clean_env(TMPDIR=str(tmp_path)))
+    env = clean_env(TMPDIR=str(tmp_path))
+    result = run_cli("stage-in", str(src), "--quiet", env=env)
     assert result.returncode == 0, result.stderr
     notes = [line for line in result.stderr.splitlines() if "note:" in line]
-    assert (
-        len(notes) == 1 and str(tmp_path / f"stager-{os.environ.get('USER', 'root')}") in notes[0]
-    )
+    from stager.storage.dest import _user  # ($USER, else $LOGNAME, else the login name)
+
+    expected = tmp_path / f"stager-{_user(env)}"
+    assert len(notes) == 1 and str(expected) in notes[0], (notes, expected)
     assert "outlives this run" in notes[0]
 
 

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             num_workers=2,
             shuffle=True,
             seed=0,
-            decode="torchrgb",
+            decode="rgb8",  # (.npy arrays: uint8 HxWx3, as the README shows)
             to_tuple=("npy", "cls"),
         )
         print(f"    {len(loader)} batches per epoch on this rank")
