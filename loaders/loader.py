@@ -83,6 +83,26 @@ def _with_legacy(options: LoaderOptions, legacy: dict[str, Any]) -> LoaderOption
     return dataclasses.replace(options, **legacy) if legacy else options
 
 
+def _ended_by_a_newer_one(inner: Iterator[Any], ended: Callable[[], bool]) -> Iterator[Any]:
+    """``inner``'s batches, until ``ended()``: asked before each batch is taken, so an ended
+    iterator takes none from the newer one (persistent workers serve both from one queue)."""
+    batches = iter(inner)
+    while True:
+        if ended():
+            # Two live iterators shared one position (state_dict counted both, and a second
+            # iter() rewound the first): the newer one reads the pass.
+            raise UsageError(
+                "this iterator of the loader was ended by a newer iter(loader): a loader reads "
+                "one pass at a time (its position is what state_dict() saves); build a second "
+                "loader to read two at once"
+            )
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        yield batch
+
+
 def _to_dataloader(keywords: dict[str, Any]) -> dict[str, Any]:
     """Take DataLoader's own keywords the loader passes on as they are out of ``keywords``, and
     refuse in one line those that would undo its plan (a bare TypeError named none of them)."""
@@ -202,8 +222,9 @@ class ShardedLoader(DataLoader):
             subset=self.shards.subset,
         )
         # (else each rank plans its own epoch; under --subset node, the job's fingerprint)
+        self._own_fingerprint = fingerprint(self.shards.relpaths, self.shard_samples)
         self.fingerprint = agree_on_dataset(
-            fingerprint(self.shards.relpaths, self.shard_samples),
+            self._own_fingerprint,
             self.plan_options.digest(),
             source,
             self.shards.subset,
@@ -275,15 +296,7 @@ class ShardedLoader(DataLoader):
         asked = time.perf_counter()  # from the loop asking for a batch to its arrival: the wait
         staging = self.reader if isinstance(self.reader, StagingReader) else None
         try:
-            for batch in inner:
-                if generation != self._iterators:
-                    # Two live iterators shared one position (state_dict counted both, and a
-                    # second iter() rewound the first): the newer one reads the epoch.
-                    raise UsageError(
-                        "this iterator of the loader was ended by a newer iter(loader): a loader "
-                        "reads one pass at a time (its position is what state_dict() saves); "
-                        "build a second loader to read two at once"
-                    )
+            for batch in _ended_by_a_newer_one(inner, lambda: generation != self._iterators):
                 self._consumed += 1  # before the caller sees it: a checkpoint in the step has it
                 if isinstance(batch, PackedBatch):
                     out = batch.unpack(self._to_tuple)
@@ -346,6 +359,9 @@ class ShardedLoader(DataLoader):
         usual pad/drop evening), and later epochs follow this world's normal plan.
         """
         saved = LoaderState.from_dict(state)
+        if saved.subset == "node" and saved.fingerprint == self._own_fingerprint:
+            # (saved before states recorded the job's fingerprint: this node's own shards)
+            saved = dataclasses.replace(saved, fingerprint=self.fingerprint)
         saved.check_resumable_by(self._state(0), elastic=elastic)
         # Checked before anything changes: a refused state left the loader at its epoch and
         # position (an epoch of no batches after batches_consumed=999).

@@ -94,6 +94,8 @@ class LoaderState:
         ``elastic`` tolerates a different world size (the loader redistributes the rest).
         """
         names = [n for n in _MUST_MATCH if not (elastic and n == "world_size")]
+        if self.subset == current.subset == "node":
+            names.remove("num_samples")  # (each node's own; the job's fingerprint covers them)
         differences = [
             f"{name} was {getattr(self, name)!r}, is now {getattr(current, name)!r}"
             for name in names

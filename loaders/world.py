@@ -88,7 +88,10 @@ def agree_per_rank(local_total: int, layout: WorldLayout, even: str, subset: str
     import torch
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    in_group = dist.is_available() and dist.is_initialized()
+    if in_group and (dist.get_world_size(), dist.get_rank()) == (layout.world_size, layout.rank):
+        # (a loader of another world than the group's, rank 0's alone for a validation pass,
+        # must not enter a collective the other ranks never join)
         # NCCL reduces only GPU tensors; gloo (and the rest) CPU ones
         on_gpu = dist.get_backend() == "nccl"
         value = torch.tensor([share], dtype=torch.int64, device="cuda" if on_gpu else "cpu")

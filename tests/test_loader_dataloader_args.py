@@ -88,20 +88,24 @@ def test_shards_that_hold_no_sample_are_an_error_not_an_empty_training_run(
         ShardedLoader(empty, batch_size=4)
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize(("num_workers", "persistent"), [(0, False), (2, False), (2, True)])
 def test_a_second_iter_ends_the_first_which_says_so_when_used(
-    source: Path, num_workers: int
+    source: Path, num_workers: int, persistent: bool
 ) -> None:
     """zip(loader, loader) counted both in one position (a state_dict no loader could load),
-    and a second iter() after load_state_dict rewound the first to the epoch's start."""
-    from stager_loaders import ShardedLoader
+    and a second iter() after load_state_dict rewound the first. The ended one takes no batch
+    of the newer pass (persistent workers serve both from one queue)."""
+    from stager_loaders import LoaderOptions, ShardedLoader
 
-    loader = ShardedLoader(source, batch_size=2, num_workers=num_workers, to_tuple=("__key__",))
+    options = LoaderOptions(persistent_workers=persistent)
+    loader = ShardedLoader(
+        source, batch_size=2, num_workers=num_workers, to_tuple=("__key__",), options=options
+    )
     first = iter(loader)
     next(first)
     second = iter(loader)
-    keys = [key for (batch,) in second for key in batch]
-    assert len(set(keys)) == sum(SPEC.shard_sizes())  # the newer one reads the whole pass
     with pytest.raises(UsageError, match="ended by a newer iter"):
         next(first)
+    keys = [key for (batch,) in second for key in batch]
+    assert len(set(keys)) == sum(SPEC.shard_sizes())  # the newer one reads the whole pass
     assert loader.state_dict()["batches_consumed"] == len(loader)

@@ -297,8 +297,10 @@ class StageCache:
             return served
         lock = self.store.fill_lock(key)
         group_dir = self.store.object_path(key).parent
-        if group_dir in self.stalled_groups:  # (its holder stalled once: no second wait)
-            got = lock.acquire(blocking=False)
+        if group_dir in self.stalled_groups:  # (its holder stalled: no second wait, until it
+            got = lock.acquire(blocking=False)  # lets go, which ends the group's stall)
+            if got:
+                self.stalled_groups.discard(group_dir)
         else:
             got = wait_for_fill(lock, group_dir, timeout_s=self.store.lock_timeout_s)
         if not got:
@@ -322,7 +324,7 @@ class StageCache:
 
     def _passed_a_stalled_fill(self, group_dir: Path) -> None:
         with self._count_lock:
-            first, self.stalled_fills = not self.stalled_groups, self.stalled_fills + 1
+            first, self.stalled_fills = not self.stalled_fills, self.stalled_fills + 1
             self.stalled_groups.add(group_dir)
         if first:
             self._warn(
