@@ -51,11 +51,14 @@ def check_collectives(backend: str = "nccl") -> None:
     dist.init_process_group(backend, rank=0, world_size=1)
     try:
         assert dist.get_backend() == backend
-        # Two nodes of one rank each, as the layout says; the group of one answers for both.
-        layout = WorldLayout(num_nodes=2, ranks_per_node=1, rank=0)
+        # The group's own world (one rank): a loader whose layout is another world than the
+        # group's enters no collective (a validation loader on rank 0 alone).
+        layout = WorldLayout(num_nodes=1, ranks_per_node=1, rank=0)
         assert agree_per_rank(1000, layout, "drop", "node") == 1000
-        assert agree_incomplete(True, layout) is True
-        assert agree_incomplete(False, layout) is False
+        # (a layout of one answers alone; two nodes make it reduce, the group of one for both)
+        two_nodes = WorldLayout(num_nodes=2, ranks_per_node=1, rank=0)
+        assert agree_incomplete(True, two_nodes) is True
+        assert agree_incomplete(False, two_nodes) is False
         print(f"collectives on {backend}: ok", flush=True)
     finally:
         dist.destroy_process_group()
