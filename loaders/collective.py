@@ -26,19 +26,30 @@ from typing import Any
 from stager.errors import IntegrityError, SourceError, UsageError, one_line
 from stager.plan.ranks import WorldLayout
 
-__all__ = ["agree_on_dataset", "count_in_shares"]
+__all__ = ["agree_on_dataset", "count_in_shares", "layout_group"]
 
 
-def _group(layout: WorldLayout) -> tuple[Any, int, int, str] | None:
-    """``(dist, rank, world, device)`` of an initialised group of more than one rank, which is
-    the world the loader's ``layout`` shares its samples over."""
+def layout_group(layout: WorldLayout) -> tuple[Any, str] | None:
+    """``(dist, device)`` where an initialised group is the world the loader's ``layout``
+    shares its samples over (its size and this rank's place are the layout's); None for a
+    loader of another world (rank 0's alone, for a validation pass), which must enter no
+    collective the other ranks never join. ``device``: where the group reduces tensors."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+    if not (dist.is_available() and dist.is_initialized()):
         return None
     if (dist.get_world_size(), dist.get_rank()) != (layout.world_size, layout.rank):
         return None
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces GPU tensors only
+    return dist, "cuda" if dist.get_backend() == "nccl" else "cpu"  # (NCCL: GPU tensors only)
+
+
+def _group(layout: WorldLayout) -> tuple[Any, int, int, str] | None:
+    """``(dist, rank, world, device)`` of the :func:`layout_group` where it has more than one
+    rank (one has nothing to compare)."""
+    found = layout_group(layout)
+    if found is None or found[0].get_world_size() < 2:
+        return None
+    dist, device = found
     return dist, dist.get_rank(), dist.get_world_size(), device
 
 

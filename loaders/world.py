@@ -86,15 +86,13 @@ def agree_per_rank(local_total: int, layout: WorldLayout, even: str, subset: str
         return samples_per_rank(local_total, layout, even)
     share = samples_per_rank([local_total], WorldLayout(1, layout.ranks_per_node), even)
     import torch
-    import torch.distributed as dist
 
-    in_group = dist.is_available() and dist.is_initialized()
-    if in_group and (dist.get_world_size(), dist.get_rank()) == (layout.world_size, layout.rank):
-        # (a loader of another world than the group's, rank 0's alone for a validation pass,
-        # must not enter a collective the other ranks never join)
-        # NCCL reduces only GPU tensors; gloo (and the rest) CPU ones
-        on_gpu = dist.get_backend() == "nccl"
-        value = torch.tensor([share], dtype=torch.int64, device="cuda" if on_gpu else "cpu")
+    from .collective import layout_group
+
+    group = layout_group(layout)  # (None for a loader of another world: rank 0's alone)
+    if group is not None:
+        dist, device = group
+        value = torch.tensor([share], dtype=torch.int64, device=device)
         dist.all_reduce(value, op=dist.ReduceOp.MIN if even == "drop" else dist.ReduceOp.MAX)
         return int(value.item())
     if layout.num_nodes > 1:

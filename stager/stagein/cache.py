@@ -152,9 +152,8 @@ class StageCache:
         self.used: list[ObjectRecord] = []  # records of what this run served or filled
         self.filled_up = False  # the cache's filesystem ran out of space: copy past it
         self.fsync = False  # --fsync: copies placed in scratch reach the disk before renaming
-        self.stalled_fills = 0  # shards copied past a fill lock whose holder made no progress
-        self.stalled_groups: set[Path] = set()  # the fill locks' groups where that happened
-        self._first_refusal = threading.Lock()  # taken once: the cache's refusal is said once
+        self.stalled_groups: set[Path] = set()  # fill locks' groups whose holder stalled
+        self._said: set[str] = set()  # topics of the warnings said once a run (_warn)
 
     @classmethod
     def start(
@@ -196,8 +195,14 @@ class StageCache:
     def close(self) -> None:
         self._lock.release()
 
-    def _warn(self, message: str) -> None:
-        print(f"[{self.report.node}] warning: {message}", file=self.log, flush=True)
+    def _warn(self, message: str, once: str | None = None) -> None:
+        """Say ``message``; with ``once``, only the first time a copy thread meets that topic."""
+        with self._count_lock:
+            said = once in self._said
+            if once is not None:
+                self._said.add(once)
+        if not said:
+            print(f"[{self.report.node}] warning: {message}", file=self.log, flush=True)
 
     def register(self, plan: LocalPlan) -> int:
         """Name the planned shards in the cache; return the bytes scratch needs free for them."""
@@ -283,8 +288,10 @@ class StageCache:
         not a directory): the shard is then copied past the cache, said in one warning, where
         it failed the job as a destination or source error."""
         why = cache_refusal(exc, self.store.layout.root)
-        if why is not None and self._first_refusal.acquire(blocking=False):
-            self._warn(f"the cache refused a shard ({why}): copying such shards without it")
+        if why is not None:
+            self._warn(
+                f"the cache refused a shard ({why}): copying such shards without it", "refused"
+            )
         return why is not None
 
     def _claim(self, item: CopyItem) -> Claim:
@@ -323,15 +330,13 @@ class StageCache:
         return Claim(item, fill=(self, key, lock))
 
     def _passed_a_stalled_fill(self, group_dir: Path) -> None:
-        with self._count_lock:
-            first, self.stalled_fills = not self.stalled_fills, self.stalled_fills + 1
-            self.stalled_groups.add(group_dir)
-        if first:
-            self._warn(
-                "another process of yours holds a fill lock of the cache and wrote nothing "
-                "for a while (a suspended or stopped job? a hung read?): the shards it holds "
-                "up are copied to scratch without the cache"
-            )
+        self.stalled_groups.add(group_dir)
+        self._warn(
+            "another process of yours holds a fill lock of the cache and wrote nothing "
+            "for a while (a suspended or stopped job? a hung read?): the shards it holds "
+            "up are copied to scratch without the cache",
+            once="stalled",
+        )
 
     def ran_out_of_space(self, exc: BaseException) -> bool:
         """Whether ``exc`` is the cache's own filesystem filling up during a fill; then the
@@ -343,10 +348,8 @@ class StageCache:
         root = str(self.store.layout.root).rstrip("/") + "/"
         if not (exc.where.rstrip("/") + "/").startswith(root):
             return False  # (scratch's own: the job's error)
-        with self._count_lock:
-            said, self.filled_up = self.filled_up, True
-        if not said:
-            self._warn(f"the cache at {root.rstrip('/')} is full: copying the rest without it")
+        self.filled_up = True
+        self._warn(f"the cache at {root.rstrip('/')} is full: copying the rest without it", "full")
         return True
 
     def _serve(self, item: CopyItem, record: ObjectRecord) -> Claim | None:
