@@ -11,6 +11,9 @@ see, so the transient objects' arenas are given back whole.
 
 from __future__ import annotations
 
+import os
+import re
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, overload
 
@@ -19,6 +22,7 @@ import numpy as np
 __all__ = ["PackedStrings"]
 
 _SEPARATOR = "\0"  # no path holds a NUL; an item that does takes the slower, general build
+_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")  # a lone surrogate, as surrogatepass writes it
 
 
 class PackedStrings(Sequence[str]):
@@ -30,8 +34,16 @@ class PackedStrings(Sequence[str]):
     """
 
     __slots__ = ("_buffer", "_starts", "_joined", "_prefix")
+    _buffer: bytes
+    _starts: np.ndarray
+    _joined: bool
+    _prefix: str
 
     def __init__(self, strings: Iterable[str] = (), prefix: str = ""):
+        if isinstance(strings, PackedStrings):  # the same (immutable) buffer, not rebuilt
+            self._buffer, self._starts = strings._buffer, strings._starts
+            self._joined, self._prefix = strings._joined, prefix + strings._prefix
+            return
         items = strings if isinstance(strings, list) else list(strings)
         self._prefix = prefix  # held once: a dataset's locations share their directory
         self._pack(_SEPARATOR.join(items), len(items), lambda: items)
@@ -40,6 +52,62 @@ class PackedStrings(Sequence[str]):
     def prefixed(cls, prefix: str, strings: Iterable[str]) -> PackedStrings:
         """``prefix + s`` for each ``s``; the prefix is stored once, not once per item."""
         return cls(strings, prefix)
+
+    @classmethod
+    def from_terminated(cls, buffer: bytes, starts: np.ndarray) -> PackedStrings:
+        """The strings of ``buffer``: UTF-8 (``surrogatepass``), each followed by one NUL,
+        item ``i`` at ``starts[i]`` (``len(starts) - 1`` items, the last start the buffer's
+        length), as :mod:`stager.shards.manifestcolumns` holds a manifest's paths. The caller
+        has checked that they are so; no str is made."""
+        if len(starts) < 2:
+            return cls()
+        packed = cls.__new__(cls)
+        packed._prefix = ""
+        packed._buffer = buffer[:-1]  # this class keeps no separator after the last item
+        packed._starts = np.asarray(starts, dtype=np.int64)
+        packed._joined = True
+        return packed
+
+    def nul_joined(self) -> str:
+        """``"\\0".join(self)``, decoded once (:func:`stager.storage.paths.nul_joined`)."""
+        if not self._joined:
+            return "\0".join(self)
+        text = self._buffer.decode("utf-8", "surrogatepass")
+        if not self._prefix or not len(self):
+            return text if len(self) else ""
+        return self._prefix + text.replace("\0", "\0" + self._prefix)
+
+    def any_endswith(self, suffixes: tuple[str, ...]) -> bool:
+        """Whether any item ends with one of ``suffixes``, found in the buffer: no str made."""
+        if not len(self):
+            return False
+        empty_item = bool((np.diff(self._starts) == 1).any())
+        if not self._joined or (self._prefix and empty_item):
+            return any(s.endswith(suffixes) for s in self)  # (an empty item: the prefix's end)
+        buffer = self._buffer + b"\0"
+        return any(suffix.encode("utf-8", "surrogatepass") + b"\0" in buffer for suffix in suffixes)
+
+    def native_paths(self, parts: int = 1) -> list[tuple[bytes, bytes, int]] | None:
+        """The items as the filesystem encodes them, in up to ``parts`` runs of consecutive
+        items, each ``(prefix, names joined by NUL, count)`` for
+        :func:`stager.storage.statmany.key_stats_joined`; None where that is not this buffer
+        (a name with an undecodable byte: ``surrogatepass`` and the filesystem's
+        ``surrogateescape`` write it otherwise), or the items were not joined."""
+        if not self._joined or sys.getfilesystemencoding() != "utf-8":
+            return None
+        if _SURROGATE.search(self._buffer):
+            return None
+        try:
+            prefix = os.fsencode(self._prefix)
+        except UnicodeEncodeError:
+            return None
+        count = len(self)
+        bounds = sorted({count * k // max(parts, 1) for k in range(max(parts, 1) + 1)})
+        runs = []
+        for first, last in zip(bounds, bounds[1:], strict=False):
+            start, stop = int(self._starts[first]), int(self._starts[last]) - 1
+            runs.append((prefix, self._buffer[start:stop], last - first))
+        return runs or [(prefix, b"", 0)]
 
     def _pack(self, joined: str, count: int, items: Callable[[], Sequence[str]]) -> None:
         """Hold ``joined`` (``count`` items joined by the separator); ``items()`` gives them

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 
+import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -42,3 +44,44 @@ def test_out_of_range_is_an_index_error() -> None:
         except IndexError:
             continue
         raise AssertionError(f"{index} did not raise")
+
+
+@given(lists, st.sampled_from(["", "/scratch/42/ds/", "\udcff/"]))
+def test_joined_whole_as_one_join_of_its_items(items: list[str], prefix: str) -> None:
+    """nul_joined (keys and fingerprints hash it) is the join of the items, prefix included;
+    native_paths is the filesystem's bytes of them where it can be (no lone surrogate)."""
+    from stager.storage.paths import nul_joined
+
+    packed = PackedStrings.prefixed(prefix, items)
+    want = [prefix + s for s in items]
+    assert packed.nul_joined() == "\0".join(want) == nul_joined(packed) == nul_joined(want)
+    for parts in (1, 3):
+        runs = packed.native_paths(parts)
+        if runs is None:
+            continue
+        assert sum(count for _, _, count in runs) == len(want) and len(runs) <= parts
+        named = [head + n for head, names, count in runs if count for n in names.split(b"\0")]
+        assert named == [os.fsencode(w) for w in want]
+    if packed.native_paths() is None and not any("\0" in s for s in items):
+        assert any(0xD800 <= ord(c) <= 0xDFFF for c in "".join(items))
+
+
+@given(st.lists(texts.filter(lambda s: "\0" not in s), max_size=20))
+def test_from_terminated_reads_back_a_columns_file_buffer(items: list[str]) -> None:
+    """The columns file's buffer (each item then a NUL, and its starts) read without a str
+    per item gives the items, and shares its buffer with a prefixed copy."""
+    encoded = [s.encode("utf-8", "surrogatepass") for s in items]
+    buffer = b"".join(e + b"\0" for e in encoded)
+    starts = np.concatenate([[0], np.cumsum([len(e) + 1 for e in encoded])]).astype(np.int64)
+    packed = PackedStrings.from_terminated(buffer, starts)
+    assert list(packed) == items and packed == PackedStrings(items)
+    assert list(PackedStrings.prefixed("/x/", packed)) == ["/x/" + s for s in items]
+    assert list(PackedStrings(packed)) == items
+
+
+@given(
+    lists, st.sampled_from(["", "/d/", "/d/x.tgz"]), st.sampled_from([(".tgz", ".tar.gz"), ("b",)])
+)
+def test_any_endswith_as_the_items_say(items: list[str], prefix: str, suffixes: tuple) -> None:
+    packed = PackedStrings.prefixed(prefix, items)
+    assert packed.any_endswith(suffixes) == any(s.endswith(suffixes) for s in packed)

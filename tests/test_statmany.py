@@ -127,9 +127,15 @@ def test_key_stats_packs_what_the_key_takes_from_os_stat_or_says_none(
         except OSError:
             stats.append(None)
     packed = statmany.key_stats(paths)
+    # the same rows from the names joined behind one prefix (a loader's packed paths)
+    head = os.fsencode(str(root) + os.sep)
+    names = [os.fsencode(p).removeprefix(head) for p in paths]
+    assert all(os.fsencode(p) == head + n for p, n in zip(paths, names, strict=True))
+    assert statmany.key_stats_joined(head, b"\0".join(names), len(names)) == packed
+    assert statmany.key_stats_joined(head, b"\0".join(names), len(names) + 1) is None
     if any(st is None or max(st.st_mtime_ns, st.st_ctime_ns) >= 2**63 for st in stats):
         assert packed is None
         return
     want = [v for st in stats if st is not None for v in (st.st_size, changed_ns(st))]
     assert packed is not None and array("q", packed).tolist() == want
-    assert statmany.key_stats([]) == b""
+    assert statmany.key_stats([]) == b"" == statmany.key_stats_joined(head, b"", 0)

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from stager.plan.order import EpochOrder, shard_offsets
+from stager.storage.paths import nul_joined
 
 __all__ = [
     "WorldLayout",
@@ -369,6 +370,6 @@ def fingerprint(relpaths: Sequence[str], counts: Sequence[int] | np.ndarray) -> 
     array = np.asarray(counts, dtype=np.int64)
     if len(relpaths) != len(array):
         raise ValueError("one sample count per shard path")
-    digest = hashlib.sha256("\0".join(map(str, relpaths)).encode())
+    digest = hashlib.sha256(nul_joined(relpaths).encode())
     digest.update(b"\1" + array.astype("<i8").tobytes())
     return digest.hexdigest()[:16]

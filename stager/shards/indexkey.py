@@ -12,6 +12,7 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from stager.storage.paths import nul_joined
 from stager.storage.statmany import StatRow, key_stats, stat_many
 
 if TYPE_CHECKING:
@@ -91,7 +92,7 @@ def dataset_key(
     counts = ",".join(map(str, expected))
     head = f"v{version}.{KEY_FORMAT}|{on_error}|{len(relpaths)}|"
     digest = hashlib.sha256(head.encode())
-    digest.update("\0".join(relpaths).encode("utf-8", "surrogateescape"))
+    digest.update(nul_joined(relpaths).encode("utf-8", "surrogateescape"))
     digest.update(packed)
     digest.update(counts.encode())
     return digest.digest()

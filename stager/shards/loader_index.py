@@ -133,7 +133,8 @@ def build_flat_index(
     ``stats`` are the shards' ``(size, changed_ns)`` when the caller has just stat'ed them (the
     loader's resolver does), saving a second stat per shard: ~0.3 s at 100k shards.
     """
-    relpaths = list(relpaths) if relpaths is not None else [Path(p).name for p in shards]
+    # (a packed sequence stays packed: its key hashes its buffer, no str made per shard)
+    relpaths = relpaths if relpaths is not None else [Path(p).name for p in shards]
     expected = list(expected_samples) if expected_samples is not None else [None] * len(shards)
     stamp = None
     if cache_dir is not None:

@@ -19,7 +19,7 @@ import json
 import os
 import re
 import stat
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +33,7 @@ __all__ = [
     "Manifest",
     "ManifestColumns",
     "read_columns",
+    "parse_columns",
     "MANIFEST_NAMES",
     "JSON_MAX_ENTRIES",
     "find_manifest",
@@ -137,7 +138,7 @@ def _refuse_repeats(relpaths: list[str], where: Path) -> None:
 class ManifestColumns:
     """A manifest's shards as columns: what a loader needs, without an object per shard."""
 
-    relpaths: list[str]
+    relpaths: Sequence[str]  # a list, or the loader's packed strings (loaders.stagedcolumns)
     sizes: list[int]
     samples: list[int | None]
     meta: dict[str, str]
@@ -157,7 +158,7 @@ def read_columns(path: str | os.PathLike[str]) -> ManifestColumns:
     path = Path(path)
     if path.suffix != ".parquet":
         try:
-            fast = _fast_columns(json.loads(path.read_text()))
+            fast = parse_columns(path.read_text())
         except (OSError, ValueError):
             fast = None  # Manifest.read says what is wrong
         if fast is not None:
@@ -170,6 +171,16 @@ def read_columns(path: str | os.PathLike[str]) -> ManifestColumns:
         dict(manifest.meta),
         [e.hash for e in manifest.entries],
     )
+
+
+def parse_columns(text: str) -> ManifestColumns | None:
+    """:func:`read_columns` of a JSON manifest's text where every entry is plainly valid; None
+    where it is not (then :meth:`Manifest.read` of the file says what is wrong, or normalises
+    it)."""
+    try:
+        return _fast_columns(json.loads(text))
+    except ValueError:
+        return None
 
 
 def _fast_columns(payload: object) -> ManifestColumns | None:

@@ -60,6 +60,9 @@ def is_compressed(path: str | Path) -> bool:
 def any_compressed(paths: Iterable[str]) -> bool:
     """True when any of ``paths`` is compressed; a C-level pass with no Python frame per
     name (100k names in ~4 ms, against ~10 ms through a generator)."""
+    packed = getattr(paths, "any_endswith", None)
+    if callable(packed):  # the loader's packed paths: looked for in their buffer, no str each
+        return bool(packed(COMPRESSED_SUFFIXES))
     return any(map(str.endswith, paths, repeat(COMPRESSED_SUFFIXES)))
 
 

@@ -39,6 +39,7 @@ from stager.layout import CORRUPT_META, StagedDataset, is_shard_name
 from stager.shards import indexfile, tarindex
 from stager.shards.indexkey import StatsAhead
 from stager.shards.manifest import Manifest, ManifestEntry
+from stager.shards.manifestcolumns import COLUMNS_FROM, file_key, save_columns
 from stager.shards.tarindex import TarIndex
 from stager.shards.tarnative import WalkResult
 from stager.shards.tarparse import TarSampleCounter
@@ -110,12 +111,17 @@ def finish(run: Staging) -> None:
         # Rewritten when a shard was published in this run although the entries are the same
         # (a copy made again): its mtime is what later runs compare staged files' ctimes with
         # (stager.stagein.recorded). A read-only scratch may hold an unchanged one.
+        written = False
         if report.files_copied or not _unchanged(run.staged.manifest_path, manifest):
             run.staged.meta_dir.mkdir(exist_ok=True)
             manifest.write(run.staged.manifest_path)
+            written = True
         elif run.rewrite_manifest:  # the same entries, only a newer record: best effort
             with contextlib.suppress(OSError):
                 manifest.write(run.staged.manifest_path)
+                written = True
+        if written:
+            _keep_columns(run, manifest)
         assert run.journal is not None
         run.journal.remove()  # every entry it held is in the manifest now
     except OSError as exc:
@@ -136,6 +142,23 @@ def finish(run: Staging) -> None:
             raise error(f"[{report.node}] {first.reason}")
     if failures:
         raise shard_failures(failures)
+
+
+def _keep_columns(run: Staging, manifest: Manifest) -> None:
+    """The columns file of the manifest just written, so that no rank parses its JSON
+    (:mod:`stager.shards.manifestcolumns`); best effort, for datasets of many shards."""
+    entries = manifest.entries
+    if len(entries) < COLUMNS_FROM:
+        return
+    with contextlib.suppress(OSError):  # (a loader parses the manifest, and writes it then)
+        save_columns(
+            file_key(run.staged.manifest_path),  # (this run's own, under the node's lock)
+            run.staged.index_dir,
+            [e.relpath for e in entries],
+            [e.size for e in entries],
+            [e.samples for e in entries],
+            dict(manifest.meta),
+        )
 
 
 def _corrupt_relpaths(run: Staging) -> list[str]:

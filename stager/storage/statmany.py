@@ -21,7 +21,14 @@ from typing import Any
 
 from stager.native import load_optional
 
-__all__ = ["StatRow", "available", "key_stats", "stat_many", "stat_many_python"]
+__all__ = [
+    "StatRow",
+    "available",
+    "key_stats",
+    "key_stats_joined",
+    "stat_many",
+    "stat_many_python",
+]
 
 #: ``(st_mode, st_size, st_ino, st_mtime_ns, st_ctime_ns, st_nlink)`` of one successful stat.
 StatRow = tuple[int, int, int, int, int, int]
@@ -53,6 +60,14 @@ def key_stats(paths: list[str]) -> bytes | None:
     failed or a time does not fit in 64 bits: then the caller stats the Python way."""
     compiled = getattr(_module, "key_stats", None)
     return None if compiled is None else compiled(paths)
+
+
+def key_stats_joined(prefix: bytes, joined: bytes, count: int) -> bytes | None:
+    """:func:`key_stats` of ``prefix + name`` for the ``count`` names of ``joined`` (encoded as
+    the filesystem encodes them, separated by one NUL, none after the last), without a Python
+    object per name; None where :func:`key_stats` gives None, or the helper lacks this call."""
+    compiled = getattr(_module, "key_stats_joined", None)
+    return None if compiled is None else compiled(prefix, joined, count)
 
 
 def stat_many_python(

@@ -1,0 +1,178 @@
+"""The staged manifest's columns file: a rank's start reads it instead of parsing the JSON, and
+it never gives other columns than the manifest it stands beside (stager.shards.manifestcolumns,
+loaders.stagedcolumns)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import stager.stagein.finish
+from stager.layout import StagedDataset
+from stager.shards import manifestcolumns
+from stager.shards.manifest import Manifest, ManifestEntry, read_columns
+from stager.shards.manifestcolumns import bytes_key, columns_path, load_columns, save_columns
+from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
+from stager_loaders import LoaderOptions, ShardedLoader, stagedcolumns
+from stager_loaders.packedstrings import PackedStrings
+from stager_loaders.stagedcolumns import staged_columns
+
+from .inproc import clean_process_env, run_main
+
+FAST = ["--jitter-max", "0", "--quiet"]
+
+# canonical relative paths: parts of any characters but "/", "\\" and NUL, none "." or "..",
+# lone surrogates (a name's undecodable bytes) and other scripts included
+_PART = st.text(
+    alphabet=st.characters(codec=None, exclude_characters="/\\\0"), min_size=1, max_size=6
+).filter(lambda p: p not in (".", "..") and not p.startswith(".."))
+_RELPATH = (
+    st.lists(_PART, min_size=1, max_size=3)
+    .map("/".join)
+    .filter(lambda p: not p.endswith(".partial") and not (len(p) > 1 and p[1] == ":"))
+)
+_ROWS = st.lists(
+    st.tuples(_RELPATH, st.integers(0, 2**62), st.none() | st.integers(0, 2**40)),
+    max_size=20,
+    unique_by=lambda row: row[0],
+)
+_META = st.dictionaries(st.text(max_size=5), st.text(max_size=8), max_size=3)
+
+
+def _write(staged: StagedDataset, rows: list[tuple[str, int, int | None]], meta: dict) -> None:
+    entries = tuple(ManifestEntry(rel, size, None, samples) for rel, size, samples in rows)
+    staged.meta_dir.mkdir(parents=True, exist_ok=True)
+    Manifest(entries, meta).write(staged.manifest_path)
+
+
+def _as_lists(columns) -> tuple[list[str], list[int], list[int | None], dict[str, str]]:
+    return list(columns.relpaths), list(columns.sizes), list(columns.samples), dict(columns.meta)
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(rows=_ROWS, meta=_META, later=_ROWS)
+def test_the_columns_file_reads_back_its_manifest_and_no_other(
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    rows: list[tuple[str, int, int | None]],
+    meta: dict[str, str],
+    later: list[tuple[str, int, int | None]],
+) -> None:
+    """Written by a loader that parsed the manifest (any dataset size here), it gives the very
+    columns the JSON gives, paths of any script and undecodable names included; once the
+    manifest is replaced by another, the new one is parsed, never the old columns read."""
+    monkeypatch.setattr(stagedcolumns, "COLUMNS_FROM", 0)
+    staged = StagedDataset(tmp_path_factory.mktemp("scratch"), "ds")
+    _write(staged, rows, meta)
+    want = _as_lists(read_columns(staged.manifest_path))
+    assert _as_lists(staged_columns(staged)) == want  # parsed, and its columns file written
+    assert columns_path(staged.index_dir).is_file()
+    mapped = load_columns(staged.manifest_path, staged.index_dir)
+    assert mapped is not None
+    columns = staged_columns(staged)  # from the columns file
+    assert isinstance(columns.relpaths, PackedStrings)
+    assert _as_lists(columns) == want
+    _write(staged, later, {**meta, "source": "elsewhere"})
+    assert load_columns(staged.manifest_path, staged.index_dir) is None
+    assert _as_lists(staged_columns(staged)) == _as_lists(read_columns(staged.manifest_path))
+
+
+def test_columns_keyed_by_bytes_it_was_not_made_from_are_never_read(tmp_path: Path) -> None:
+    """The key is of the bytes parsed, not of the file as it is when the columns are written:
+    a loader that parsed a manifest a stage-in then replaced writes columns no start reads."""
+    staged = StagedDataset(tmp_path, "ds")
+    _write(staged, [("a.tar", 1, 1)], {})
+    old_key = bytes_key(staged.manifest_path.read_bytes())
+    _write(staged, [("b.tar", 2, 2)], {})  # replaced meanwhile
+    save_columns(old_key, staged.index_dir, ["a.tar"], [1], [1], {})
+    assert load_columns(staged.manifest_path, staged.index_dir) is None
+    assert list(staged_columns(staged).relpaths) == ["b.tar"]
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["cut", "garbage", "climbs out", "absolute", "count", "unknown version", "meta of ints"],
+)
+def test_a_damaged_columns_file_is_passed_by(tmp_path: Path, damage: str) -> None:
+    """A columns file cut short, not ours, or whose paths climb out of the copy is not read: the
+    manifest is parsed instead (and no path outside the copy is ever named)."""
+    staged = StagedDataset(tmp_path, "ds")
+    rows = [("d/a.tar", 10, 1), ("d/b.tar", 20, 2)]
+    _write(staged, rows, {"source": "/nfs/ds"})
+    key = bytes_key(staged.manifest_path.read_bytes())
+    relpaths, sizes, samples = ["d/a.tar", "d/b.tar"], [10, 20], [1, 2]
+    meta: dict = {"source": "/nfs/ds"}
+    if damage == "climbs out":
+        relpaths = ["../a.tar", "d/b.tar"]
+    elif damage == "absolute":
+        relpaths = ["/etc/passw", "d/b.tar"]  # (as long as d/a.tar, but one byte)
+    elif damage == "count":
+        samples = [1]
+    elif damage == "meta of ints":
+        meta = {"source": 3}
+    save_columns(key, staged.index_dir, relpaths, sizes, samples, meta)
+    path = columns_path(staged.index_dir)
+    if damage == "cut":
+        path.write_bytes(path.read_bytes()[:-20])
+    elif damage == "garbage":
+        path.write_bytes(os.urandom(300))
+    elif damage == "unknown version":
+        monkeypatched = path.read_bytes().replace(b'"version": 1', b'"version": 9')
+        path.write_bytes(monkeypatched)
+    assert load_columns(staged.manifest_path, staged.index_dir) is None
+    assert _as_lists(staged_columns(staged)) == _as_lists(read_columns(staged.manifest_path))
+
+
+def test_stage_in_writes_the_columns_and_the_loader_reads_them_not_the_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A stage-in of at least COLUMNS_FROM shards (lowered here) leaves the columns file; a
+    loader then starts without parsing the manifest and reads every sample it would have."""
+    clean_process_env(monkeypatch)
+    src = tmp_path / "src" / "ds"
+    write_synthetic_dataset(src, SyntheticSpec(num_shards=5, samples_per_shard=3, seed=4))
+    dest = tmp_path / "scratch"
+    monkeypatch.setattr(stager.stagein.finish, "COLUMNS_FROM", 3)
+    result = run_main(capsys, "stage-in", str(src), "--dest", str(dest), *FAST)
+    assert result.returncode == 0, result.stderr
+    staged = StagedDataset(dest, "ds")
+    assert load_columns(staged.manifest_path, staged.index_dir) is not None
+
+    def no_parse(text: str) -> None:
+        raise AssertionError("the manifest was parsed although its columns file is current")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(stagedcolumns, "parse_columns", no_parse)
+        patched.setattr(stagedcolumns, "read_columns", no_parse)
+        loader = ShardedLoader(
+            str(src), batch_size=2, options=LoaderOptions(dest=str(dest), world_size=1)
+        )
+        keys = sorted(k for batch in loader for k in batch["__key__"])
+    assert loader.shards.from_source == 0
+    assert len(keys) == 15 == len(set(keys))
+    reference = ShardedLoader(
+        str(src), batch_size=2, options=LoaderOptions(dest=str(tmp_path / "none"), world_size=1)
+    )
+    assert keys == sorted(k for batch in reference for k in batch["__key__"])
+    # a manifest rewritten by hand (one shard's count changed): the columns are not used
+    manifest = json.loads(staged.manifest_path.read_text())
+    manifest["shards"][0]["samples"] = 99
+    staged.manifest_path.write_text(json.dumps(manifest))
+    assert load_columns(staged.manifest_path, staged.index_dir) is None
+    assert staged_columns(staged).samples[0] == 99
+
+
+def test_small_datasets_get_no_columns_file(tmp_path: Path) -> None:
+    """Below COLUMNS_FROM shards the JSON parses in milliseconds: no file is written."""
+    staged = StagedDataset(tmp_path, "ds")
+    _write(staged, [(f"s{i}.tar", i, i) for i in range(5)], {})
+    staged_columns(staged)
+    assert manifestcolumns.COLUMNS_FROM > 5
+    assert not columns_path(staged.index_dir).exists()
