@@ -8,6 +8,7 @@ into child processes through PYTHONPATH), which logs every read's byte count.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -22,7 +23,7 @@ from stager.cache.keys import dataset_key, shard_key
 from stager.cache.locks import FileLock, lock_is_held
 from stager.cache.paths import CacheLayout
 from stager.cache.store import ShardCache
-from stager.errors import EXIT_INTEGRITY, EXIT_USAGE, UnsafePath, UsageError
+from stager.errors import EXIT_FULL, EXIT_INTEGRITY, EXIT_USAGE, UnsafePath, UsageError
 from stager.node.jobs import JobStates
 from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 
@@ -342,6 +343,51 @@ def test_eviction_keeps_the_datasets_in_use(capsys, tmp_path: Path, counted: Pat
     assert _read_bytes(counted) == 0 and again["files_from_cache"] == 3
     for name, job in (("a", "j1"), ("b", "j2"), ("c", "j3"), ("a", "j4")):
         _assert_identical(ds[name], tmp_path / job / name)  # an eviction touches no scratch
+
+
+def test_idle_cached_datasets_make_room_on_a_filesystem_shared_with_scratch(
+    capsys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Scratch and the cache on one filesystem (docs/cache.md's layout), far under the cap: a
+    dataset that does not fit beside the cached ones used to fail the job (exit 6, scratch
+    full) with idle, evictable data on the disk. The least recently used idle datasets are
+    evicted instead, said in one warning each, until the run's shards fit; a dataset a job
+    still uses is not, and then the run fails as before."""
+    clean_process_env(monkeypatch)
+    spec = SyntheticSpec(num_shards=4, samples_per_shard=4, image_bytes=250_000)
+    ds = {name: tmp_path / "nfs" / name for name in ("a", "b", "c")}
+    for seed, path in enumerate(ds.values()):
+        write_synthetic_dataset(path, dataclasses.replace(spec, seed=seed))
+    size = _total(ds["a"])  # ~4 MB each: two fit, not three
+    with mount_tmpfs(tmp_path / "disk", f"{(2 * size + size // 2) // 1024}k") as disk:
+        cache = disk / "cache"
+        for name in ("a", "b"):
+            _stage(capsys, ds[name], disk / f"job-{name}", cache, "--cache-limit", "1G")
+            shutil.rmtree(disk / f"job-{name}")  # the job ended and cleaned its scratch
+            time.sleep(0.01)
+        # b is in use (a stage-in holds it): only a may go, and that is enough
+        with FileLock(
+            CacheLayout(cache).dataset_lock(dataset_key(f"file://{ds['b']}")), shared=True
+        ):
+            report = _stage(capsys, ds["c"], disk / "job-c", cache, "--cache-limit", "1G")
+        said = [line for line in report["stderr"].splitlines() if "evicted" in line]
+        assert len(said) == 1 and "short of space: evicted 'a'" in said[0], report["stderr"]
+        _assert_identical(ds["c"], disk / "job-c" / "c")
+        names = sorted(
+            json.loads(p.read_text())["name"] for p in (cache / "datasets").glob("*.json")
+        )
+        assert names == ["b", "c"]
+        # nothing idle is left to evict (b and c in use): the run fails as it did, exit 6
+        layout = CacheLayout(cache)
+        with contextlib.ExitStack() as held:
+            for name in ("b", "c"):
+                key = dataset_key(f"file://{ds[name]}")
+                held.enter_context(FileLock(layout.dataset_lock(key), shared=True))
+            argv = ["--dest", str(disk / "job-a2"), "--cache", str(cache), "--quiet"]
+            result = run_main(capsys, "stage-in", str(ds["a"]), *argv, "--jitter-max", "0")
+        assert result.returncode == EXIT_FULL, result.stderr
+        assert "evicted" not in result.stderr
+        assert not list(disk.rglob("*.partial"))
 
 
 def test_a_running_jobs_dataset_is_kept_and_an_ended_ones_evicted(tmp_path: Path) -> None:

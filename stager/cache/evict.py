@@ -6,6 +6,10 @@ recently used first, never one in use (a stage-in holds its lock, or a job that 
 still running) and never the one being staged; an object goes only when no remaining dataset
 names it. When that is not enough, the run being staged caches fewer of its shards (those it
 has not cached yet) and copies the rest straight to scratch: the limit is a cap, not a wish.
+
+Where the cache shares its filesystem with scratch (the layout that links shards into scratch),
+the free space bounds it too (:func:`space_cap`): idle cached datasets make way for the shards
+a run must write, where they used to fill the disk and fail the job (exit 6) under the cap.
 """
 
 from __future__ import annotations
@@ -14,7 +18,14 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["DatasetUsage", "EvictionPlan", "cache_bytes", "plan_eviction", "shards_over_limit"]
+__all__ = [
+    "DatasetUsage",
+    "EvictionPlan",
+    "cache_bytes",
+    "plan_eviction",
+    "shards_over_limit",
+    "space_cap",
+]
 
 
 @dataclass(frozen=True)
@@ -96,3 +107,22 @@ def shards_over_limit(
         out.add(key)
         total_bytes -= size
     return out
+
+
+#: Room kept free beside a run's shards on a filesystem the cache shares with scratch, for its
+#: manifest, loader index and directories: this, plus a 64th of the shards' bytes (those files
+#: take ~300 bytes a shard, 1.5% of a 20 KB shard).
+SPACE_HEADROOM = 1 << 20
+_BLOCK = 4096
+
+
+def space_cap(total_bytes: int, missing: Sequence[tuple[str, int]], free_bytes: int) -> int:
+    """The most the cache may hold (counted as ``total_bytes`` is) once the run's ``missing``
+    shards (counted in it, not on disk yet) are written to a filesystem with ``free_bytes``
+    free: what is there now, plus the free space, less what the shards take in whole blocks
+    and a headroom (:data:`SPACE_HEADROOM`)."""
+    counted = sum(size for _key, size in missing)
+    in_blocks = sum(-(-size // _BLOCK) * _BLOCK for _key, size in missing)
+    on_disk_now = total_bytes - counted
+    headroom = SPACE_HEADROOM + in_blocks // 64
+    return max(0, on_disk_now + free_bytes - headroom - (in_blocks - counted))

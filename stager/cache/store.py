@@ -28,8 +28,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from stager.cache.evict import DatasetUsage, cache_bytes, plan_eviction, shards_over_limit
+from stager.cache.evict import (
+    DatasetUsage,
+    cache_bytes,
+    plan_eviction,
+    shards_over_limit,
+    space_cap,
+)
 from stager.cache.locks import FileLock, lock_is_held
+from stager.cache.mirror import mirror_files
 from stager.cache.paths import RECORD_SUFFIX, CacheLayout, default_limit_bytes, remove_any
 from stager.cache.place import place_file
 from stager.cache.records import DatasetRecord, ObjectRecord
@@ -51,6 +58,7 @@ class Registration:
     evicted: tuple[DatasetRecord, ...]
     total_bytes: int
     limit_bytes: int
+    for_space: bool = False  # evicted for the free space of a filesystem shared with scratch
 
 
 class ShardCache:
@@ -230,6 +238,7 @@ class ShardCache:
         shards: Mapping[str, tuple[str, int]],
         missing: Sequence[tuple[str, int]],
         job_id: str | None,
+        free_bytes: int | None = None,
     ) -> Registration:
         """Name a run's shards in its dataset's record and make room for the missing ones.
 
@@ -237,7 +246,9 @@ class ShardCache:
         cache or put in it; ``missing``: (key, size) of those not cached yet, in the run's
         order. Over the cap, least recently used datasets not in use are evicted; if that is
         not enough, the returned ``bypassed`` keys are left out of the cache (see
-        :func:`stager.cache.evict.shards_over_limit`). Call with the dataset's lock held.
+        :func:`stager.cache.evict.shards_over_limit`). ``free_bytes``: the free space of a
+        filesystem the cache shares with scratch, which bounds it too (evicting, never
+        bypassing: a bypassed shard takes the same space). Call with the dataset's lock held.
         """
         now = time.time()
         with self.cache_lock():
@@ -253,21 +264,24 @@ class ShardCache:
             own.known = {k: v for k, v in own.known.items() if k in named_now}
             records[dkey] = own
             total = cache_bytes(_usage(r) for r in records.values())
+            cap = self.limit_bytes
+            if free_bytes is not None:
+                cap = min(cap, space_cap(total, missing, free_bytes))
             states: JobStates | None = None
             evicted: list[DatasetRecord] = []
             bypassed: set[str] = set()
             freed: set[str] = set()
-            if total > self.limit_bytes or any(len(r.jobs) > _MAX_LEASES for r in records.values()):
+            if total > cap or any(len(r.jobs) > _MAX_LEASES for r in records.values()):
                 states = self._job_states()
-            if total > self.limit_bytes and self._forget_phantoms(records, dkey):
+            if total > cap and self._forget_phantoms(records, dkey):
                 total = cache_bytes(_usage(r) for r in records.values())
-            if total > self.limit_bytes:
+            if total > cap:
                 assert states is not None
                 usages = [
                     _usage(r, in_use=key != dkey and self.in_use(r, states))
                     for key, r in records.items()
                 ]
-                plan = plan_eviction(usages, self.limit_bytes, keep=dkey)
+                plan = plan_eviction(usages, cap, keep=dkey)
                 evicted = [records.pop(key) for key in plan.evict]
                 freed.update(plan.freed_objects)
                 total = plan.total_bytes
@@ -295,7 +309,8 @@ class ShardCache:
                     self.drop(key)
             for record in evicted:
                 self.forget_dataset(record.key)
-        return Registration(frozenset(bypassed), tuple(evicted), total, self.limit_bytes)
+        short = bool(evicted) and cap < self.limit_bytes
+        return Registration(frozenset(bypassed), tuple(evicted), total, self.limit_bytes, short)
 
     def _forget_phantoms(self, records: Mapping[str, DatasetRecord], own: str) -> bool:
         """Before evicting: drop from records no stage-in holds the shards whose objects are
@@ -328,11 +343,11 @@ class ShardCache:
         Best effort: the index is only a speed-up, and each of its files says which shard
         files (names, sizes, mtimes) it was built from, so a stale one is rebuilt, never used.
         """
-        _mirror(index_dir, self.layout.index_dir(dkey), replace=True)
+        mirror_files(index_dir, self.layout.index_dir(dkey), replace=True)
 
     def restore_index(self, dkey: str, index_dir: Path) -> None:
         """Put the kept index beside a staged copy made from the cache (files it lacks only)."""
-        _mirror(self.layout.index_dir(dkey), index_dir, replace=False)
+        mirror_files(self.layout.index_dir(dkey), index_dir, replace=False)
 
     def keep_reason(
         self, record: DatasetRecord, states: JobStates, *, unknown_ok: bool = False
@@ -358,39 +373,3 @@ class ShardCache:
 
 def _usage(record: DatasetRecord, *, in_use: bool = False) -> DatasetUsage:
     return DatasetUsage(record.key, record.last_used, record.objects, in_use)
-
-
-def _mirror(src_dir: Path, dst_dir: Path, *, replace: bool) -> None:
-    """Hard-link (else copy) every file under ``src_dir`` to the same place under ``dst_dir``."""
-    try:
-        files = [p for p in src_dir.rglob("*") if p.is_file() and PARTIAL_SUFFIX not in p.name]
-    except OSError:
-        return
-    for path in files:
-        target = dst_dir / path.relative_to(src_dir)
-        if not replace and target.exists():
-            continue
-        tmp = target.with_name(f"{target.name}.{os.getpid()}{PARTIAL_SUFFIX}")
-        try:
-            if _same_file(path, target):
-                continue  # (a copy made from the cache links its index: the cache's own file)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            discard(tmp)
-            try:
-                os.link(path, tmp)
-            except OSError:
-                shutil.copyfile(path, tmp)
-            os.replace(tmp, target)
-        except OSError:
-            pass  # best effort (keep_index)
-        finally:
-            # rename() of one link of a file over another of the same file does nothing and
-            # leaves both names (another job linked the same file there meanwhile)
-            discard(tmp)
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return False

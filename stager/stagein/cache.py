@@ -15,8 +15,7 @@ bytes scratch still needs; then the copier asks :meth:`StageCache.claim` for eac
   to scratch as without a cache.
 
 Every way ends with the shard's final name in scratch holding verified bytes of the source's
-current version; the staged manifest and the loader index are written by
-:mod:`stager.stagein.finish` as for any run.
+current version; :mod:`stager.stagein.finish` writes the manifest and index as for any run.
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ from stager.cache.records import ObjectRecord
 from stager.cache.store import ShardCache
 from stager.errors import DestinationError, HashMismatch, ScratchFull, one_line
 from stager.layout import StagedDataset
+from stager.stagein import cachespace
 from stager.stagein.cachespace import cache_refusal, free_bytes_or_0, same_fs, unfit
 from stager.stagein.options import StageInOptions
 from stager.stagein.plan import CopyItem, LocalPlan
@@ -240,16 +240,14 @@ class StageCache:
                 shards=shards,
                 missing=missing,
                 job_id=self.job_id,
+                free_bytes=free_bytes_or_0(self.store.layout.root) if self.same_fs else None,
             )
         except OSError as exc:  # a full or read-only cache disk: stage as without a cache
             self._warn(_unusable(self.store.layout.root, exc))
             self.keys, self.present = {}, {}
             return plan.bytes_to_copy
         for evicted in registration.evicted:
-            self._warn(
-                f"cache over its limit: evicted {evicted.name or evicted.spec!r} "
-                f"({human_bytes(evicted.total_bytes)}, unused by any running job)"
-            )
+            self._warn(cachespace.evicted_message(evicted, for_space=registration.for_space))
         if registration.bypassed:
             self._warn(
                 f"cache at its limit ({human_bytes(registration.limit_bytes)}) with datasets in "

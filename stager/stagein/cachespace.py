@@ -1,4 +1,5 @@
-"""What a run with the node cache asks of the two filesystems: room for fills, and whose error.
+"""What a run with the node cache asks of the two filesystems: room for fills, whose error, and
+what an eviction for either is said as.
 
 Apart from :mod:`stager.stagein.cache` (one run's use of the cache) because these are plain
 functions of paths and sizes, tested on their own.
@@ -11,9 +12,11 @@ import errno
 import os
 from pathlib import Path
 
+from stager.cache.records import DatasetRecord
 from stager.stagein.guards import free_bytes
+from stager.units import human_bytes
 
-__all__ = ["cache_refusal", "free_bytes_or_0", "same_fs", "unfit"]
+__all__ = ["cache_refusal", "evicted_message", "free_bytes_or_0", "same_fs", "unfit"]
 
 
 def same_fs(a: Path, b: Path) -> bool:
@@ -57,3 +60,13 @@ def cache_refusal(exc: BaseException, root: Path) -> str | None:
 
 #: Errors of a path that a retry would not fix.
 _REFUSALS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR})
+
+
+def evicted_message(record: DatasetRecord, *, for_space: bool) -> str:
+    """The warning that registering evicted ``record``: for the cap, or (``for_space``) for
+    the free space of the filesystem the cache shares with scratch."""
+    why = "scratch's filesystem short of space" if for_space else "cache over its limit"
+    return (
+        f"{why}: evicted {record.name or record.spec!r} ({human_bytes(record.total_bytes)}, "
+        "unused by any running job)"
+    )
