@@ -26,9 +26,9 @@ from torch.utils.data import Dataset, get_worker_info
 
 from stager.errors import IntegrityError
 from stager.shards.loader_index import FlatIndex
+from stager.shards.packedstrings import PackedStrings
 from stager.shards.tarheader import name_text
 
-from .packedstrings import PackedStrings
 from .samples import SamplePipeline, select_columns
 from .shardio import open_shards
 

@@ -38,11 +38,11 @@ from stager.layout import (
     source_root,
 )
 from stager.shards.manifest import ManifestColumns
+from stager.shards.manifestcolumns import cached_columns
+from stager.shards.packedstrings import PackedStrings
 
-from .packedstrings import PackedStrings
 from .selection import is_whole_directory
 from .spelling import is_local_spec
-from .stagedcolumns import staged_columns
 
 if TYPE_CHECKING:
     from .resolve import DatasetShards
@@ -133,7 +133,7 @@ def copy_above(root: Path, spec: str | list[str], on_error: str) -> DatasetShard
 
     for staged, directory in enclosing_copies(root, spec):
         try:
-            columns = staged_columns(staged)
+            columns = cached_columns(staged.manifest_path, staged.index_dir)
         except StagerError:  # (unreadable: the source is read, as without a copy)
             continue
         if staged_whole_from(columns.meta, directory):
@@ -180,7 +180,7 @@ def part_of_a_copy(spec: str | list[str], on_error: str) -> DatasetShards | None
             f"{spec} is a part of {staged.dir}, whose stage-in has not finished (no manifest): "
             "rerun stage-in to finish the copy"
         )
-    columns = staged_columns(staged)
+    columns = cached_columns(staged.manifest_path, staged.index_dir)
     recorded = columns.meta.get("source", "")
     if not recorded or not staged_whole_from(columns.meta, canonical_root(recorded)):
         return None  # (a copy of a glob or a list: its directory is read as it is, as before)

@@ -29,6 +29,8 @@ from stager.layout import StagedDataset, dataset_name, is_remote_url
 from stager.shards.digests import DigestColumn
 from stager.shards.indexkey import changed_ns
 from stager.shards.manifest import ManifestColumns
+from stager.shards.manifestcolumns import cached_columns
+from stager.shards.packedstrings import PackedStrings
 from stager.shards.tarindex import any_compressed
 from stager.stagein.status import PlanFacts
 from stager.storage.dest import resolve_dest_root
@@ -37,11 +39,9 @@ from stager.storage.statmany import key_stats, key_stats_joined
 
 from .enclosing import copy_above, part_of_a_copy
 from .failed import recorded_corrupt, recorded_failures
-from .packedstrings import PackedStrings
 from .selection import staged_selection, url_prefix
 from .sourcecounts import source_samples
 from .spelling import check_same_root, is_local_spec, real_spelling, spelled_from
-from .stagedcolumns import staged_columns
 
 __all__ = ["ShardRef", "DatasetShards", "resolve_dataset"]
 
@@ -78,7 +78,7 @@ class DatasetShards:
     every forked worker's PSS. :attr:`shards` builds the objects on demand, for tools and tests.
     """
 
-    relpaths: Sequence[str]  # a PackedStrings: see loaders.packedstrings for why
+    relpaths: Sequence[str]  # a PackedStrings: see stager.shards.packedstrings for why
     locations: Sequence[str]  # a local path, or a URL for a shard read from a remote source
     local: np.ndarray  # bool per shard: a plain local file (random access possible)
     from_source_flags: np.ndarray  # bool per shard: read from the source, not a staged copy
@@ -228,7 +228,8 @@ def _from_staged(
     """``spec``'s shards in the staged copy ``dataset_dir``, read from the source where missing.
     ``enclosing``: its manifest, read by :mod:`loaders.enclosing` (a copy of a directory above
     ``spec``'s root, not of its root)."""
-    columns = enclosing or staged_columns(StagedDataset.of(dataset_dir))
+    staged = StagedDataset.of(dataset_dir)
+    columns = enclosing or cached_columns(staged.manifest_path, staged.index_dir)
     if enclosing is None:
         check_same_root(columns.meta, spec, dataset_dir)
     subset = columns.meta.get("subset", "all")

@@ -37,8 +37,7 @@ from typing import Any
 import numpy as np
 
 from stager.errors import IntegrityError
-
-from .packedstrings import PackedStrings
+from stager.shards.packedstrings import PackedStrings
 
 __all__ = ["MappedShards", "PreadShards", "MAX_OPEN", "COALESCE_GAP", "open_limit", "open_shards"]
 

@@ -30,6 +30,7 @@ from stager.plan.ranks import PlanOptions, WorldLayout
 from stager.plan.staging import StagingSpec
 from stager.shards.digests import DigestColumn
 from stager.shards.loader_index import build_flat_index
+from stager.shards.packedstrings import PackedStrings
 from stager.shards.tarindex import any_compressed
 from stager.slurm import SlurmEnv
 from stager.stagein.status import (
@@ -43,7 +44,6 @@ from stager.stagein.status import (
 )
 
 from .options import LoaderOptions
-from .packedstrings import PackedStrings
 from .readers import StagedReader, _Collate
 from .resolve import DatasetShards, _from_staged
 from .sampler import RankBatchSampler
@@ -163,7 +163,9 @@ def resolve_staging(
     assert columns.hashes is not None  # (read_columns keeps them)
     # kept compact for the workers' own fetches (stager.shards.digests), and the strings freed
     # before the paths are packed: at 1e6 shards ~55 MB less at the rank's peak
-    hashes = DigestColumn(columns.hashes)
+    hashes = columns.hashes
+    if not isinstance(hashes, DigestColumn):  # (read_plan gives one; kept for any caller)
+        hashes = DigestColumn(hashes)
     columns = dataclasses.replace(columns, hashes=None)
     return DatasetShards(
         PackedStrings(columns.relpaths),

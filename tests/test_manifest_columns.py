@@ -1,6 +1,6 @@
-"""The staged manifest's columns file: a rank's start reads it instead of parsing the JSON, and
-it never gives other columns than the manifest it stands beside (stager.shards.manifestcolumns,
-loaders.stagedcolumns)."""
+"""The columns file of a staged manifest or a background plan: a rank's start (and every read
+of a plan) maps it instead of parsing the JSON, and it never gives other columns than the
+manifest it stands beside (stager.shards.manifestcolumns)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,10 @@ import stager.stagein.finish
 from stager.layout import StagedDataset
 from stager.shards import manifestcolumns
 from stager.shards.manifest import Manifest, ManifestEntry, read_columns
-from stager.shards.manifestcolumns import bytes_key, columns_path, load_columns, save_columns
+from stager.shards.manifestcolumns import bytes_key, cached_columns, columns_path, save_columns
+from stager.shards.packedstrings import PackedStrings
 from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
-from stager_loaders import LoaderOptions, ShardedLoader, stagedcolumns
-from stager_loaders.packedstrings import PackedStrings
-from stager_loaders.stagedcolumns import staged_columns
+from stager_loaders import LoaderOptions, ShardedLoader
 
 from .inproc import clean_process_env, run_main
 
@@ -50,6 +49,14 @@ def _write(staged: StagedDataset, rows: list[tuple[str, int, int | None]], meta:
     Manifest(entries, meta).write(staged.manifest_path)
 
 
+def staged_columns(staged: StagedDataset):
+    return cached_columns(staged.manifest_path, staged.index_dir)
+
+
+def load_columns(manifest_path: Path, index_dir: Path):
+    return manifestcolumns.load_columns(manifest_path, columns_path(index_dir))
+
+
 def _as_lists(columns) -> tuple[list[str], list[int], list[int | None], dict[str, str]]:
     return list(columns.relpaths), list(columns.sizes), list(columns.samples), dict(columns.meta)
 
@@ -68,7 +75,7 @@ def test_the_columns_file_reads_back_its_manifest_and_no_other(
     """Written by a loader that parsed the manifest (any dataset size here), it gives the very
     columns the JSON gives, paths of any script and undecodable names included; once the
     manifest is replaced by another, the new one is parsed, never the old columns read."""
-    monkeypatch.setattr(stagedcolumns, "COLUMNS_FROM", 0)
+    monkeypatch.setattr(manifestcolumns, "COLUMNS_FROM", 0)
     staged = StagedDataset(tmp_path_factory.mktemp("scratch"), "ds")
     _write(staged, rows, meta)
     want = _as_lists(read_columns(staged.manifest_path))
@@ -91,7 +98,7 @@ def test_columns_keyed_by_bytes_it_was_not_made_from_are_never_read(tmp_path: Pa
     _write(staged, [("a.tar", 1, 1)], {})
     old_key = bytes_key(staged.manifest_path.read_bytes())
     _write(staged, [("b.tar", 2, 2)], {})  # replaced meanwhile
-    save_columns(old_key, staged.index_dir, ["a.tar"], [1], [1], {})
+    save_columns(old_key, columns_path(staged.index_dir), ["a.tar"], [1], [1], {})
     assert load_columns(staged.manifest_path, staged.index_dir) is None
     assert list(staged_columns(staged).relpaths) == ["b.tar"]
 
@@ -117,7 +124,7 @@ def test_a_damaged_columns_file_is_passed_by(tmp_path: Path, damage: str) -> Non
         samples = [1]
     elif damage == "meta of ints":
         meta = {"source": 3}
-    save_columns(key, staged.index_dir, relpaths, sizes, samples, meta)
+    save_columns(key, columns_path(staged.index_dir), relpaths, sizes, samples, meta)
     path = columns_path(staged.index_dir)
     if damage == "cut":
         path.write_bytes(path.read_bytes()[:-20])
@@ -148,9 +155,16 @@ def test_stage_in_writes_the_columns_and_the_loader_reads_them_not_the_json(
     def no_parse(text: str) -> None:
         raise AssertionError("the manifest was parsed although its columns file is current")
 
+    read = manifestcolumns.read_columns
+
+    def no_read(path: Path):  # noqa: ANN202 - (read_columns of a missing plan says it is gone)
+        if Path(path).exists():
+            no_parse("")
+        return read(path)
+
     with monkeypatch.context() as patched:
-        patched.setattr(stagedcolumns, "parse_columns", no_parse)
-        patched.setattr(stagedcolumns, "read_columns", no_parse)
+        patched.setattr(manifestcolumns, "parse_columns", no_parse)
+        patched.setattr(manifestcolumns, "read_columns", no_read)
         loader = ShardedLoader(
             str(src), batch_size=2, options=LoaderOptions(dest=str(dest), world_size=1)
         )
@@ -176,3 +190,48 @@ def test_small_datasets_get_no_columns_file(tmp_path: Path) -> None:
     staged_columns(staged)
     assert manifestcolumns.COLUMNS_FROM > 5
     assert not columns_path(staged.index_dir).exists()
+
+
+def test_a_large_plans_columns_carry_its_hashes_and_every_read_maps_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stage-in --background plan of at least COLUMNS_FROM shards (lowered here) gets its
+    columns file, digests included: read_plan (the loader's, and --wait-first's polls) maps it
+    without parsing the plan, and a worker's fetch still checks the plan's hash. A plan
+    replaced by hand is parsed, never read from the older columns."""
+    import stager.stagein.status as status
+    from stager.errors import HashMismatch
+
+    from .test_loader_background_fetch import _plan_without_copier, _worker_gate
+
+    monkeypatch.setattr(status, "COLUMNS_FROM", 2)
+    src, staged = _plan_without_copier(tmp_path)
+    plan = Manifest.read(staged.staging_path)
+    assert columns_path(staged.index_dir, manifestcolumns.PLAN_COLUMNS_NAME).is_file()
+
+    def no_parse(text: str) -> None:
+        raise AssertionError("the plan was parsed although its columns file is current")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(manifestcolumns, "parse_columns", no_parse)
+        loaded = status.read_plan(staged)
+        assert loaded is not None
+        columns, facts = loaded
+        assert list(columns.relpaths) == [e.relpath for e in plan.entries]
+        assert list(columns.sizes) == [e.size for e in plan.entries]
+        assert list(columns.samples) == [e.samples for e in plan.entries]
+        assert columns.hashes is not None
+        assert list(columns.hashes) == [e.hash for e in plan.entries]
+        assert facts.run_id == "r1"
+        gate = _worker_gate(staged)
+    relpath = gate.relpaths[1].decode()
+    with open(src / relpath, "r+b") as handle:  # changed since the plan, at the same size
+        handle.seek(2048)
+        handle.write(b"\xff" * 64)
+    with pytest.raises(HashMismatch):
+        gate.fetch(1)
+    # the plan rewritten by hand (another run id): parsed, its new facts read
+    text = staged.staging_path.read_text().replace('"run_id": "r1"', '"run_id": "r2"')
+    staged.staging_path.write_text(text)
+    loaded = status.read_plan(staged)
+    assert loaded is not None and loaded[1].run_id == "r2"

@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from stager_loaders.packedstrings import PackedStrings
+from stager.shards.packedstrings import PackedStrings
 
 # any text, NULs (the separator) and lone surrogates (undecodable names from the OS) included
 texts = st.text(alphabet=st.characters(codec=None, exclude_categories=()), max_size=12)

@@ -72,6 +72,35 @@ class DigestColumn:
             return None
         return f"{self._names[code]}:{self._raw[shard, : self._widths[code]].tobytes().hex()}"
 
+    def parts(self) -> tuple[tuple[str, ...], tuple[int, ...], np.ndarray, np.ndarray]:
+        """``(names, widths, codes, raw)``: what :meth:`from_parts` takes back (a columns file
+        stores them: :mod:`stager.shards.manifestcolumns`)."""
+        return self._names, self._widths, self._codes, self._raw
+
+    @classmethod
+    def from_parts(
+        cls,
+        names: Sequence[str],
+        widths: Sequence[int],
+        codes: np.ndarray,
+        raw: np.ndarray,
+    ) -> DigestColumn:
+        """The column :meth:`parts` gave; raises ``ValueError`` where they do not fit
+        together (a code past the names, a width past the rows, rows not one per code)."""
+        names, widths = tuple(names), tuple(int(w) for w in widths)
+        codes = np.asarray(codes, dtype=np.uint8).reshape(-1)
+        raw = np.asarray(raw, dtype=np.uint8)
+        count = len(codes)
+        if raw.ndim != 2 or len(raw) != count or len(names) != len(widths) or not names:
+            raise ValueError("digest parts of other shapes")
+        if names[0] != "" or widths[0] != 0 or max(widths) > raw.shape[1]:
+            raise ValueError("digest widths past their rows")
+        if count and int(codes.max()) >= len(names):
+            raise ValueError("a digest code past the names")
+        column = cls.__new__(cls)
+        column._names, column._widths, column._codes, column._raw = names, widths, codes, raw
+        return column
+
     @property
     def nbytes(self) -> int:
         """Bytes held by the column's arrays (what a worker pickles, besides a few names)."""

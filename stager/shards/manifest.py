@@ -22,11 +22,15 @@ import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from stager.errors import StagerError, UsageError
 from stager.shards.manifest_entry import FORMAT_VERSION, ManifestEntry, check_entry, json_text
 from stager.storage.hashing import CANONICAL_DIGEST, HEX_DIGITS
 from stager.storage.paths import all_canonical
+
+if TYPE_CHECKING:
+    from stager.shards.digests import DigestColumn  # (numpy: imported where one is made)
 
 __all__ = [
     "ManifestEntry",
@@ -143,8 +147,9 @@ class ManifestColumns:
     samples: list[int | None]
     meta: dict[str, str]
     #: each shard's canonical digest, as read (None where the columns were derived, as by a
-    #: selection): a reader that copies shards itself keeps them compact (shards.digests)
-    hashes: list[str | None] | None = None
+    #: selection): a reader that copies shards itself keeps them compact (shards.digests), as
+    #: a columns file gives them (shards.manifestcolumns)
+    hashes: list[str | None] | DigestColumn | None = None
 
 
 def read_columns(path: str | os.PathLike[str]) -> ManifestColumns:

@@ -39,7 +39,7 @@ from stager.layout import CORRUPT_META, StagedDataset, is_shard_name
 from stager.shards import indexfile, tarindex
 from stager.shards.indexkey import StatsAhead
 from stager.shards.manifest import Manifest, ManifestEntry
-from stager.shards.manifestcolumns import COLUMNS_FROM, file_key, save_columns
+from stager.shards.manifestcolumns import COLUMNS_FROM, columns_path, file_key, save_columns
 from stager.shards.tarindex import TarIndex
 from stager.shards.tarnative import WalkResult
 from stager.shards.tarparse import TarSampleCounter
@@ -153,7 +153,7 @@ def _keep_columns(run: Staging, manifest: Manifest) -> None:
     with contextlib.suppress(OSError):  # (a loader parses the manifest, and writes it then)
         save_columns(
             file_key(run.staged.manifest_path),  # (this run's own, under the node's lock)
-            run.staged.index_dir,
+            columns_path(run.staged.index_dir),
             [e.relpath for e in entries],
             [e.size for e in entries],
             [e.samples for e in entries],

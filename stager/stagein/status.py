@@ -22,6 +22,7 @@ The plan's shard order is :func:`stager.plan.staging.copy_order` of its ``copy_s
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -31,7 +32,15 @@ from dataclasses import asdict, dataclass, field
 
 from stager.errors import StagerError, UsageError
 from stager.layout import StagedDataset
-from stager.shards.manifest import Manifest, ManifestColumns, ManifestEntry, read_columns
+from stager.shards.manifest import Manifest, ManifestColumns, ManifestEntry
+from stager.shards.manifestcolumns import (
+    COLUMNS_FROM,
+    PLAN_COLUMNS_NAME,
+    cached_columns,
+    columns_path,
+    file_key,
+    save_columns,
+)
 from stager.slurm import SlurmEnv
 
 __all__ = [
@@ -108,16 +117,31 @@ class Outcome:
 
 
 def write_plan(staged: StagedDataset, entries: Sequence[ManifestEntry], facts: PlanFacts) -> None:
-    """Publish the plan atomically (see the module doc for what must happen first)."""
+    """Publish the plan atomically (see the module doc for what must happen first), and for a
+    large one its columns, which every reader maps instead of parsing it (best effort)."""
     staged.meta_dir.mkdir(exist_ok=True)
-    Manifest(tuple(entries), facts.meta()).write(staged.staging_path)
+    plan = Manifest(tuple(entries), facts.meta())
+    plan.write(staged.staging_path)
+    if len(entries) >= COLUMNS_FROM:
+        from stager.shards.digests import DigestColumn  # (numpy: a large plan's only)
+
+        with contextlib.suppress(OSError, ValueError):
+            save_columns(
+                file_key(staged.staging_path),  # (the copier's own, under the node's lock)
+                columns_path(staged.index_dir, PLAN_COLUMNS_NAME),
+                [e.relpath for e in entries],
+                [e.size for e in entries],
+                [e.samples for e in entries],
+                dict(plan.meta),
+                DigestColumn([e.hash for e in entries]),
+            )
 
 
 def read_plan(staged: StagedDataset) -> tuple[ManifestColumns, PlanFacts] | None:
     """The plan's shards as columns, and its facts; None when there is no plan."""
     path = staged.staging_path
     try:
-        columns = read_columns(path)
+        columns = cached_columns(path, staged.index_dir, PLAN_COLUMNS_NAME, digests=True)
     except UsageError as exc:
         # Not there when read: no plan now, even where one is there a moment later (a copier
         # discards an earlier run's plan, then writes its own: a waiter that read in between

@@ -136,7 +136,7 @@ def all_canonical(relpaths: Sequence[str]) -> bool:
 
 def nul_joined(strings: Sequence[str]) -> str:
     """``"\\0".join(strings)``, from one buffer where ``strings`` hold their items so (the
-    loader's :class:`~loaders.packedstrings.PackedStrings` has a ``nul_joined``): a key or a
+    loader's :class:`~stager.shards.packedstrings.PackedStrings` has a ``nul_joined``): a key or a
     fingerprint of a million paths then makes no str per path (~100 MB and ~0.1 s each)."""
     joined = getattr(strings, "nul_joined", None)
     return joined() if callable(joined) else "\0".join(map(str, strings))
