@@ -20,6 +20,8 @@ from stager.plan.ranks import WorldLayout
 from stager.plan.staging import StagingSpec
 from stager.stagein.status import PlanFacts
 
+from .collective import layout_group
+
 __all__ = ["EpochOrders", "agree_incomplete"]
 
 
@@ -28,16 +30,17 @@ def agree_incomplete(incomplete: bool, layout: WorldLayout) -> bool:
     if layout.world_size == 1:
         return incomplete
     import torch
-    import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
+    found = layout_group(layout)
+    if found is None:  # (none initialised, or one that is not this loader's world)
         raise UsageError(
             "this dataset is staged with stage-in --background, so ranks must agree on each "
-            "epoch's order while staging runs: initialise torch.distributed before iterating "
-            "the loader (or pass rank=0, world_size=1 for a loader of one process)"
+            "epoch's order while staging runs: initialise torch.distributed (a group of "
+            f"{layout.world_size} ranks, this one rank {layout.rank}) before iterating the "
+            "loader (or pass rank=0, world_size=1 for a loader of one process)"
         )
-    on_gpu = dist.get_backend() == "nccl"  # NCCL reduces only GPU tensors
-    value = torch.tensor([int(incomplete)], dtype=torch.int64, device="cuda" if on_gpu else "cpu")
+    dist, device = found
+    value = torch.tensor([int(incomplete)], dtype=torch.int64, device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return bool(value.item())
 

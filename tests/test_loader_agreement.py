@@ -169,3 +169,25 @@ def test_the_doctors_probe_on_one_rank_of_a_group_waits_for_no_other(tmp_path: P
     source = _gzipped(tmp_path / "a", 3, seed=3)
     ranks = _world({**_job(tmp_path, [source, source]), "probe": True})
     assert ranks[0]["error"] == "LookupError" and "probed" in ranks[0]["message"], ranks
+
+
+def test_staging_agreement_refuses_a_group_that_is_not_the_loaders_world(tmp_path: Path) -> None:
+    """Whether staging is incomplete anywhere is all-reduced over the loader's world: under a
+    group of another world (one rank here, the loader's of two) it raises, where it reduced
+    over that group and each rank kept its own answer (epochs of other orders, a DDP hang)."""
+    import pytest
+    import torch.distributed as dist
+
+    from stager.errors import UsageError
+    from stager.plan.ranks import WorldLayout
+    from stager_loaders.orders import agree_incomplete
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1
+    )
+    try:
+        assert agree_incomplete(True, WorldLayout(rank=0)) is True  # the group's own world
+        with pytest.raises(UsageError, match="a group of 2 ranks"):
+            agree_incomplete(False, WorldLayout(num_nodes=2, rank=0))
+    finally:
+        dist.destroy_process_group()
