@@ -182,9 +182,15 @@ def _staged_mtimes(locations: Sequence[str], sizes: list[int]) -> tuple[np.ndarr
         with ThreadPoolExecutor(len(runs), thread_name_prefix="stager-stat") as pool:
             parts = list(pool.map(lambda run: key_stats_joined(*run), runs))
         packed = None if None in parts else b"".join(parts)  # type: ignore[arg-type]
+    recorded = None
     if packed is not None:
+        try:
+            recorded = np.asarray(sizes, dtype=np.int64)
+        except OverflowError:  # a recorded size no file has: the Python way says not whole
+            recorded = None
+    if packed is not None and recorded is not None:
         rows = np.frombuffer(packed, dtype=np.int64).reshape(-1, 2)
-        whole = rows[:, 0] == np.asarray(sizes, dtype=np.int64)
+        whole = rows[:, 0] == recorded
         return np.where(whole, rows[:, 1], -1), np.flatnonzero(~whole).tolist()
     stat = os.stat
     mtimes: list[int] = []

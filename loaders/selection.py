@@ -42,9 +42,10 @@ class Selection:
         """The staged shards (and stage-in's failures, by URL under ``root``) it selects, and
         the shards it names that the staged copy lacks (read from the source, as a missing
         copy is)."""
-        keep = [i for i, relpath in enumerate(columns.relpaths) if self.test(relpath)]
+        relpaths = list(columns.relpaths)  # (an item of packed paths costs ~0.7 us to take)
+        keep = [i for i, relpath in enumerate(relpaths) if self.test(relpath)]
         picked = ManifestColumns(
-            [columns.relpaths[i] for i in keep],
+            [relpaths[i] for i in keep],
             [columns.sizes[i] for i in keep],
             [columns.samples[i] for i in keep],
             columns.meta,

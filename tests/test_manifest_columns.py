@@ -235,3 +235,88 @@ def test_a_large_plans_columns_carry_its_hashes_and_every_read_maps_them(
     staged.staging_path.write_text(text)
     loaded = status.read_plan(staged)
     assert loaded is not None and loaded[1].run_id == "r2"
+
+
+@pytest.mark.parametrize("craft", ["float starts", "unsigned starts", "header a list"])
+def test_a_columns_file_with_the_right_key_but_other_types_is_passed_by(
+    tmp_path: Path, craft: str
+) -> None:
+    """Arrays of another type than written (unsigned starts wrap np.diff's check and gave items
+    holding a NUL; float starts cannot index) or a footer of another shape: passed by, never a
+    traceback, and the manifest's own paths read."""
+    import numpy as np
+
+    from stager.shards.arrayfile import RawArray, write_arrays
+
+    staged = StagedDataset(tmp_path, "ds")
+    _write(staged, [("a.tar", 1, 1), ("b.tar", 1, 1), ("c.tar", 1, 1)], {"source": "/x"})
+    header: dict = {"format": "stager-manifest-columns", "version": 1, "meta": {"source": "/x"}}
+    header["key"] = bytes_key(staged.manifest_path.read_bytes())
+    starts: object = RawArray("<i8", np.asarray([0, 6, 12, 18], "<i8").tobytes())
+    if craft == "float starts":
+        starts = RawArray("<f8", np.asarray([0, 6, 12, 18], "<f8").tobytes())
+    elif craft == "unsigned starts":
+        starts = RawArray("<u8", np.asarray([0, 12, 6, 18], "<u8").tobytes())
+    ones = RawArray("<i8", np.ones(3, "<i8").tobytes())
+    arrays = {"paths": RawArray("|u1", b"a.tar\0b.tar\0c.tar\0"), "starts": starts}
+    path = columns_path(staged.index_dir)
+    write_arrays(path, {**arrays, "sizes": ones, "samples": ones}, header)
+    if craft == "header a list":  # (the footer's whole meta: write_arrays takes only a dict)
+        data = path.read_bytes()
+        length = int.from_bytes(data[-8:], "little")
+        footer = json.loads(data[-8 - length : -8])
+        footer["meta"] = ["x"]
+        text = json.dumps(footer).encode()
+        path.write_bytes(data[: -8 - length] + text + len(text).to_bytes(8, "little"))
+    assert load_columns(staged.manifest_path, staged.index_dir) is None
+    assert list(staged_columns(staged).relpaths) == ["a.tar", "b.tar", "c.tar"]
+
+
+def test_a_manifest_size_past_int64_is_a_shard_not_whole_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A staged manifest edited by hand to a size no file has (2**64): the shard is read from
+    the source, as before the columns file and the compiled stats (an OverflowError)."""
+    clean_process_env(monkeypatch)
+    src = tmp_path / "src" / "ds"
+    write_synthetic_dataset(src, SyntheticSpec(num_shards=4, samples_per_shard=2, seed=6))
+    dest = tmp_path / "scratch"
+    assert run_main(capsys, "stage-in", str(src), "--dest", str(dest), *FAST).returncode == 0
+    manifest = StagedDataset(dest, "ds").manifest_path
+    edited = json.loads(manifest.read_text())
+    edited["shards"][1]["size"] = 2**64
+    manifest.write_text(json.dumps(edited))
+    for threshold in (0, 10**9):  # (the loader writes a columns file, or not)
+        monkeypatch.setattr(manifestcolumns, "COLUMNS_FROM", threshold)
+        options = LoaderOptions(dest=str(dest), world_size=1)
+        loader = ShardedLoader(str(src), batch_size=2, options=options)
+        assert loader.shards.from_source == 1
+        assert sum(len(batch["__key__"]) for batch in loader) == 8
+
+
+def test_stage_in_leaves_no_columns_file_no_reader_would_use(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A rerun that shrank the copy below COLUMNS_FROM removes the earlier run's file, and names
+    a reader refuses (a backslash) get none: each would only make every reader hash the
+    manifest for nothing."""
+    clean_process_env(monkeypatch)
+    monkeypatch.setattr(stager.stagein.finish, "COLUMNS_FROM", 3)
+    src = tmp_path / "src" / "ds"
+    write_synthetic_dataset(src, SyntheticSpec(num_shards=4, samples_per_shard=2, seed=7))
+    dest = tmp_path / "scratch"
+    staged = StagedDataset(dest, "ds")
+    assert run_main(capsys, "stage-in", str(src), "--dest", str(dest), *FAST).returncode == 0
+    assert columns_path(staged.index_dir).is_file()
+    for tar in sorted(src.glob("*.tar"))[2:]:
+        tar.unlink()
+    assert run_main(capsys, "stage-in", str(src), "--dest", str(dest), *FAST).returncode == 0
+    assert not columns_path(staged.index_dir).exists()
+    odd = tmp_path / "src" / "odd"
+    write_synthetic_dataset(odd, SyntheticSpec(num_shards=4, samples_per_shard=2, seed=8))
+    first = sorted(odd.glob("*.tar"))[0]
+    first.rename(first.with_name("a\\b.tar"))
+    assert run_main(capsys, "stage-in", str(odd), "--dest", str(dest), *FAST).returncode == 0
+    odd_staged = StagedDataset(dest, "odd")
+    assert (odd_staged.dir / "a\\b.tar").is_file()
+    assert not columns_path(odd_staged.index_dir).exists()

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from stager.shards.arrayfile import RawArray, map_arrays, write_arrays
 from stager.shards.manifest import ManifestColumns, parse_columns, read_columns
 from stager.storage.hashing import new_hasher
-from stager.storage.paths import joined_canonical
+from stager.storage.paths import discard, joined_canonical
 
 if TYPE_CHECKING:
     from stager.shards.digests import DigestColumn
@@ -103,14 +103,19 @@ def save_columns(
     """Write at ``path`` the columns file of the manifest whose :func:`file_key` (or
     :func:`bytes_key`) is ``key``, from its columns and ``meta`` as parsed or written: the key
     must be of those very bytes, never of the file as it is later (another run may have
-    replaced it meanwhile). ``digests``: kept too (a plan's). Raises ``OSError`` where it
-    cannot be written; a caller treats that as a slower next read, not a failure."""
+    replaced it meanwhile). ``digests``: kept too (a plan's). Nothing is written for paths a
+    reader would refuse (a backslash, a drive-like ``X:``: stage-in keeps such names, which
+    then take the manifest's own path). Raises ``OSError`` where it cannot be written; a
+    caller treats that as a slower next read, not a failure."""
     text = "\0".join(relpaths) + "\0" if relpaths else ""
     starts = array("q", [0])
     if text.isascii():  # a byte a character: no bytes object per path
         starts.extend(accumulate(len(p) + 1 for p in relpaths))
     else:
         starts.extend(accumulate(len(p.encode("utf-8", "surrogatepass")) + 1 for p in relpaths))
+    if not joined_canonical("\0" + text, len(relpaths)):  # (names no reader would take)
+        discard(path)  # (nor an older one, which its key would only make every reader hash)
+        return
     joined = text.encode("utf-8", "surrogatepass")
     del text
     counts = array("q", (-1 if n is None else n for n in samples))
@@ -149,13 +154,15 @@ def load_columns(
     :class:`~stager.shards.digests.DigestColumn` where asked for, else None."""
     try:
         arrays, header = map_arrays(path)
+        if not isinstance(header, dict) or not isinstance(header.get("meta"), dict):
+            return None
         if header.get("format") != _FORMAT or header.get("version") != _VERSION:
             return None
         if header.get("key") != file_key(manifest_path):
             return None
         return _checked(arrays, header, digests)
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return None  # (a file that does not hold together, however it fails)
 
 
 def _checked(
@@ -167,6 +174,9 @@ def _checked(
     from stager.shards.digests import DigestColumn
     from stager.shards.packedstrings import PackedStrings
 
+    for name, dtype in (("paths", "|u1"), ("starts", "<i8"), ("sizes", "<i8"), ("samples", "<i8")):
+        if arrays[name].dtype != np.dtype(dtype) or arrays[name].ndim != 1:
+            return None  # (unsigned starts would wrap np.diff; floats cannot index)
     paths, starts = arrays["paths"], arrays["starts"]
     sizes, samples = arrays["sizes"], arrays["samples"]
     count = len(starts) - 1
@@ -193,6 +203,8 @@ def _checked(
     if want_digests:
         kept = header.get("digests")
         if not isinstance(kept, dict):
+            return None
+        if any(arrays[n].dtype != np.uint8 for n in ("digest_codes", "digest_raw")):
             return None
         raw = arrays["digest_raw"].reshape(count, int(kept["row"]))
         hashes = DigestColumn.from_parts(kept["names"], kept["widths"], arrays["digest_codes"], raw)
@@ -234,7 +246,8 @@ def cached_columns(
         return _digested(read_columns(manifest_path), digests)  # (refused, or normalised)
     columns = _digested(columns, digests)
     if len(columns.relpaths) >= COLUMNS_FROM:
-        with contextlib.suppress(OSError, ValueError):  # (a read-only copy is read as it is)
+        # (a read-only copy is read as it is; a size or count past int64 is parsed each time)
+        with contextlib.suppress(OSError, ValueError, OverflowError):
             save_columns(
                 key,
                 path,

@@ -148,12 +148,14 @@ def _keep_columns(run: Staging, manifest: Manifest) -> None:
     """The columns file of the manifest just written, so that no rank parses its JSON
     (:mod:`stager.shards.manifestcolumns`); best effort, for datasets of many shards."""
     entries = manifest.entries
+    path = columns_path(run.staged.index_dir)
     if len(entries) < COLUMNS_FROM:
-        return
-    with contextlib.suppress(OSError):  # (a loader parses the manifest, and writes it then)
+        discard(path)  # (an earlier, larger run's: its key holds it stale, but each reader
+        return  # would map it and hash the manifest for nothing)
+    with contextlib.suppress(OSError, OverflowError):  # (a loader parses the manifest then)
         save_columns(
             file_key(run.staged.manifest_path),  # (this run's own, under the node's lock)
-            columns_path(run.staged.index_dir),
+            path,
             [e.relpath for e in entries],
             [e.size for e in entries],
             [e.samples for e in entries],

@@ -125,7 +125,7 @@ def write_plan(staged: StagedDataset, entries: Sequence[ManifestEntry], facts: P
     if len(entries) >= COLUMNS_FROM:
         from stager.shards.digests import DigestColumn  # (numpy: a large plan's only)
 
-        with contextlib.suppress(OSError, ValueError):
+        with contextlib.suppress(OSError, ValueError, OverflowError):
             save_columns(
                 file_key(staged.staging_path),  # (the copier's own, under the node's lock)
                 columns_path(staged.index_dir, PLAN_COLUMNS_NAME),
