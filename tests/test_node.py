@@ -331,3 +331,28 @@ def test_scan_ignores_what_is_not_a_job(tmp_path: Path) -> None:
     assert job.job_id == "12" and job.size_bytes == 4
     assert [(i.name, i.kind) for i in job.items] == [("ds", "other")]
     assert scan_scratch(tmp_path / "missing") == []
+
+
+def test_ls_counts_a_cached_dataset_by_the_objects_it_has(
+    capsys, node: dict[str, Path], monkeypatch
+) -> None:
+    """A run names its shards when it starts; one killed or failed before filling them showed
+    its dataset at full size, as if cached, until an eviction. ls now says what is there."""
+    _stage(capsys, node, "101", monkeypatch)
+    _squeue(node, **{"101": "COMPLETED"})
+    cache = node["scratch"] / "cache-me"
+    objects = sorted(p for p in (cache / "objects").rglob("*") if p.is_file() and "." not in p.name)
+    assert len(objects) == 3
+    full = next(
+        json.loads(line)["size_bytes"]
+        for line in _stager(capsys, "ls", "--json")[1].splitlines()
+        if '"cache"' in line
+    )
+    gone = objects[0].stat().st_size
+    objects[0].unlink()  # (as a fill that never happened)
+    code, out, _err = _stager(capsys, "ls", "--json")
+    [row] = [json.loads(line) for line in out.splitlines() if '"cache"' in line]
+    assert (row["shards"], row["shards_cached"]) == (3, 2)
+    assert row["size_bytes"] == full - gone
+    code, out, _err = _stager(capsys, "ls")
+    assert "(2 of 3 shards)" in out

@@ -13,6 +13,7 @@ Reading only: nothing here creates, locks for long, or removes anything.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import stat
@@ -228,10 +229,10 @@ class CachedDataset:
     record: DatasetRecord
     in_use: bool
     jobs_running: tuple[str, ...]  # its jobs Slurm lists as not ended (all, if it cannot tell)
-
-    @property
-    def size_bytes(self) -> int:
-        return self.record.total_bytes
+    #: Of its shards, those whose object is in the cache, and their bytes (each object once):
+    #: a run killed or failed before filling what it named leaves the rest only named
+    shards_cached: int = 0
+    size_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -252,10 +253,13 @@ def scan_cache(root: Path, states: JobStates) -> CacheInventory | None:
     if not (root / "CACHEDIR.TAG").is_file():
         return None
     cache = ShardCache(layout, limit_bytes=0)
+    present = _object_keys(layout.objects_dir)
     datasets = []
     for record in cache.datasets():
         running = tuple(j for j in record.jobs if states.may_run(j))
-        datasets.append(CachedDataset(record, cache.in_use(record, states), running))
+        cached = sum(str(key) in present for key, _size in record.shards.values())
+        size = sum(n for key, n in record.objects.items() if key in present)
+        datasets.append(CachedDataset(record, cache.in_use(record, states), running, cached, size))
     usage = Usage()
     for sub in (layout.objects_dir, layout.datasets_dir):
         usage.add(_walk(sub))
@@ -267,6 +271,19 @@ def scan_cache(root: Path, states: JobStates) -> CacheInventory | None:
         os.lstat(root).st_uid,
         usage.inodes,
     )
+
+
+def _object_keys(objects_dir: Path) -> set[str]:
+    """The keys of the objects in the cache (files of no suffix: not a record, not a partial)."""
+    keys: set[str] = set()
+    try:
+        groups = os.listdir(objects_dir)
+    except OSError:
+        return keys
+    for group in groups:
+        with contextlib.suppress(OSError):
+            keys.update(name for name in os.listdir(objects_dir / group) if "." not in name)
+    return keys
 
 
 @dataclass(frozen=True)

@@ -99,7 +99,13 @@ def ls_rows(inventory: NodeInventory) -> list[dict[str, Any]]:
         for dataset in sorted(cache.datasets, key=lambda d: (d.record.name, d.record.spec)):
             record = dataset.record
             jobs = ", ".join(dataset.jobs_running)
-            detail = f"{record.source or record.spec} ({len(record.shards)} shards"
+            named = len(record.shards)
+            count = (
+                f"{named}"
+                if dataset.shards_cached == named
+                else f"{dataset.shards_cached} of {named}"
+            )
+            detail = f"{record.source or record.spec} ({count} shards"
             detail += f"; used by job {jobs})" if jobs else ")"
             rows.append(
                 {
@@ -116,6 +122,7 @@ def ls_rows(inventory: NodeInventory) -> list[dict[str, Any]]:
                     "source": record.source,
                     "spec": record.spec,
                     "shards": len(record.shards),
+                    "shards_cached": dataset.shards_cached,
                     "jobs": list(dataset.jobs_running),
                 }
             )
