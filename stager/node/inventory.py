@@ -13,7 +13,6 @@ Reading only: nothing here creates, locks for long, or removes anything.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import stat
@@ -253,7 +252,7 @@ def scan_cache(root: Path, states: JobStates) -> CacheInventory | None:
     if not (root / "CACHEDIR.TAG").is_file():
         return None
     cache = ShardCache(layout, limit_bytes=0)
-    present = _object_keys(layout.objects_dir)
+    present = layout.object_keys()
     datasets = []
     for record in cache.datasets():
         running = tuple(j for j in record.jobs if states.may_run(j))
@@ -271,19 +270,6 @@ def scan_cache(root: Path, states: JobStates) -> CacheInventory | None:
         os.lstat(root).st_uid,
         usage.inodes,
     )
-
-
-def _object_keys(objects_dir: Path) -> set[str]:
-    """The keys of the objects in the cache (files of no suffix: not a record, not a partial)."""
-    keys: set[str] = set()
-    try:
-        groups = os.listdir(objects_dir)
-    except OSError:
-        return keys
-    for group in groups:
-        with contextlib.suppress(OSError):
-            keys.update(name for name in os.listdir(objects_dir / group) if "." not in name)
-    return keys
 
 
 @dataclass(frozen=True)
