@@ -254,8 +254,8 @@ def test_a_cache_filesystem_filling_up_mid_run_is_passed_by_not_the_jobs_failure
     )
     register = stage_cache.StageCache.register
 
-    def register_then_another_writer_fills(self, plan):  # noqa: ANN001, ANN202
-        needed = register(self, plan)
+    def register_then_another_writer_fills(self, plan, *rest):  # noqa: ANN001, ANN002, ANN202
+        needed = register(self, plan, *rest)
         filler = self.store.layout.root.parent / "filler"
         with open(filler, "wb") as out, contextlib.suppress(OSError):
             while True:
@@ -388,6 +388,54 @@ def test_idle_cached_datasets_make_room_on_a_filesystem_shared_with_scratch(
         assert result.returncode == EXIT_FULL, result.stderr
         assert "evicted" not in result.stderr
         assert not list(disk.rglob("*.partial"))
+
+
+def _names(cache: Path) -> list[str]:
+    return sorted(json.loads(p.read_text())["name"] for p in (cache / "datasets").glob("*.json"))
+
+
+def test_idle_datasets_go_for_space_only_where_that_makes_the_room(
+    capsys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Room counted on disk: no dataset goes for a run that would not fit anyway (too large,
+    or the idle shards still linked by ended jobs' scratch: evicting freed nothing and each
+    failing run emptied the cache a little more); a fully cached run (links) evicts nothing;
+    --min-free is part of the room (left out, nothing was evicted and the preflight failed)."""
+    clean_process_env(monkeypatch)
+    spec = SyntheticSpec(num_shards=4, samples_per_shard=4, image_bytes=120_000)
+    ds = {n: tmp_path / "nfs" / n for n in ("a", "b", "c")}
+    for seed, path in enumerate(ds.values()):
+        write_synthetic_dataset(path, dataclasses.replace(spec, seed=seed))
+    big = tmp_path / "nfs" / "big"
+    write_synthetic_dataset(big, dataclasses.replace(spec, num_shards=18, seed=9))
+    with mount_tmpfs(tmp_path / "disk", "8m") as disk:
+        cache = disk / "cache"
+        for name in ("a", "b"):  # ended jobs that left their scratch
+            _stage(capsys, ds[name], disk / f"job-{name}", cache, "--cache-limit", "1G")
+            time.sleep(0.01)
+        argv = ["--cache", str(cache), "--quiet", "--jitter-max", "0", "--cache-limit", "1G"]
+        result = run_main(capsys, "stage-in", str(big), "--dest", str(disk / "job-big"), *argv)
+        assert result.returncode == EXIT_FULL, result.stderr
+        assert "evicted" not in result.stderr
+        assert {"a", "b"} <= set(_names(cache))
+        for name in ("a", "b"):
+            shutil.rmtree(disk / f"job-{name}")
+        report = _stage(capsys, ds["b"], disk / "job-b2", cache, "--cache-limit", "1G")
+        assert report["files_from_cache"] == 4 and "evicted" not in report["stderr"]
+        shutil.rmtree(disk / "job-b2")
+        result = run_main(
+            capsys,
+            "stage-in",
+            str(ds["c"]),
+            "--dest",
+            str(disk / "job-c"),
+            *argv,
+            "--min-free",
+            "4M",
+        )
+        assert result.returncode == 0, result.stderr
+        assert "short of space: evicted 'a'" in result.stderr, result.stderr
+        _assert_identical(ds["c"], disk / "job-c" / "c")
 
 
 def test_a_running_jobs_dataset_is_kept_and_an_ended_ones_evicted(tmp_path: Path) -> None:

@@ -320,3 +320,27 @@ def test_stage_in_leaves_no_columns_file_no_reader_would_use(
     odd_staged = StagedDataset(dest, "odd")
     assert (odd_staged.dir / "a\\b.tar").is_file()
     assert not columns_path(odd_staged.index_dir).exists()
+
+
+def test_a_discarded_plan_takes_its_columns_file_along(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A plain --cache run after a background one discards the plan: its columns file went
+    unremoved, stayed in the copy's index for good, and the cache kept it (keep_index) and
+    gave it back to every later copy of the dataset."""
+    import stager.stagein.status as status
+
+    from .inproc import clean_process_env, run_main
+    from .test_loader_background_fetch import _plan_without_copier
+
+    clean_process_env(monkeypatch)
+    monkeypatch.setattr(status, "COLUMNS_FROM", 2)
+    src, staged = _plan_without_copier(tmp_path)
+    plan_columns = columns_path(staged.index_dir, manifestcolumns.PLAN_COLUMNS_NAME)
+    assert plan_columns.is_file()
+    cache = tmp_path / "scratch" / "cache"
+    argv = ["--dest", str(staged.dir.parent), "--cache", str(cache), "--jitter-max", "0"]
+    result = run_main(capsys, "stage-in", str(src), *argv, "--quiet")
+    assert result.returncode == 0, result.stderr
+    assert not staged.staging_path.exists() and not plan_columns.exists()
+    assert not list(cache.rglob(manifestcolumns.PLAN_COLUMNS_NAME))

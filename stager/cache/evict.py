@@ -8,8 +8,9 @@ names it. When that is not enough, the run being staged caches fewer of its shar
 has not cached yet) and copies the rest straight to scratch: the limit is a cap, not a wish.
 
 Where the cache shares its filesystem with scratch (the layout that links shards into scratch),
-the free space bounds it too (:func:`space_cap`): idle cached datasets make way for the shards
-a run must write, where they used to fill the disk and fail the job (exit 6) under the cap.
+the free space bounds it too (:func:`space_shortfall`, :mod:`stager.cache.room`): idle cached
+datasets make way for the shards a run must write, where they used to fill the disk and fail
+the job (exit 6) under the cap.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ __all__ = [
     "cache_bytes",
     "plan_eviction",
     "shards_over_limit",
-    "space_cap",
+    "space_shortfall",
 ]
 
 
@@ -116,13 +117,12 @@ SPACE_HEADROOM = 1 << 20
 _BLOCK = 4096
 
 
-def space_cap(total_bytes: int, missing: Sequence[tuple[str, int]], free_bytes: int) -> int:
-    """The most the cache may hold (counted as ``total_bytes`` is) once the run's ``missing``
-    shards (counted in it, not on disk yet) are written to a filesystem with ``free_bytes``
-    free: what is there now, plus the free space, less what the shards take in whole blocks
-    and a headroom (:data:`SPACE_HEADROOM`)."""
-    counted = sum(size for _key, size in missing)
+def space_shortfall(missing: Sequence[tuple[str, int]], free_bytes: int) -> int:
+    """The bytes to free on a filesystem with ``free_bytes`` free (less any reserve the caller
+    keeps) before the run's ``missing`` shards are written there: what they take in whole
+    blocks and a headroom (:data:`SPACE_HEADROOM`, only where something is to be written),
+    less the free space. Zero or less: nothing to free."""
+    if not missing:
+        return -free_bytes
     in_blocks = sum(-(-size // _BLOCK) * _BLOCK for _key, size in missing)
-    on_disk_now = total_bytes - counted
-    headroom = SPACE_HEADROOM + in_blocks // 64
-    return max(0, on_disk_now + free_bytes - headroom - (in_blocks - counted))
+    return in_blocks + SPACE_HEADROOM + in_blocks // 64 - free_bytes

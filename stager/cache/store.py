@@ -26,15 +26,11 @@ import stat
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
-from stager.cache.evict import (
-    DatasetUsage,
-    cache_bytes,
-    plan_eviction,
-    shards_over_limit,
-    space_cap,
-)
+from stager.cache import room
+from stager.cache.evict import DatasetUsage, cache_bytes, plan_eviction, shards_over_limit
 from stager.cache.locks import FileLock, lock_is_held
 from stager.cache.mirror import mirror_files
 from stager.cache.paths import RECORD_SUFFIX, CacheLayout, default_limit_bytes, remove_any
@@ -61,7 +57,9 @@ class Registration:
     evicted: tuple[DatasetRecord, ...]
     total_bytes: int
     limit_bytes: int
-    for_space: bool = False  # evicted for the free space of a filesystem shared with scratch
+    #: keys of the evicted datasets that went for the free space of a filesystem shared with
+    #: scratch (the others went for the cap)
+    for_space: frozenset[str] = frozenset()
 
 
 class ShardCache:
@@ -241,7 +239,8 @@ class ShardCache:
         shards: Mapping[str, tuple[str, int]],
         missing: Sequence[tuple[str, int]],
         job_id: str | None,
-        free_bytes: int | None = None,
+        free_bytes: int | Callable[[], int] | None = None,
+        reserve_bytes: int = 0,
     ) -> Registration:
         """Name a run's shards in its dataset's record and make room for the missing ones.
 
@@ -249,15 +248,16 @@ class ShardCache:
         cache or put in it; ``missing``: (key, size) of those not cached yet, in the run's
         order. Over the cap, least recently used datasets not in use are evicted; if that is
         not enough, the returned ``bypassed`` keys are left out of the cache (see
-        :func:`stager.cache.evict.shards_over_limit`). ``free_bytes``: the free space of a
-        filesystem the cache shares with scratch, which bounds it too (evicting, never
-        bypassing: a bypassed shard takes the same space). Call with the dataset's lock held.
+        :func:`stager.cache.evict.shards_over_limit`). ``free_bytes``: the free space (a
+        callable: asked under the cache lock) of a filesystem the cache shares with scratch,
+        ``reserve_bytes`` kept free there: idle datasets go where that makes the room for the
+        missing shards (:mod:`stager.cache.room`), never bypassing. Hold the dataset's lock.
         """
         now = time.time()
         with self.cache_lock():
             records = {r.key: r for r in self.datasets()}
             own = records.get(dkey) or DatasetRecord(dkey, spec)
-            before = set(own.objects)
+            before = own.objects
             own.spec, own.name, own.source, own.last_used = spec, name, source, now
             for relpath, (key, size) in shards.items():
                 own.shards[relpath] = [key, size]
@@ -267,25 +267,38 @@ class ShardCache:
             own.known = {k: v for k, v in own.known.items() if k in named_now}
             records[dkey] = own
             total = cache_bytes(_usage(r) for r in records.values())
-            cap = self.limit_bytes
+            short = 0
             if free_bytes is not None:
-                cap = min(cap, space_cap(total, missing, free_bytes))
+                short = room.shortfall(
+                    self.layout, free_bytes, before, records, dkey, missing, reserve_bytes
+                )
             states: JobStates | None = None
             evicted: list[DatasetRecord] = []
             bypassed: set[str] = set()
             freed: set[str] = set()
-            if total > cap or any(len(r.jobs) > _MAX_LEASES for r in records.values()):
+            over = total > self.limit_bytes or short > 0
+            if over or any(len(r.jobs) > _MAX_LEASES for r in records.values()):
                 states = self._job_states()
-            if total > cap and self._forget_phantoms(records, dkey):
+            if over and self._forget_phantoms(records, dkey):
                 total = cache_bytes(_usage(r) for r in records.values())
-            if total > cap:
+            if short > 0:
+                assert states is not None
+                plan = room.space_plan(
+                    self.layout, records, dkey, short, partial(self.in_use, states=states)
+                )
+                if plan is not None:  # (else it would be evicted for nothing: exit 6)
+                    evicted = [records.pop(key) for key in plan.evict]
+                    freed.update(plan.freed_objects)
+                    total = cache_bytes(_usage(r) for r in records.values())
+            for_space = frozenset(r.key for r in evicted)
+            if total > self.limit_bytes:
                 assert states is not None
                 usages = [
                     _usage(r, in_use=key != dkey and self.in_use(r, states))
                     for key, r in records.items()
                 ]
-                plan = plan_eviction(usages, cap, keep=dkey)
-                evicted = [records.pop(key) for key in plan.evict]
+                plan = plan_eviction(usages, self.limit_bytes, keep=dkey)
+                evicted += [records.pop(key) for key in plan.evict]
                 freed.update(plan.freed_objects)
                 total = plan.total_bytes
                 if total > self.limit_bytes:
@@ -307,13 +320,12 @@ class ShardCache:
             # naming objects that are gone, which the next eviction counts and drops again,
             # never objects that nothing names and nothing counts.
             named = {k for r in records.values() for k in r.objects}
-            for key in freed | (before - named):
+            for key in freed | (before.keys() - named):
                 if key not in named:
                     self.drop(key)
             for record in evicted:
                 self.forget_dataset(record.key)
-        short = bool(evicted) and cap < self.limit_bytes
-        return Registration(frozenset(bypassed), tuple(evicted), total, self.limit_bytes, short)
+        return Registration(frozenset(bypassed), tuple(evicted), total, self.limit_bytes, for_space)
 
     def _forget_phantoms(self, records: Mapping[str, DatasetRecord], own: str) -> bool:
         """Before evicting: drop from records no stage-in holds the shards whose objects are

@@ -204,8 +204,9 @@ class StageCache:
         if not said:
             print(f"[{self.report.node}] warning: {message}", file=self.log, flush=True)
 
-    def register(self, plan: LocalPlan) -> int:
-        """Name the planned shards in the cache; return the bytes scratch needs free for them."""
+    def register(self, plan: LocalPlan, min_free: int = 0) -> int:
+        """Name the planned shards in the cache; return the bytes scratch needs free for them
+        (besides ``min_free``, --min-free: part of the room a shared filesystem must make)."""
         shards: dict[str, tuple[str, int]] = {}
         for item in plan.to_copy:
             key = shard_key(item.shard.url, item.size, item.shard.version, item.want_hash)
@@ -221,7 +222,7 @@ class StageCache:
         urls = {key: url for url, (key, _size) in _by_url(plan, shards).items()}
         self.present = self.store.lookup_many(self.dkey, urls)
         missing = [(key, size) for key, size in shards.values() if key not in self.present]
-        self.same_fs = same_fs(self.store.layout.root, self.staged.dir)
+        self.same_fs = same_fs(root := self.store.layout.root, self.staged.dir)
         if not self.same_fs:  # scratch gets copies; the cache's own disk must hold the fills
             left_out = unfit(missing, free_bytes_or_0(self.store.layout.root))
             if left_out:
@@ -240,14 +241,15 @@ class StageCache:
                 shards=shards,
                 missing=missing,
                 job_id=self.job_id,
-                free_bytes=free_bytes_or_0(self.store.layout.root) if self.same_fs else None,
+                free_bytes=(lambda: free_bytes_or_0(root)) if self.same_fs else None,
+                reserve_bytes=min_free + cachespace.uncached_bytes(plan.to_copy, shards),
             )
         except OSError as exc:  # a full or read-only cache disk: stage as without a cache
             self._warn(_unusable(self.store.layout.root, exc))
             self.keys, self.present = {}, {}
             return plan.bytes_to_copy
         for evicted in registration.evicted:
-            self._warn(cachespace.evicted_message(evicted, for_space=registration.for_space))
+            self._warn(cachespace.evicted_message(evicted, registration.for_space))
         if registration.bypassed:
             self._warn(
                 f"cache at its limit ({human_bytes(registration.limit_bytes)}) with datasets in "

@@ -10,13 +10,23 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 
 from stager.cache.records import DatasetRecord
 from stager.stagein.guards import free_bytes
+from stager.stagein.plan import CopyItem
 from stager.units import human_bytes
 
-__all__ = ["cache_refusal", "evicted_message", "free_bytes_or_0", "same_fs", "unfit"]
+__all__ = [
+    "cache_refusal",
+    "evicted_message",
+    "free_bytes_or_0",
+    "same_fs",
+    "uncached_bytes",
+    "unfit",
+]
 
 
 def same_fs(a: Path, b: Path) -> bool:
@@ -43,6 +53,12 @@ def unfit(missing: list[tuple[str, int]], free_bytes: int) -> set[str]:
     return out
 
 
+def uncached_bytes(items: Iterable[CopyItem], shards: Mapping[str, tuple[str, int]]) -> int:
+    """Bytes of the planned ``items`` copied past the cache (not in ``shards``, relpath ->
+    (key, size): no key): on a filesystem the cache shares with scratch they take room too."""
+    return sum(i.size or 0 for i in items if i.shard.relpath not in shards)
+
+
 def cache_refusal(exc: BaseException, root: Path) -> str | None:
     """Why ``exc`` is the cache's doing, or None: an error (or its cause) naming a path inside
     the cache ``root`` that no retry fixes (permissions, a read-only mount, a file where a
@@ -62,10 +78,11 @@ def cache_refusal(exc: BaseException, root: Path) -> str | None:
 _REFUSALS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR})
 
 
-def evicted_message(record: DatasetRecord, *, for_space: bool) -> str:
-    """The warning that registering evicted ``record``: for the cap, or (``for_space``) for
-    the free space of the filesystem the cache shares with scratch."""
-    why = "scratch's filesystem short of space" if for_space else "cache over its limit"
+def evicted_message(record: DatasetRecord, for_space: AbstractSet[str]) -> str:
+    """The warning that registering evicted ``record``: for the cap, or (its key in
+    ``for_space``) for the free space of the filesystem the cache shares with scratch."""
+    short = record.key in for_space
+    why = "scratch's filesystem short of space" if short else "cache over its limit"
     return (
         f"{why}: evicted {record.name or record.spec!r} ({human_bytes(record.total_bytes)}, "
         "unused by any running job)"

@@ -300,7 +300,8 @@ def copy_per_node(
 
         cache = StageCache.start(options, source, staged, report, log, job_id=job_id)
     try:
-        needed = cache.register(plan) if cache is not None else plan.bytes_to_copy
+        min_free = options.min_free_bytes
+        needed = cache.register(plan, min_free) if cache is not None else plan.bytes_to_copy
         plan.free_bytes = preflight(staged.dir, needed, options, slurm.node_name)
         if plan.to_copy:
             if cache is None or cache.misses(plan):  # a full hit spares the source

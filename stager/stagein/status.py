@@ -42,6 +42,7 @@ from stager.shards.manifestcolumns import (
     save_columns,
 )
 from stager.slurm import SlurmEnv
+from stager.storage.paths import discard
 
 __all__ = [
     "PlanFacts",
@@ -122,7 +123,9 @@ def write_plan(staged: StagedDataset, entries: Sequence[ManifestEntry], facts: P
     staged.meta_dir.mkdir(exist_ok=True)
     plan = Manifest(tuple(entries), facts.meta())
     plan.write(staged.staging_path)
-    if len(entries) >= COLUMNS_FROM:
+    if len(entries) < COLUMNS_FROM:  # (an earlier run's would only make every read hash this)
+        discard(columns_path(staged.index_dir, PLAN_COLUMNS_NAME))
+    else:
         from stager.shards.digests import DigestColumn  # (numpy: a large plan's only)
 
         with contextlib.suppress(OSError, ValueError, OverflowError):
@@ -162,6 +165,9 @@ def discard_plan(staged: StagedDataset) -> None:
         staged.staging_path.unlink()
     except OSError:
         pass
+    # its columns too: kept, they stayed in the copy's index for good (and a --cache run kept
+    # them in the node cache, and put them back into each later copy)
+    discard(columns_path(staged.index_dir, PLAN_COLUMNS_NAME))
 
 
 def read_outcome(staged: StagedDataset, facts: PlanFacts) -> Outcome | None:
