@@ -208,6 +208,17 @@ class PreadShards(_PerProcess):
         self._check_pid()
         return os.pread(self._fd(shard), size, offset)
 
+    def __del__(self) -> None:
+        # A dropped reader's descriptors: with num_workers=0 the training process itself holds
+        # up to open_limit() of them, and a loader made again (each epoch, an evaluation pass)
+        # left them all open, the fourth failing with EMFILE. Only the process that opened
+        # them closes them (a forked child's copies are released by _check_pid on first use).
+        try:
+            if self._pid == os.getpid():
+                self.close()
+        except Exception:  # noqa: BLE001 - (interpreter shutdown, a half-made object)
+            pass
+
     def close(self) -> None:
         while self._fds:
             try:

@@ -731,6 +731,31 @@ def test_more_shards_than_open_files_read_the_same_batches(
         assert 0 < len(read.dataset.files) <= 3
 
 
+def test_a_dropped_loader_closes_its_shard_descriptors(
+    small_dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the open-file limit, a loader read in this process (num_workers=0) and dropped
+    gives its descriptors back: a loader made each epoch kept them all, and failed (EMFILE)."""
+    import gc
+
+    import stager_loaders.shardio as shardio
+
+    monkeypatch.setattr(shardio, "open_limit", lambda: 3)  # 8 shards, at most 3 open at once
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    loader = ShardedLoader(small_dataset, batch_size=7, options=LoaderOptions(dest=str(tmp_path)))
+    assert isinstance(loader.dataset.files, shardio.PreadShards)
+    before = open_fds()
+    for _ in loader:
+        pass
+    assert len(loader.dataset.files) == 3 and open_fds() == before + 3
+    del loader
+    gc.collect()
+    assert open_fds() == before
+
+
 @pytest.mark.parametrize("many_shards", [False, True])
 def test_a_shard_truncated_after_indexing_names_shard_and_sample(
     dataset_copy: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, many_shards: bool

@@ -344,3 +344,26 @@ def test_a_discarded_plan_takes_its_columns_file_along(
     assert result.returncode == 0, result.stderr
     assert not staged.staging_path.exists() and not plan_columns.exists()
     assert not list(cache.rglob(manifestcolumns.PLAN_COLUMNS_NAME))
+
+
+def test_a_staged_shard_touched_past_2262_is_read_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A staged shard whose mtime is past int64's nanoseconds (`touch -d 2300-01-01`) made
+    every loader start raise OverflowError (the index key's int64 times): it is read from the
+    copy, its time held at int64's end."""
+    import subprocess
+
+    clean_process_env(monkeypatch)
+    src = tmp_path / "src" / "ds"
+    write_synthetic_dataset(src, SyntheticSpec(num_shards=3, samples_per_shard=2, seed=9))
+    dest = tmp_path / "scratch"
+    assert run_main(capsys, "stage-in", str(src), "--dest", str(dest), *FAST).returncode == 0
+    shard = sorted(StagedDataset(dest, "ds").dir.glob("*.tar"))[1]
+    subprocess.run(["touch", "-d", "2300-01-01", str(shard)], check=True)
+    for _ in range(2):  # (the index rebuilt, then found by its key)
+        loader = ShardedLoader(
+            str(src), batch_size=2, options=LoaderOptions(dest=str(dest), world_size=1)
+        )
+        assert loader.shards.from_source == 0
+        assert sum(len(batch["__key__"]) for batch in loader) == 6

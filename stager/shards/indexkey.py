@@ -188,7 +188,15 @@ class StatsAhead:
 def _changed(row: StatRow) -> int:
     """:func:`changed_ns` of a :data:`~stager.storage.statmany.StatRow`."""
     mode, _size, _ino, mtime_ns, ctime_ns, links = row
-    return mtime_ns if is_cache_link(mode, links) else max(mtime_ns, ctime_ns)
+    changed = mtime_ns if is_cache_link(mode, links) else max(mtime_ns, ctime_ns)
+    # Keys hold int64: a time past 2262 (`touch -d 2300-01-01`) made every start raise
+    # OverflowError. Such times are held at int64's end, where any change of size or a time
+    # back inside the range still moves the key.
+    return min(max(changed, _INT64_MIN), _INT64_MAX)
+
+
+_INT64_MAX = (1 << 63) - 1
+_INT64_MIN = -(1 << 63)
 
 
 #: Paths handed to one stat_many call, at most.
