@@ -27,11 +27,11 @@ __all__ = ["EpochOrders", "agree_incomplete"]
 
 def agree_incomplete(incomplete: bool, layout: WorldLayout) -> bool:
     """True on every rank when staging is incomplete on any rank's node (one all_reduce)."""
-    if layout.world_size == 1:
+    found = layout_group(layout)
+    if layout.world_size == 1 and found is None:  # (a loader of one process: nothing to ask)
         return incomplete
     import torch
 
-    found = layout_group(layout)
     if found is None:  # (none initialised, or one that is not this loader's world)
         raise UsageError(
             "this dataset is staged with stage-in --background, so ranks must agree on each "

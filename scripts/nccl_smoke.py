@@ -40,6 +40,7 @@ def check_collectives(backend: str = "nccl") -> None:
     import torch
     import torch.distributed as dist
 
+    from stager.errors import UsageError
     from stager.plan.ranks import WorldLayout
     from stager_loaders.orders import agree_incomplete
     from stager_loaders.world import agree_per_rank
@@ -55,10 +56,17 @@ def check_collectives(backend: str = "nccl") -> None:
         # group's enters no collective (a validation loader on rank 0 alone).
         layout = WorldLayout(num_nodes=1, ranks_per_node=1, rank=0)
         assert agree_per_rank(1000, layout, "drop", "node") == 1000
-        # (a layout of one answers alone; two nodes make it reduce, the group of one for both)
+        # Staging's agreement reduces over the group of the layout's world (one rank here);
+        # a layout of another world (two nodes) under it is refused, never reduced
+        assert agree_incomplete(True, layout) is True
+        assert agree_incomplete(False, layout) is False
         two_nodes = WorldLayout(num_nodes=2, ranks_per_node=1, rank=0)
-        assert agree_incomplete(True, two_nodes) is True
-        assert agree_incomplete(False, two_nodes) is False
+        try:
+            agree_incomplete(True, two_nodes)
+        except UsageError:
+            pass
+        else:
+            raise AssertionError("a layout of two nodes was reduced over a group of one")
         print(f"collectives on {backend}: ok", flush=True)
     finally:
         dist.destroy_process_group()
