@@ -12,7 +12,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import stager.stagein.finish
 from stager.layout import StagedDataset
 from stager.shards import manifestcolumns
 from stager.shards.manifest import Manifest, ManifestEntry, read_columns
@@ -146,7 +145,7 @@ def test_stage_in_writes_the_columns_and_the_loader_reads_them_not_the_json(
     src = tmp_path / "src" / "ds"
     write_synthetic_dataset(src, SyntheticSpec(num_shards=5, samples_per_shard=3, seed=4))
     dest = tmp_path / "scratch"
-    monkeypatch.setattr(stager.stagein.finish, "COLUMNS_FROM", 3)
+    monkeypatch.setattr(manifestcolumns, "COLUMNS_FROM", 3)
     result = run_main(capsys, "stage-in", str(src), "--dest", str(dest), *FAST)
     assert result.returncode == 0, result.stderr
     staged = StagedDataset(dest, "ds")
@@ -204,7 +203,7 @@ def test_a_large_plans_columns_carry_its_hashes_and_every_read_maps_them(
 
     from .test_loader_background_fetch import _plan_without_copier, _worker_gate
 
-    monkeypatch.setattr(status, "COLUMNS_FROM", 2)
+    monkeypatch.setattr(manifestcolumns, "COLUMNS_FROM", 2)
     src, staged = _plan_without_copier(tmp_path)
     plan = Manifest.read(staged.staging_path)
     assert columns_path(staged.index_dir, manifestcolumns.PLAN_COLUMNS_NAME).is_file()
@@ -301,7 +300,7 @@ def test_stage_in_leaves_no_columns_file_no_reader_would_use(
     a reader refuses (a backslash) get none: each would only make every reader hash the
     manifest for nothing."""
     clean_process_env(monkeypatch)
-    monkeypatch.setattr(stager.stagein.finish, "COLUMNS_FROM", 3)
+    monkeypatch.setattr(manifestcolumns, "COLUMNS_FROM", 3)
     src = tmp_path / "src" / "ds"
     write_synthetic_dataset(src, SyntheticSpec(num_shards=4, samples_per_shard=2, seed=7))
     dest = tmp_path / "scratch"
@@ -328,13 +327,12 @@ def test_a_discarded_plan_takes_its_columns_file_along(
     """A plain --cache run after a background one discards the plan: its columns file went
     unremoved, stayed in the copy's index for good, and the cache kept it (keep_index) and
     gave it back to every later copy of the dataset."""
-    import stager.stagein.status as status
 
     from .inproc import clean_process_env, run_main
     from .test_loader_background_fetch import _plan_without_copier
 
     clean_process_env(monkeypatch)
-    monkeypatch.setattr(status, "COLUMNS_FROM", 2)
+    monkeypatch.setattr(manifestcolumns, "COLUMNS_FROM", 2)
     src, staged = _plan_without_copier(tmp_path)
     plan_columns = columns_path(staged.index_dir, manifestcolumns.PLAN_COLUMNS_NAME)
     assert plan_columns.is_file()

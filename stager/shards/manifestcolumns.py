@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stager.shards.arrayfile import RawArray, map_arrays, write_arrays
-from stager.shards.manifest import ManifestColumns, parse_columns, read_columns
+from stager.shards.manifest import Manifest, ManifestColumns, parse_columns, read_columns
 from stager.storage.hashing import new_hasher
 from stager.storage.paths import discard, joined_canonical
 
@@ -50,6 +50,7 @@ __all__ = [
     "cached_columns",
     "columns_path",
     "file_key",
+    "keep_columns",
     "load_columns",
     "save_columns",
 ]
@@ -108,14 +109,14 @@ def save_columns(
     then take the manifest's own path). Raises ``OSError`` where it cannot be written; a
     caller treats that as a slower next read, not a failure."""
     text = "\0".join(relpaths) + "\0" if relpaths else ""
+    if not joined_canonical("\0" + text, len(relpaths)):  # (names no reader would take)
+        discard(path)  # (nor an older one, which its key would only make every reader hash)
+        return
     starts = array("q", [0])
     if text.isascii():  # a byte a character: no bytes object per path
         starts.extend(accumulate(len(p) + 1 for p in relpaths))
     else:
         starts.extend(accumulate(len(p.encode("utf-8", "surrogatepass")) + 1 for p in relpaths))
-    if not joined_canonical("\0" + text, len(relpaths)):  # (names no reader would take)
-        discard(path)  # (nor an older one, which its key would only make every reader hash)
-        return
     joined = text.encode("utf-8", "surrogatepass")
     del text
     counts = array("q", (-1 if n is None else n for n in samples))
@@ -132,6 +133,36 @@ def save_columns(
         columns["digest_codes"], columns["digest_raw"] = codes, raw.reshape(-1)
         header["digests"] = {"names": list(names), "widths": list(widths), "row": raw.shape[1]}
     write_arrays(path, columns, header)
+
+
+def keep_columns(
+    manifest: Manifest, manifest_path: Path, path: Path, *, digests: bool = False
+) -> None:
+    """Best effort: the columns file at ``path`` of ``manifest``, just written at
+    ``manifest_path`` by its one writer (a stage-in's finish, a copier's plan: under the node's
+    lock, so the file is still those bytes), ``digests`` kept too (a plan's). A manifest of
+    fewer than :data:`COLUMNS_FROM` shards gets none, and an earlier, larger one's is removed:
+    its key holds it stale, but each reader would map it and hash the manifest for nothing.
+    """
+    entries = manifest.entries
+    if len(entries) < COLUMNS_FROM:
+        discard(path)
+        return
+    with contextlib.suppress(OSError, ValueError, OverflowError):  # (readers parse it then)
+        kept = None
+        if digests:
+            from stager.shards.digests import DigestColumn  # (numpy: a large plan's only)
+
+            kept = DigestColumn([e.hash for e in entries])
+        save_columns(
+            file_key(manifest_path),
+            path,
+            [e.relpath for e in entries],
+            [e.size for e in entries],
+            [e.samples for e in entries],
+            dict(manifest.meta),
+            kept,
+        )
 
 
 def _little(values: array[int]) -> bytes:

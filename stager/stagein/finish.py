@@ -39,7 +39,7 @@ from stager.layout import CORRUPT_META, StagedDataset, is_shard_name
 from stager.shards import indexfile, tarindex
 from stager.shards.indexkey import StatsAhead
 from stager.shards.manifest import Manifest, ManifestEntry
-from stager.shards.manifestcolumns import COLUMNS_FROM, columns_path, file_key, save_columns
+from stager.shards.manifestcolumns import columns_path, keep_columns
 from stager.shards.tarindex import TarIndex
 from stager.shards.tarnative import WalkResult
 from stager.shards.tarparse import TarSampleCounter
@@ -120,8 +120,8 @@ def finish(run: Staging) -> None:
             with contextlib.suppress(OSError):
                 manifest.write(run.staged.manifest_path)
                 written = True
-        if written:
-            _keep_columns(run, manifest)
+        if written:  # (so that no rank parses its JSON)
+            keep_columns(manifest, run.staged.manifest_path, columns_path(run.staged.index_dir))
         assert run.journal is not None
         run.journal.remove()  # every entry it held is in the manifest now
     except OSError as exc:
@@ -142,25 +142,6 @@ def finish(run: Staging) -> None:
             raise error(f"[{report.node}] {first.reason}")
     if failures:
         raise shard_failures(failures)
-
-
-def _keep_columns(run: Staging, manifest: Manifest) -> None:
-    """The columns file of the manifest just written, so that no rank parses its JSON
-    (:mod:`stager.shards.manifestcolumns`); best effort, for datasets of many shards."""
-    entries = manifest.entries
-    path = columns_path(run.staged.index_dir)
-    if len(entries) < COLUMNS_FROM:
-        discard(path)  # (an earlier, larger run's: its key holds it stale, but each reader
-        return  # would map it and hash the manifest for nothing)
-    with contextlib.suppress(OSError, OverflowError):  # (a loader parses the manifest then)
-        save_columns(
-            file_key(run.staged.manifest_path),  # (this run's own, under the node's lock)
-            path,
-            [e.relpath for e in entries],
-            [e.size for e in entries],
-            [e.samples for e in entries],
-            dict(manifest.meta),
-        )
 
 
 def _corrupt_relpaths(run: Staging) -> list[str]:

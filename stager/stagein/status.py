@@ -22,7 +22,6 @@ The plan's shard order is :func:`stager.plan.staging.copy_order` of its ``copy_s
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import json
@@ -34,12 +33,10 @@ from stager.errors import StagerError, UsageError
 from stager.layout import StagedDataset
 from stager.shards.manifest import Manifest, ManifestColumns, ManifestEntry
 from stager.shards.manifestcolumns import (
-    COLUMNS_FROM,
     PLAN_COLUMNS_NAME,
     cached_columns,
     columns_path,
-    file_key,
-    save_columns,
+    keep_columns,
 )
 from stager.slurm import SlurmEnv
 from stager.storage.paths import discard
@@ -123,21 +120,8 @@ def write_plan(staged: StagedDataset, entries: Sequence[ManifestEntry], facts: P
     staged.meta_dir.mkdir(exist_ok=True)
     plan = Manifest(tuple(entries), facts.meta())
     plan.write(staged.staging_path)
-    if len(entries) < COLUMNS_FROM:  # (an earlier run's would only make every read hash this)
-        discard(columns_path(staged.index_dir, PLAN_COLUMNS_NAME))
-    else:
-        from stager.shards.digests import DigestColumn  # (numpy: a large plan's only)
-
-        with contextlib.suppress(OSError, ValueError, OverflowError):
-            save_columns(
-                file_key(staged.staging_path),  # (the copier's own, under the node's lock)
-                columns_path(staged.index_dir, PLAN_COLUMNS_NAME),
-                [e.relpath for e in entries],
-                [e.size for e in entries],
-                [e.samples for e in entries],
-                dict(plan.meta),
-                DigestColumn([e.hash for e in entries]),
-            )
+    plan_columns = columns_path(staged.index_dir, PLAN_COLUMNS_NAME)
+    keep_columns(plan, staged.staging_path, plan_columns, digests=True)
 
 
 def read_plan(staged: StagedDataset) -> tuple[ManifestColumns, PlanFacts] | None:
