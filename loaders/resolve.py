@@ -17,7 +17,6 @@ import dataclasses
 import logging
 import os
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from operator import attrgetter
 from pathlib import Path
@@ -32,10 +31,11 @@ from stager.shards.manifest import ManifestColumns
 from stager.shards.manifestcolumns import cached_columns
 from stager.shards.packedstrings import PackedStrings
 from stager.shards.tarindex import any_compressed
+from stager.slurm import usable_cpus
 from stager.stagein.status import PlanFacts
 from stager.storage.dest import resolve_dest_root
 from stager.storage.sources import SourceSet, resolve_source
-from stager.storage.statmany import key_stats, key_stats_joined
+from stager.storage.statmany import key_stats, key_stats_runs
 
 from .enclosing import copy_above, part_of_a_copy
 from .failed import recorded_corrupt, recorded_failures
@@ -176,19 +176,14 @@ def _staged_mtimes(locations: Sequence[str], sizes: list[int]) -> tuple[np.ndarr
         runs = locations.native_paths(_stat_threads(len(locations)))
     if runs is None:
         packed = key_stats(locations if isinstance(locations, list) else list(locations))
-    elif len(runs) == 1:
-        packed = key_stats_joined(*runs[0])
     else:
-        with ThreadPoolExecutor(len(runs), thread_name_prefix="stager-stat") as pool:
-            parts = list(pool.map(lambda run: key_stats_joined(*run), runs))
-        packed = None if None in parts else b"".join(parts)  # type: ignore[arg-type]
-    recorded = None
+        packed = key_stats_runs(runs)
     if packed is not None:
         try:
             recorded = np.asarray(sizes, dtype=np.int64)
         except OverflowError:  # a recorded size no file has: the Python way says not whole
-            recorded = None
-    if packed is not None and recorded is not None:
+            packed = None
+    if packed is not None:
         rows = np.frombuffer(packed, dtype=np.int64).reshape(-1, 2)
         whole = rows[:, 0] == recorded
         return np.where(whole, rows[:, 1], -1), np.flatnonzero(~whole).tolist()
@@ -214,11 +209,7 @@ _STATS_PER_THREAD = 50_000
 
 
 def _stat_threads(count: int) -> int:
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, min(8, cores, count // _STATS_PER_THREAD))
+    return max(1, min(8, usable_cpus(), count // _STATS_PER_THREAD))
 
 
 class NothingSelected(SourceError):

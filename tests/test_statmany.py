@@ -139,3 +139,18 @@ def test_key_stats_packs_what_the_key_takes_from_os_stat_or_says_none(
     want = [v for st in stats if st is not None for v in (st.st_size, changed_ns(st))]
     assert packed is not None and array("q", packed).tolist() == want
     assert statmany.key_stats([]) == b"" == statmany.key_stats_joined(head, b"", 0)
+
+
+def test_key_stats_runs_on_threads_equal_one_pass(tmp_path: Path) -> None:
+    """A large copy's stats split into runs on threads give the rows of one pass, in order;
+    a run that fails (a copy not there) makes the whole answer None."""
+    names = [f"s{i:03d}" for i in range(40)]
+    for number, name in enumerate(names):
+        (tmp_path / name).write_bytes(b"x" * number)
+    head = os.fsencode(str(tmp_path) + os.sep)
+    runs = [(head, "\0".join(names[a:b]).encode(), b - a) for a, b in ((0, 13), (13, 27), (27, 40))]
+    whole = statmany.key_stats([str(tmp_path / name) for name in names])
+    assert whole is not None and statmany.key_stats_runs(runs) == whole
+    assert statmany.key_stats_runs(runs[:1]) == statmany.key_stats_joined(*runs[0])
+    (tmp_path / names[20]).unlink()
+    assert statmany.key_stats_runs(runs) is None

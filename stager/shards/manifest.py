@@ -142,7 +142,7 @@ def _refuse_repeats(relpaths: list[str], where: Path) -> None:
 class ManifestColumns:
     """A manifest's shards as columns: what a loader needs, without an object per shard."""
 
-    relpaths: Sequence[str]  # a list, or the loader's packed strings (loaders.stagedcolumns)
+    relpaths: Sequence[str]  # a list, or packed strings (stager.shards.manifestcolumns)
     sizes: list[int]
     samples: list[int | None]
     meta: dict[str, str]

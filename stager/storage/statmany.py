@@ -16,7 +16,7 @@ from __future__ import annotations
 import errno
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from stager.native import load_optional
@@ -26,6 +26,7 @@ __all__ = [
     "available",
     "key_stats",
     "key_stats_joined",
+    "key_stats_runs",
     "stat_many",
     "stat_many_python",
 ]
@@ -68,6 +69,20 @@ def key_stats_joined(prefix: bytes, joined: bytes, count: int) -> bytes | None:
     object per name; None where :func:`key_stats` gives None, or the helper lacks this call."""
     compiled = getattr(_module, "key_stats_joined", None)
     return None if compiled is None else compiled(prefix, joined, count)
+
+
+def key_stats_runs(runs: Sequence[tuple[bytes, bytes, int]]) -> bytes | None:
+    """:func:`key_stats_joined` of each run, end to end: on a thread each where there are
+    several (the stats release the interpreter lock, so a start on idle cores spreads them);
+    None where any run gives None."""
+    if len(runs) == 1:
+        return key_stats_joined(*runs[0])
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(runs), thread_name_prefix="stager-stat") as pool:
+        parts = list(pool.map(lambda run: key_stats_joined(*run), runs))
+    done = [part for part in parts if part is not None]
+    return b"".join(done) if len(done) == len(parts) else None
 
 
 def stat_many_python(
