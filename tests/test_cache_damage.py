@@ -236,10 +236,10 @@ def test_shards_a_failed_run_named_but_never_filled_evict_nothing(
     """A run names its shards when it starts; one that failed or was killed before filling
     them left bytes in the count that do not exist, and the next job evicted a real dataset.
     (Found by a stat of each object named, or for many, one listing of the objects.)"""
-    from stager.cache import store
+    from stager.cache import paths
     from stager.node.jobs import JobStates
 
-    monkeypatch.setattr(store, "_STATS_BEFORE_LISTING", 0 if listing else 10**9)
+    monkeypatch.setattr(paths, "STATS_BEFORE_LISTING", 0 if listing else 10**9)
 
     cache = ShardCache.open(
         tmp_path / "cache", limit_bytes=150, job_states=lambda: JobStates(frozenset())

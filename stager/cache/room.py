@@ -27,10 +27,6 @@ from stager.cache.records import DatasetRecord
 
 __all__ = ["alone_bytes", "shortfall", "space_plan"]
 
-#: Objects named by running stage-ins over which their fills yet to come are found by one
-#: listing of the objects rather than a stat each (as ShardCache._forget_phantoms does).
-_STATS_BEFORE_LISTING = 4096
-
 
 def alone_bytes(layout: CacheLayout, objects: Mapping[str, int]) -> dict[str, int]:
     """Key -> the bytes dropping each of ``objects`` frees: its blocks where the cache's name
@@ -102,7 +98,5 @@ def _pending_bytes(
         if key != own and lock_is_held(layout.dataset_lock(key))
     ]
     named = {obj: size for r in running for obj, size in r.objects.items() if obj not in mine}
-    if len(named) > _STATS_BEFORE_LISTING:  # (one listing of the objects, not a stat each)
-        there = layout.object_keys()
-        return sum(size for obj, size in named.items() if obj not in there)
-    return sum(size for obj, size in named.items() if not os.path.isfile(layout.object_path(obj)))
+    there = layout.present(named.keys())
+    return sum(size for obj, size in named.items() if obj not in there)

@@ -44,9 +44,6 @@ __all__ = ["ShardCache", "Registration"]
 
 #: A dataset record keeps at most this many job leases before ended jobs are pruned from it.
 _MAX_LEASES = 32
-#: Objects named by idle records, over which finding the phantoms lists the objects (256
-#: groups) instead of a stat per object.
-_STATS_BEFORE_LISTING = 4096
 
 
 @dataclass(frozen=True)
@@ -338,17 +335,12 @@ class ShardCache:
             for key, record in records.items()
             if key != own and not lock_is_held(self.layout.dataset_lock(key))
         }  # (a run filling one now: its shards are on their way)
-        named = sum(len(record.shards) for record in idle.values())
-        listed = self.layout.object_keys() if named > _STATS_BEFORE_LISTING else None
+        present = self.layout.present({str(e[0]) for r in idle.values() for e in r.shards.values()})
         for key, record in idle.items():
             there = {
                 relpath: entry
                 for relpath, entry in record.shards.items()
-                if (
-                    str(entry[0]) in listed
-                    if listed is not None
-                    else os.path.isfile(self.layout.object_path(entry[0]))
-                )
+                if str(entry[0]) in present
             }
             if len(there) != len(record.shards):
                 record.shards = there
