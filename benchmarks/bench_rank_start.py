@@ -1,8 +1,8 @@
 """One rank's loader start over a staged copy of many shards: time and peak memory, with the
 manifest's columns file against parsing the manifest, alternated in one run.
 
-Run: ``.venv/bin/python -m benchmarks.bench_rank_start [--shards N] [--reps R] [--root DIR]
-[--keep]``
+Run: ``.venv/bin/python -m benchmarks.bench_rank_start [--shards N] [--reps R] [--root DIR]``
+(a ``--root`` is kept, and its copy reused by a later run; else a temporary one is removed)
 
 Why: every rank of a job builds its loader from the staged copy's manifest. At 1e6 shards the
 JSON is ~170 MB, and parsing it cost each rank seconds and a ~630 MB peak, whatever the world
@@ -40,11 +40,10 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from .common import report
+from .common import in_workdir, report
 
 MODES = ("columns file", "manifest parsed")
 WORLD, RANK = 1024, 513
@@ -219,18 +218,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shards", type=float, default=2e5, help="shards in the staged copy")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--root", type=Path, help="where to write the copy (kept with --keep)")
-    parser.add_argument("--keep", action="store_true", help="keep the copy for a later run")
+    parser.add_argument("--root", type=Path, help="where to write the copy (kept, reused)")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     args = parser.parse_args(argv)
     shards = int(args.shards)
-    root = args.root or Path(tempfile.mkdtemp(prefix="bench-rank-start-", dir=_tmp_dir()))
-    try:
-        dataset_dir = prepare(root, shards)
-        report(bench(dataset_dir, shards, args.reps), to_markdown, args.json)
-    finally:
-        if not args.keep:
-            shutil.rmtree(root, ignore_errors=True)
+
+    def run(root: Path) -> list[dict]:
+        return bench(prepare(root, shards), shards, args.reps)
+
+    rows = in_workdir(args.root, "bench-rank-start-", run, parent=_tmp_dir())
+    report(rows, to_markdown, args.json)
     return 0
 
 
