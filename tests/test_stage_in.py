@@ -568,3 +568,29 @@ def test_journal_lines_are_json_and_read_back_as_recorded(
     journal.record_all([])
     assert path.read_bytes().count(b"\n") == 3
     assert journal.read() == {relpath: again, relpath + "x": other}
+
+
+def test_api_takes_a_path_as_the_command_line_does(small_dataset: Path, tmp_path: Path) -> None:
+    """``stager.stage_in`` given a path string, a PathLike or a list of shard paths resolves it
+    as ``stage-in SRC`` does (it raised AttributeError, 'str' object has no attribute 'name',
+    from deep inside); anything else is refused in one line before scratch is touched."""
+    from stager import StageInOptions, resolve_source, stage_in
+    from stager.errors import UsageError
+
+    def options(where: str) -> StageInOptions:
+        return StageInOptions(dest_root=tmp_path / where, progress="none", jitter_max_s=0)
+
+    with pytest.raises(UsageError, match=r"not int"):
+        stage_in(42, options("refused"))  # type: ignore[arg-type]
+    assert not (tmp_path / "refused").exists()
+    given = stage_in(str(small_dataset), options("str"))
+    assert given.files_failed == 0 and given.files_copied > 0
+    resolved = stage_in(resolve_source(str(small_dataset)), options("set"))
+    assert (given.dataset_dir, given.files_copied) == (
+        resolved.dataset_dir.replace("/set/", "/str/"),
+        resolved.files_copied,
+    )
+    assert stage_in(small_dataset, options("str")).files_skipped == given.files_copied
+    shards = sorted(str(p) for p in small_dataset.glob("*.tar"))
+    listed = stage_in(shards[:2], options("list"))
+    assert listed.files_copied == 2

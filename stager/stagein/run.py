@@ -16,13 +16,14 @@ The flow, per node:
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from operator import attrgetter
 from typing import TextIO
 
-from stager.errors import ShardFailure, SourceError
+from stager.errors import ShardFailure, SourceError, UsageError
 from stager.gcpause import collection_paused
 from stager.layout import StagedDataset, has_hidden_part
 from stager.leftout import (
@@ -54,7 +55,7 @@ from stager.stagein.sourcemanifest import load_source_manifest
 from stager.stagein.stagedtree import StagedNames
 from stager.stagein.status import discard_plan
 from stager.stagein.subset import NodeSelect, node_share
-from stager.storage.sources import SourceSet, SourceShard, fill_sizes
+from stager.storage.sources import SourceSet, SourceShard, fill_sizes, resolve_source
 
 __all__ = [
     "StageInOptions",
@@ -107,8 +108,21 @@ def new_report(
     )
 
 
+def _as_source_set(source: object) -> SourceSet:
+    """``source`` as a SourceSet: a path, URL or list of URLs resolved (given one as is, the
+    API failed deep inside with an AttributeError), anything else refused in one line."""
+    if isinstance(source, SourceSet):
+        return source
+    if isinstance(source, (str, os.PathLike)):
+        return resolve_source(os.fspath(source))
+    if isinstance(source, Sequence) and all(isinstance(u, (str, os.PathLike)) for u in source):
+        return resolve_source([os.fspath(u) for u in source])
+    kind = type(source).__name__
+    raise UsageError(f"stage_in takes a SourceSet, a path or URL, or a list of them, not {kind}")
+
+
 def stage_in(
-    source: SourceSet,
+    source: SourceSet | str | os.PathLike[str] | Sequence[str],
     options: StageInOptions,
     *,
     slurm: SlurmEnv | None = None,
@@ -116,12 +130,17 @@ def stage_in(
 ) -> StageInReport:
     """Stage ``source`` into ``options.dest_root / name`` on this node and return the report.
 
+    ``source``: a :class:`~stager.storage.sources.SourceSet`, or what
+    :func:`~stager.storage.sources.resolve_source` takes (a directory, glob, brace pattern or
+    URL, or a list of shard URLs), resolved here as the command line resolves it.
+
     ``select`` narrows the shards (``--subset node``), called with the listing and each listed
     shard's bytes, from the manifest where it describes the shard
     (:data:`stager.stagein.subset.NodeSelect`); default: all of them. Raises a
     :class:`~stager.errors.StagerError` (with ``.report`` attached) when anything failed;
     everything that succeeded stays staged and is skipped by a rerun.
     """
+    source = _as_source_set(source)
     slurm = slurm or SlurmEnv.from_environ()
     log = options.log or sys.stderr
     staged = staged_dataset(source, options)
