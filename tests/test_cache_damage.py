@@ -39,14 +39,19 @@ def _dataset_record(cache: Path) -> Path:
     return record
 
 
-def test_a_dataset_record_of_another_shape_is_no_record(capsys, tmp_path: Path) -> None:
-    """Valid JSON that is not this version's record (damaged, or another version's) is passed
-    by as no record: stage-in, `stager ls` and `stager clean --cache` ended in a TypeError."""
+def _cached_once(capsys, tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A dataset staged once through a cache: its source, the cache, the dataset's record."""
     src = tmp_path / "nfs" / "ds"
     write_synthetic_dataset(src, SPEC)
     cache = tmp_path / "cache"
     assert _stage(capsys, src, tmp_path / "job1", cache)[0] == 0
-    record = _dataset_record(cache)
+    return src, cache, _dataset_record(cache)
+
+
+def test_a_dataset_record_of_another_shape_is_no_record(capsys, tmp_path: Path) -> None:
+    """Valid JSON that is not this version's record (damaged, or another version's) is passed
+    by as no record: stage-in, `stager ls` and `stager clean --cache` ended in a TypeError."""
+    src, cache, record = _cached_once(capsys, tmp_path)
     payload = json.loads(record.read_text())
     payload["shards"] = {relpath: entry[1] for relpath, entry in payload["shards"].items()}
     record.write_text(json.dumps(payload))
@@ -62,6 +67,35 @@ def test_a_dataset_record_of_another_shape_is_no_record(capsys, tmp_path: Path) 
     code, report, stderr = _stage(capsys, src, tmp_path / "job3", cache)
     assert code == 0, stderr
     _assert_identical(src, tmp_path / "job3" / "ds")
+
+
+@pytest.mark.parametrize("where", ["object record", "dataset record"])
+@pytest.mark.parametrize("samples", ["ten", -3, 2.5, True])
+def test_an_object_record_edited_to_another_type_is_no_record(
+    capsys, tmp_path: Path, where: str, samples: object
+) -> None:
+    """A sample count edited by hand in a cached shard's record (or in the copy a dataset's
+    record keeps of it): the shard is copied again, the manifest counts what the tar holds.
+    It was served: "ten" ended the run in a traceback (exit 1), -3 staged a manifest the
+    loader refused."""
+    src, cache, record = _cached_once(capsys, tmp_path)
+    payload = json.loads(record.read_text())
+    key = sorted(payload["known"])[0]
+    payload["known"][key][2] = samples
+    if where == "object record":
+        del payload["known"][key]  # (read from the object's own record)
+        path = cache / "objects" / key[:2] / f"{key}.json"
+        edited = json.loads(path.read_text()) | {"samples": samples}
+        path.write_text(json.dumps(edited))
+    record.write_text(json.dumps(payload))
+
+    code, report, stderr = _stage(capsys, src, tmp_path / "job2", cache)
+    assert code == 0 and "Traceback" not in stderr, stderr
+    # (the dataset record's copy refused, the object's own record serves it)
+    assert report["files_from_cache"] == SPEC.num_shards - (where == "object record")
+    _assert_identical(src, tmp_path / "job2" / "ds")
+    manifest = json.loads((tmp_path / "job2" / "ds" / ".stager" / "manifest.json").read_text())
+    assert [s["samples"] for s in manifest["shards"]] == SPEC.shard_sizes()
 
 
 # -- a fill lock held by a process that makes no progress ----------------------------------
@@ -337,3 +371,17 @@ def test_a_part_of_the_cache_it_may_not_use_is_passed_by_not_the_jobs_failure(
     assert result.returncode == 0, result.stderr
     assert result.stderr.count("the cache refused a shard") == 1, result.stderr
     _assert_identical(src, tmp_path / "job2" / src.name)
+
+
+def test_a_record_of_a_large_inode_or_an_old_time_is_well_formed() -> None:
+    """The type check refuses what no stat gives, never what one does: an inode number past
+    2^63 (st_ino is unsigned) or a time before 1970 would have made every run copy again."""
+    from stager.cache.records import ObjectRecord
+
+    record = ObjectRecord("k" * 32, "file:///x.tar", 10, "xxh3_64:00", 3, None, 1 << 63, -5, 0.0)
+    assert record.well_formed()
+    again = ObjectRecord.from_compact(record.key, record.url, record.compact())
+    assert again is not None and again.compact() == record.compact()
+    for ino, mtime_ns in ((1, True), (1.5, 0), (-1, 0), (1 << 64, 0)):
+        values = [10, "xxh3_64:00", 3, None, ino, mtime_ns]
+        assert ObjectRecord.from_compact(record.key, record.url, values) is None

@@ -201,6 +201,34 @@ def test_a_source_changed_during_the_copy_is_never_published(
     assert not final.exists() and not list(tmp_path.glob("*.partial"))
 
 
+@pytest.mark.parametrize("change", ["rewrite", "remove", "replace"])
+def test_a_source_changed_while_the_bandwidth_cap_holds_the_copy_is_never_published(
+    tmp_path: Path, byte_path: str, change: str
+) -> None:
+    """The cap (``--bw-limit``; in ``--background`` a shard waits there for the earlier ones)
+    paces a copy after its last read: a source changed, replaced or removed meanwhile was
+    published with exit 0 as bytes it no longer holds."""
+    src = tmp_path / "src.bin"
+    src.write_bytes(_data(FIRST_READ_BYTES // 2))  # one read: the pump's end stat comes first
+    final = tmp_path / "out.bin"
+
+    def change_while_paced(nbytes: int) -> None:
+        if change == "remove":
+            src.unlink()
+        elif change == "replace":
+            (tmp_path / "new.bin").write_bytes(_data(FIRST_READ_BYTES // 2)[::-1])
+            os.replace(tmp_path / "new.bin", src)
+        else:
+            with open(src, "r+b") as handle:
+                handle.write(b"X" * 10)
+
+    throttle = Throttle(1e12)
+    throttle.consume = change_while_paced  # type: ignore[method-assign]
+    with pytest.raises(SizeMismatch, match="changed while it was copied"):
+        copy_file(None, str(src), final, throttle=throttle, inspect=_Recorder(byte_path))
+    assert not final.exists() and not list(tmp_path.glob("*.partial"))
+
+
 def test_a_file_read_in_one_read_has_no_transfer_time(tmp_path: Path, byte_path: str) -> None:
     """The stream controller takes ``last_byte_s - first_byte_s`` for the transfer: for a shard
     that one read returns whole it must be nothing, not the Python between two clock readings

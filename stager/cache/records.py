@@ -81,9 +81,29 @@ class ObjectRecord:
     def read(cls, path: Path) -> ObjectRecord | None:
         payload = read_json(path)
         try:
-            return cls(**payload)
+            record = cls(**payload)
         except TypeError:
             return None  # missing, cut by a kill, or from another version: not a record
+        return record if record.well_formed() else None
+
+    def well_formed(self) -> bool:
+        """Whether the fields have the types this version writes: a record edited or damaged
+        by hand (a sample count of ``"ten"`` or ``-3``, a hash without its algorithm) is no
+        record, so the shard is copied again; it was served, and the run ended in a traceback
+        (exit 1) or staged a manifest that the loader refused."""
+
+        def within(x: Any, low: int, high: int) -> bool:
+            return type(x) is int and low <= x < high  # (not a bool, a float or a str)
+
+        return (
+            all(isinstance(x, str) for x in (self.key, self.url, self.hash))
+            and ":" in self.hash
+            and within(self.size, 0, 1 << 63)
+            and within(self.ino, 0, 1 << 64)  # (st_ino is unsigned: overlayfs, FUSE go past 2^63)
+            and within(self.mtime_ns, -(1 << 63), 1 << 63)  # (a time before 1970 is negative)
+            and (self.samples is None or within(self.samples, 0, 1 << 63))
+            and (self.version is None or isinstance(self.version, str))
+        )
 
     def compact(self) -> list[Any]:
         """The record without its key and URL, as a dataset record keeps a copy of it."""
@@ -93,11 +113,10 @@ class ObjectRecord:
     def from_compact(cls, key: str, url: str, values: Any) -> ObjectRecord | None:
         try:
             size, digest, samples, version, ino, mtime_ns = values
-            return cls(
-                key, url, int(size), str(digest), samples, version, int(ino), int(mtime_ns), 0.0
-            )
+            record = cls(key, url, size, digest, samples, version, ino, mtime_ns, 0.0)
         except (TypeError, ValueError):
             return None
+        return record if record.well_formed() else None
 
 
 @dataclass

@@ -240,6 +240,8 @@ def copy_file(
         if pumped is not None:  # the compiled path: opened, checked and copied in C
             src_fd, dst_fd, opened_identity, end = pumped
             with _Fd.adopt(src_fd), _Fd.adopt(dst_fd):
+                if throttle is not None:  # (the cap paced the copy after the pump's last stat)
+                    end = _end_after_pacing(src_path, end)
                 _check_unchanged(opened_identity, end, progress.copied, url)
                 _finish_copy(dst_fd, inspect, fsync)
             version = version_of(*opened_identity)
@@ -360,6 +362,17 @@ def _check_unchanged(
             f"{url}: the source changed while it was copied ({copied} bytes read, now "
             f"{end[3]}); is something still writing it?"
         )
+
+
+def _end_after_pacing(src_path: str, end: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
+    """The source's identity and size now, for a copy the bandwidth cap held after its last
+    read (seconds to minutes behind earlier shards in ``--background``): a shard changed,
+    replaced or removed meanwhile was published as the bytes the source no longer holds."""
+    try:
+        st = os.stat(src_path)
+    except FileNotFoundError:
+        return (*end[:3], -1)  # removed: the retry says so
+    return (*local_identity(st), st.st_size)
 
 
 def _finish_copy(dst_fd: int, inspect: Inspector | None, fsync: bool) -> None:
