@@ -313,11 +313,11 @@ class ShardedLoader(DataLoader):
                 asked = time.perf_counter()
             if staging is not None:
                 staging.look(final=True)
-        except StagingStopped:
+        except StagingStopped as exc:
             if staging is None:
                 raise
             # from a worker, torch wraps it in a traceback: say it in one line
-            raise StagingStopped(staging.stopped_line()) from None
+            raise StagingStopped(_said_by_worker(exc) or staging.stopped_line()) from None
 
     # -- resume -------------------------------------------------------------------------------
     def _state(self, consumed: int) -> LoaderState:
@@ -424,3 +424,14 @@ class ShardedLoader(DataLoader):
         )
         self.reader.resume_elsewhere(epoch, remaining)
         self._elastic_origin = dict(origin)
+
+
+def _said_by_worker(exc: StagingStopped) -> str | None:
+    """The one line a reader raised, out of the traceback torch wraps a worker's error in
+    (its last line, ``stager.errors.StagingStopped: ...``), or None where it is not there."""
+    text = str(exc).strip()
+    if "\n" not in text:
+        return text or None
+    prefix = f"{StagingStopped.__module__}.{StagingStopped.__qualname__}: "
+    last = text.rsplit("\n", 1)[-1]
+    return last.removeprefix(prefix) if last.startswith(prefix) else None

@@ -44,6 +44,9 @@ class LoaderOptions:
     # stage-in --background died before staging a shard the loader needs: "fail" (one line,
     # StagingStopped) or "source" (fetch it from the source, verified, into the staged copy)
     on_copier_death: str = "fail"
+    # a copier that holds its lock but shows no progress this long (stopped, or hung on a
+    # dead server) is given up on: StagingStopped, whatever on_copier_death says
+    copier_stall_s: float = 3600.0
     # -- workers (as DataLoader's; persistent workers are ignored on the streaming path)
     persistent_workers: bool = False
     prefetch_factor: int | None = None
@@ -64,6 +67,8 @@ class LoaderOptions:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UsageError(f"{name} must be >= 1, got {value}")
+        if not self.copier_stall_s > 0:
+            raise UsageError(f"copier_stall_s must be > 0 seconds, got {self.copier_stall_s}")
         for name in ("buffer_samples", "log_every"):
             if getattr(self, name) < 0:
                 raise UsageError(f"{name} must be >= 0, got {getattr(self, name)}")

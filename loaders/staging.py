@@ -208,6 +208,7 @@ class StagingReader(StagedReader):
             shards.relpaths,
             sizes,
             options.on_copier_death,
+            stall_after_s=options.copier_stall_s,
             samples=self.counts,  # (the dataset's own array: pickled once with it)
             hashes=shards.hashes,
         )

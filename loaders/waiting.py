@@ -19,7 +19,10 @@ When the copier will not deliver a shard:
   fetched from the source, as the plain reader reads a failed shard there;
 * the copier is gone (its lock free for :data:`stager.stagein.status.GONE_AFTER_S` with no
   result) or was stopped: per ``LoaderOptions.on_copier_death``, :class:`StagingStopped`
-  (``"fail"``) or the shard is fetched from the source (``"source"``).
+  (``"fail"``) or the shard is fetched from the source (``"source"``);
+* the copier holds its lock but has shown no progress for ``LoaderOptions.copier_stall_s``
+  (stopped, or hung on a dead server): :class:`StagingStopped` whatever ``on_copier_death``
+  says, since a fetch needs the lock it holds (said once, as a warning, from 120 s on).
 
 Fetching copies the shard into its final name exactly as stage-in would (``.partial``,
 verified size, hash and sample count, rename), holding the node lock so that one process of the
@@ -32,6 +35,7 @@ which cost each one ~5 s and ~670 MB kept at 1e6 shards.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import time
 from collections import OrderedDict
@@ -58,11 +62,15 @@ from .shardio import open_shards
 
 __all__ = ["GrowingTarDataset", "ShardGate", "WaitTable", "COPIER_DEATH_MODES"]
 
+log = logging.getLogger("stager_loaders")
+
 #: ``LoaderOptions.on_copier_death``: what a reader does with shards a dead copier left.
 COPIER_DEATH_MODES = ("fail", "source")
 #: Member indexes a process keeps while the copy is incomplete (a window spans at most eight).
 INDEXES_KEPT = 64
 _SLOTS = 257  # rows of the wait table: the main process and up to 256 workers
+#: A wait on a copier that holds its lock but has shown no progress this long is said, once.
+QUIET_WARN_S = 120.0
 
 
 class WaitTable:
@@ -99,6 +107,7 @@ class ShardGate:
         *,
         samples: Sequence[int] | np.ndarray,
         hashes: DigestColumn,
+        stall_after_s: float = 3600.0,
     ):
         self.staged, self.facts = staged, facts
         self.relpaths = np.asarray([r.encode() for r in relpaths] or [b""], dtype="S")
@@ -113,6 +122,8 @@ class ShardGate:
         # a fetch too early is harmless (it copies under the node lock). With "fail" each wait
         # starts its own grace: a copier taking over in between must not be taken for dead.
         self._copier = CopierWatch(staged)
+        self.stall_after_s = stall_after_s
+        self._warned = False  # (that the copier is quiet: once per process)
 
     def path(self, shard: int) -> str:
         return self.prefix + self.relpaths[shard].decode()
@@ -139,9 +150,37 @@ class ShardGate:
                 if self._copier.gone(now):
                     self._copier_gone(shard, "its lock is free and it left no result")
                     break
+                self._check_quiet(shard)
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
         return time.monotonic() - started
+
+    def _check_quiet(self, shard: int) -> None:
+        """Say once that the copier holding the lock shows no progress, and give up on it
+        after ``stall_after_s``: stopped (SIGSTOP, a suspended step) or hung on a dead server,
+        it would keep every rank waiting until the job's time limit. The source cannot stand
+        in while it holds the node lock (a fetch takes that lock), whatever on_copier_death."""
+        quiet = self._copier.quiet_for()
+        if quiet is None or quiet < min(QUIET_WARN_S, self.stall_after_s):
+            return
+        relpath = self.relpaths[shard].decode()
+        if quiet >= self.stall_after_s:
+            why = f"it holds its lock but has shown no progress for {quiet:.0f} s: stopped or hung"
+            raise StagingStopped(
+                f"{stopped_message(self, why, alive=True)}; end it (kill its step) and rerun "
+                "`stage-in --background`, or raise LoaderOptions(copier_stall_s)"
+            )
+        if not self._warned:
+            self._warned = True
+            log.warning(
+                "waiting for %s of %s: the background stage-in holds its lock but has shown no "
+                "progress for %.0f s (a large shard on a slow source, or a stopped copier); "
+                "giving up after %.0f s (LoaderOptions.copier_stall_s)",
+                relpath,
+                self.staged.dir,
+                quiet,
+                self.stall_after_s,
+            )
 
     def _settle(self, shard: int, outcome: Outcome) -> None:
         """The run ended without publishing ``shard``: refuse it, fetch it, or give up."""
@@ -215,13 +254,16 @@ class ShardGate:
         )
 
 
-def stopped_message(gate: ShardGate, why: str) -> str:
-    """The one line a reader says when the copier will not deliver what it waits for."""
+def stopped_message(gate: ShardGate, why: str, *, alive: bool = False) -> str:
+    """The one line a reader says when the copier will not deliver what it waits for
+    (``alive``: the head only, for a copier that still holds the node lock)."""
     staged = sum(gate.is_published(i) for i in range(len(gate.sizes)))
     head = (
         f"the background stage-in of {gate.staged.dir} on {gate.facts.node} stopped ({why}) "
         f"with {staged} of {len(gate.sizes)} shard(s) staged"
     )
+    if alive:
+        return head
     if gate.on_copier_death == "source":
         return f"{head}; reading the others from the source (on_copier_death='source')"
     return (

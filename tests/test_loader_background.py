@@ -9,6 +9,7 @@ The copier is a real process (``stage-in --background --bw-limit``); the loader 
 from __future__ import annotations
 
 import json
+import re
 import signal
 from pathlib import Path
 
@@ -169,6 +170,46 @@ def test_a_dead_copier_is_said_in_one_line_then_fails_or_reads_the_source(
     for shard in sorted(src.glob("*.tar")):
         assert (staged.dir / shard.name).read_bytes() == shard.read_bytes()
     assert not list(staged.dir.rglob("*.partial"))
+
+
+@pytest.mark.parametrize(("mode", "workers"), [("fail", 0), ("source", 2)])
+def test_a_stopped_copier_that_holds_its_lock_is_given_up_in_one_line(
+    tmp_path: Path, mode: str, workers: int
+) -> None:
+    """A copier stopped (SIGSTOP: a suspended step, or a read hung on a dead server) keeps its
+    lock and heartbeats no more: the loader waited for it forever, saying nothing. Past
+    ``copier_stall_s`` without progress it raises StagingStopped in one line; the source is
+    not read (a fetch would need the lock the stopped copier holds). From a worker too, whose
+    error torch wraps in a traceback."""
+    import os
+    import time
+
+    src, dest = dataset(tmp_path), tmp_path / "scratch"
+    copier = start_copier(src, dest, "--bw-limit", "0.1")  # ~2 s per shard
+    try:
+        wait_plan(dest, first_shards=1)
+        loader = _loader(src, dest, workers, on_copier_death=mode, copier_stall_s=600.0)
+        batches = iter(loader)
+        head = list(next(batches)[0])
+        copier.send_signal(signal.SIGSTOP)
+        lock = StagedDataset(dest, "ds").lock_path
+        last_beat = time.time() - 3600  # (the stopped copier cannot touch it again)
+        os.utime(lock, (last_beat, last_beat))
+        with source_reads(src, tmp_path / "opened.log") as opened:
+            with pytest.raises(StagingStopped) as raised:
+                for _ in batches:
+                    pass
+            assert opened.read_text() == ""
+    finally:
+        copier.send_signal(signal.SIGCONT)
+        stop(copier)
+    message = str(raised.value)
+    assert "\n" not in message and re.search(r"no progress for 36\d\d s", message), message
+    assert "copier_stall_s" in message and head
+    staged = StagedDataset(dest, "ds")
+    for shard in sorted(src.glob("*.tar")):  # (what is there is whole and the source's)
+        copy = staged.dir / shard.name
+        assert not copy.exists() or copy.read_bytes() == shard.read_bytes()
 
 
 def test_a_background_run_that_ended_with_a_corrupt_shard_is_resolved_as_it_ended(

@@ -26,6 +26,7 @@ import errno
 import fcntl
 import json
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -232,6 +233,18 @@ class CopierWatch:
     def forget(self) -> None:
         """Start the grace over (a new wait must not inherit an old sighting)."""
         self._free_since = None
+
+    def quiet_for(self) -> float | None:
+        """Seconds since the lock's holder last showed progress, or None while the lock is
+        free (or its time cannot be read). The copier's heartbeat touches the lock file at
+        each shard (:meth:`stager.storage.lock.NodeLock.heartbeat`): a copier stopped, or hung
+        on a read of a dead server, holds the lock and touches it no more."""
+        if not lock_held(self.staged):
+            return None
+        try:
+            return max(0.0, time.time() - os.stat(self.staged.lock_path).st_mtime)
+        except OSError:
+            return None
 
 
 def published(path: str, size: int) -> bool:
