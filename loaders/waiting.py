@@ -34,6 +34,7 @@ which cost each one ~5 s and ~670 MB kept at 1e6 shards.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -213,6 +214,8 @@ class ShardGate:
                 except BlockingIOError:  # a copier, or another reader fetching: wait a little
                     time.sleep(0.05)
                     continue
+                with contextlib.suppress(OSError):  # (a holder's heartbeat: see _check_quiet)
+                    os.utime(fd)
                 if not self.is_published(shard):
                     self._copy(shard)
             finally:

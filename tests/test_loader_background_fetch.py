@@ -93,3 +93,19 @@ def test_a_fetched_shard_is_still_verified_against_the_plans_sample_count(
     with pytest.raises(IntegrityError, match="samples but the plan says"):
         gate.fetch(2)
     assert not gate.is_published(2)
+
+
+def test_a_fetch_shows_progress_to_readers_waiting_on_the_lock(tmp_path: Path) -> None:
+    """A reader fetching for a copier long gone holds the node lock: it touches the lock file
+    as a copier's heartbeat does, so another reader waiting meanwhile does not take it for a
+    copier stalled since its death (LoaderOptions.copier_stall_s)."""
+    import os
+
+    _, staged = _plan_without_copier(tmp_path)
+    gate = _worker_gate(staged)
+    staged.lock_path.touch()
+    long_ago = time.time() - 7200
+    os.utime(staged.lock_path, (long_ago, long_ago))
+    gate.fetch(1)
+    assert gate.is_published(1)
+    assert staged.lock_path.stat().st_mtime > long_ago + 3600
