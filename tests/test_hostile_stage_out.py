@@ -388,3 +388,61 @@ def test_a_file_gone_mid_copy_skips_its_checkpoint_and_the_rest_of_all_is_commit
     with pytest.raises(Exception) as raised:
         check_outcomes(outcomes)
     assert getattr(raised.value, "exit_code", None) == EXIT_CHECKPOINT
+
+
+def test_a_checkpoint_file_its_user_cannot_read_is_one_line_and_the_rest_committed(
+    tmp_path: Path,
+) -> None:
+    """Run as a user is (root without its permission override): a checkpoint file the job's user
+    cannot read (a root-owned file the trainer's container left, mode 000) was listed, then its
+    hash raised PermissionError: a traceback, exit 1, and with --all nothing else committed at
+    the job's end."""
+    import shutil
+    import subprocess
+
+    from .conftest import BIN, clean_env
+
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to run without the permission override")
+    as_a_user = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search,-fowner", "--"]
+    ckpt, dest = tmp_path / "ck", tmp_path / "dest"
+    _write(ckpt / "step-1.pt", seed=1)
+    os.utime(ckpt / "step-1.pt", ns=(10**18, 10**18))
+    _write(ckpt / "step-2" / "model.pt", seed=2)
+    _write(ckpt / "step-2" / "optim.pt", seed=3).chmod(0)
+
+    def stage_out(*args: str) -> subprocess.CompletedProcess[str]:
+        argv = [*as_a_user, str(BIN / "stage-out"), *args]
+        return subprocess.run(argv, env=clean_env(), capture_output=True, text=True, timeout=120)
+
+    one = stage_out(str(ckpt / "step-2"), str(dest))
+    assert one.returncode == EXIT_CHECKPOINT, one.stderr
+    assert "Traceback" not in one.stderr and len(one.stderr.splitlines()) == 1, one.stderr
+    assert "optim.pt: Permission denied" in one.stderr
+    every = stage_out("--all", str(ckpt), str(dest))
+    assert every.returncode == EXIT_CHECKPOINT, every.stderr
+    assert "Traceback" not in every.stderr
+    assert _committed(dest) == ["step-1.pt"]
+    assert _leftovers(dest) == []
+
+
+def test_all_commits_the_older_checkpoints_that_fit_when_the_newest_fills_dest(
+    tmp_path: Path,
+) -> None:
+    """A full DEST failed the whole ``--all`` at the newest checkpoint (often the largest: the
+    one with the optimizer state), though its attempt was removed and the older ones fit: the
+    job's end then committed nothing, and a requeue trained from scratch. Now each that fits
+    is committed, and the run still exits 5 naming the one that did not."""
+    ckpt = tmp_path / "ck"
+    _write(ckpt / "step-1.pt", size=1 << 20, seed=1)
+    os.utime(ckpt / "step-1.pt", ns=(10**18, 10**18))
+    _write(ckpt / "step-2.pt", size=6 << 20, seed=2)  # newest: does not fit in 4 MiB
+    with mount_tmpfs(tmp_path / "small", "4m") as fs:
+        dest = fs / "dest"
+        result = run_cli("stage-out", "--all", str(ckpt), str(dest))
+        assert result.returncode == EXIT_DEST, result.stderr
+        assert "Traceback" not in result.stderr
+        assert "is full while writing step-2.pt" in result.stderr.splitlines()[-1]
+        assert _committed(dest) == ["step-1.pt"] and _leftovers(dest) == []
+        restored = run_cli("stage-in", "--checkpoint", str(dest), "--dest", str(tmp_path / "r"))
+        assert restored.returncode == 0 and restored.stdout.strip().endswith("step-1.pt")

@@ -135,3 +135,32 @@ def test_a_sigterm_mid_restore_is_one_line_exit_130_and_leaves_nothing_partial(
     assert sorted(p.name for p in local.iterdir()) == [".stager-restore.lock"]
     monkeypatch.setattr(restore_module, "copy_file", real)
     assert same_tree(new, restore_here(dest, local))
+
+
+def test_a_commit_killed_after_the_old_record_went_is_not_a_first_start(tmp_path: Path) -> None:
+    """``last.pt`` re-committed each epoch: a kill -9 between the old record's removal and the new
+    record's write (the job's KillWait running out in the TERM trap's stage-out) left the new
+    data at DEST/last.pt, no record, and a dead attempt. Restore said "no committed checkpoint
+    yet" (exit 9), which the templates take for a first start: the requeued job trained from
+    step 0 and then committed over the only checkpoint. It is exit 7 now, naming it."""
+    import json
+    import os
+
+    scratch, dest = tmp_path / "scratch", tmp_path / "persist"
+    last = write_ckpt_file(scratch / "last.pt", seed=1)
+    assert stage(dest, last) == ["committed"]
+    (dest / META_DIR / "commits" / "last.pt.json").unlink()  # the window's state, as killed:
+    attempt = dest / META_DIR / "staging" / "node1__999999__0badf00d"  # (a dead attempt)
+    attempt.mkdir(parents=True)
+    intent = {"name": "last.pt", "host": "node1", "pid": 999999, "started_at": 1.0}
+    (attempt / "intent.json").write_text(json.dumps(intent))
+    result = subprocess.run(
+        [str(BIN / "stage-in"), "--checkpoint", str(dest), "--dest", str(tmp_path / "r")],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == EXIT_CHECKPOINT, result.stderr
+    assert f"{dest}/last.pt has no commit record" in result.stderr
+    assert result.stdout == "" and os.path.exists(dest / "last.pt")

@@ -147,6 +147,14 @@ def restore_checkpoint(
             f"{len(bad)} commit record(s) at {dest_url} but none is readable (see the warnings "
             "above); not starting from scratch over them"
         )
+    unrecorded = [] if records else store.unrecorded()
+    if unrecorded:  # a stage-out killed while committing: its previous version is gone
+        raise CheckpointError(
+            f"{store.display(unrecorded[0])} has no commit record: a stage-out was killed while "
+            "committing it (after its previous version was removed); not starting from scratch "
+            "over it. Commit it again with stage-out from the scratch that holds it, or remove it "
+            "to start afresh"
+        )
     if not records:
         raise NoCheckpoint(
             f"no committed checkpoint at {dest_url} yet; start from scratch (exit code 9 means "

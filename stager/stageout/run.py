@@ -21,6 +21,7 @@ Finally ``--keep N`` prunes all but the N newest committed checkpoints.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import sys
@@ -36,7 +37,9 @@ from typing import TextIO
 from stager.errors import (
     CheckpointError,
     DeadlineTooShort,
+    DestinationError,
     IntegrityError,
+    ScratchFull,
     SourceError,
     UsageError,
 )
@@ -168,14 +171,17 @@ def stage_out(
         paths = [p for p in paths if p.name in wanted]
     rate = _Rate(assumed_bps=options.assume_mbps * 1e6)
     throttle = Throttle(options.bw_limit_mbps * 1e6) if options.bw_limit_mbps else None
+    full: DestinationError | None = None
     for ckpt in paths:
         if stop is not None and stop.is_set():
             break
         try:
             outcome = _stage_one(ckpt, mtimes[ckpt], store, options, slurm, rate, throttle, say)
-        except CheckpointError as exc:  # this one only: the others are still staged
-            if len(paths) == 1:
-                raise  # one line says it all
+        except (CheckpointError, DestinationError) as exc:  # this one only: the others go on
+            if len(paths) == 1 or (isinstance(exc, DestinationError) and not dest_full(exc)):
+                raise  # one line says it all; an unusable DEST fails every other one too
+            if isinstance(exc, DestinationError):  # full: an older, smaller one may still fit
+                full = full or exc
             outcome = Outcome(ckpt.name, FAILED, url=store.display(ckpt.name), message=str(exc))
         if outcome.status != SKIPPED_UNSETTLED or stop is None:  # (--watch: its next pass)
             say(outcome.line(), outcome.status == COMMITTED)
@@ -183,7 +189,26 @@ def stage_out(
     if options.keep is not None:
         for name in prune(store, options.keep):
             say(f"stage-out: pruned {name} (--keep {options.keep})", True)
+    if full is not None:  # exit 5 as before, once what fits is committed
+        raise full
     return outcomes
+
+
+def dest_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (a :class:`DestinationError`) was DEST running out of space: its attempt
+    is removed, so the space is back for the next, older checkpoint of ``--all``. Before, the
+    first (newest, often largest) checkpoint that did not fit ended the run with nothing else
+    committed, at the job's end too."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, ScratchFull) or getattr(cause, "errno", None) in _FULL_ERRNOS:
+            return True
+        cause = cause.__cause__
+    return False
+
+
+#: errno values of a destination out of space (or of quota)
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
 def _print_line(log: TextIO, line: str, _news: bool) -> None:

@@ -251,8 +251,14 @@ def snapshot(ckpt_path: Path) -> Snapshot:
         if isinstance(cached, list) and cached[:2] == [st.st_size, version]:
             digest = str(cached[2])
         else:
-            digest, rehashed = hash_file(full), True
-            after = full.stat()
+            try:  # listed, then unreadable or gone: this checkpoint's line, not a traceback
+                digest, rehashed = hash_file(full), True
+                after = full.stat()
+            except OSError as exc:
+                raise CheckpointError(
+                    f"cannot read checkpoint {ckpt_path} ({full}: {exc.strerror or exc}); is "
+                    "it being removed, or not readable?"
+                ) from exc
             if local_version(after) != version or after.st_size != st.st_size:
                 raise CheckpointError(
                     f"checkpoint file {full} changed while it was hashed; it is still being "

@@ -301,6 +301,22 @@ class CommitStore:
             self._clean_record_temps()
             return cleaned
 
+    def unrecorded(self) -> list[str]:
+        """Names an attempt (killed, or still running) was committing that have data at
+        ``DEST/NAME`` but no record: the commit's window between moving the data in (after the
+        old record went) and writing the new record. Restore must not read that as "nothing
+        committed yet" (see :func:`stager.stageout.restore.restore_checkpoint`)."""
+        with dest_errors(self.url, "looking for interrupted commits"):
+            names = {intent.get("name") for _, _, intent in self._attempts()}
+            return sorted(
+                name
+                for name in names
+                if isinstance(name, str)
+                and _valid_name(name)
+                and self.fs.exists(self.path(name))
+                and self.record(name) is None
+            )
+
     def _clean_record_temps(self) -> None:
         """Delete the temp files of records whose writer died on this host (a kill between
         the write and the rename): ``<name>.json.<host>__<pid>.partial``."""
