@@ -182,3 +182,31 @@ def test_a_missing_compiled_helper_is_said_and_a_built_one_is_not(
     (line,) = [v for v in _verdict(missing, epochs=1, nodes=1, target=None) if topic in v]
     assert switch in line and "C compiler" in line
     assert rendered in missing.render()
+
+
+def test_a_shard_its_user_cannot_read_is_a_source_error_not_a_corrupt_tar(tmp_path: Path) -> None:
+    """Run as a user is (root without its permission override): a shard of mode 000 was "not a
+    readable tar ... re-create this shard" (IntegrityError, exit 4), or with ``--no-loader`` a
+    traceback of the source probe (exit 1), where stage-in and
+    ``stager index`` say "not readable (permission denied)", exit 3; the loader raised the same
+    IntegrityError, and ``on_error="skip"`` dropped the shard as corrupt."""
+    import os
+    import shutil
+
+    from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
+
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to run without the permission override")
+    as_a_user = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search,-fowner", "--"]
+    src = tmp_path / "ds"
+    write_synthetic_dataset(src, SyntheticSpec(num_shards=2, samples_per_shard=3))
+    shard = sorted(src.glob("*.tar"))[1]
+    shard.chmod(0)
+    argv = [*as_a_user, str(BIN / "stager"), "doctor", str(src), "--dest", str(tmp_path / "s")]
+    for extra in ([], ["--no-loader"]):  # the source probe's read was a traceback, exit 1
+        result = subprocess.run(
+            argv + extra, env=clean_env(), capture_output=True, text=True, timeout=300
+        )
+        assert result.returncode == 3, result.stderr
+        assert "Traceback" not in result.stderr
+        assert f"{shard}: not readable (permission denied)" in result.stderr.splitlines()[-1]

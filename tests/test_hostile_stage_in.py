@@ -853,3 +853,29 @@ def test_a_shard_rewritten_behind_an_http_server_is_copied_again(tmp_path: Path)
     finally:
         server.terminate()
         server.wait()
+
+
+@pytest.mark.parametrize("mode", [0o000, 0o600])  # unlistable, or listable but not searchable
+def test_a_source_directory_its_user_cannot_read_is_one_line_exit_3(
+    tmp_path: Path, mode: int
+) -> None:
+    """Run as a user is (root without its permission override): the first run of a plain
+    directory looked for a manifest beside it to decide whether to stream, and that stat's
+    PermissionError was a traceback (exit 1), where ``--subset node``, a glob or ``stager index``
+    of the same directory said "source not readable" (exit 3)."""
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to run without the permission override")
+    as_a_user = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search,-fowner", "--"]
+    src = tmp_path / "nfs" / "ds"
+    write_synthetic_dataset(src, SyntheticSpec(num_shards=2, samples_per_shard=3))
+    src.chmod(mode)
+    try:
+        argv = [*as_a_user, str(BIN / "stage-in"), str(src), "--dest", str(tmp_path / "s"), *FAST]
+        result = subprocess.run(argv, env=clean_env(), capture_output=True, text=True, timeout=120)
+    finally:
+        src.chmod(0o755)
+    assert result.returncode == EXIT_SOURCE, result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.splitlines()) == 1, result.stderr
+    assert "not readable" in result.stderr

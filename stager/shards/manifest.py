@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from stager.errors import StagerError, UsageError
+from stager.errors import SourceError, StagerError, UsageError
 from stager.shards.manifest_entry import FORMAT_VERSION, ManifestEntry, check_entry, json_text
 from stager.storage.hashing import CANONICAL_DIGEST, HEX_DIGITS
 from stager.storage.paths import all_canonical
@@ -259,11 +259,17 @@ def default_manifest_name(num_entries: int) -> str:
 
 
 def find_manifest(directory: str | os.PathLike[str]) -> Path | None:
-    """The manifest inside ``directory`` (Parquet preferred), or None."""
+    """The manifest inside ``directory`` (Parquet preferred), or None. A directory its user
+    may not search is a :class:`SourceError` (one line, exit 3), not a traceback."""
     for name in MANIFEST_NAMES:
         candidate = Path(directory) / name
-        if candidate.is_file():
-            return candidate
+        try:
+            if candidate.is_file():
+                return candidate
+        except PermissionError as exc:
+            raise SourceError(
+                f"source not readable: {directory} (permission denied); check its mode and owner"
+            ) from exc
     return None
 
 

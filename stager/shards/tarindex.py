@@ -26,7 +26,7 @@ import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
-from stager.errors import IntegrityError
+from stager.errors import IntegrityError, SourceError
 from stager.shards.members import (
     SampleGrouper,
     SampleRuns,
@@ -67,6 +67,10 @@ def _open_tar(path: Path, mode: str, fileobj: BinaryIO | None = None) -> tarfile
         if fileobj is not None:
             return tarfile.open(fileobj=fileobj, mode=mode)  # type: ignore[call-overload]  # noqa: SIM115
         return tarfile.open(path, mode)  # type: ignore[call-overload]  # noqa: SIM115 - closed by the caller
+    except PermissionError as exc:  # not the shard's bytes: "re-create this shard" misled
+        raise SourceError(
+            f"{path}: not readable (permission denied); check its mode and owner"
+        ) from exc
     except (tarfile.TarError, EOFError, OSError, UnicodeError) as exc:
         raise IntegrityError(
             f"{path}: not a readable tar ({exc}){_what_it_is(path, fileobj)}"

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from stager.errors import DestinationError, ScratchFull
+from stager.errors import DestinationError, ScratchFull, SourceError
 from stager.layout import DOCTOR_PROBE_PREFIX, PARTIAL_SUFFIX
 from stager.storage.dest import ensure_private_dir
 from stager.storage.sources import SourceSet, SourceShard
@@ -74,11 +74,18 @@ def probe_source(
     def read(shard: SourceShard) -> int:
         started = time.perf_counter()
         nbytes = 0
-        with source.fs.open(shard.path, "rb", block_size=_BLOCK) as handle:
-            while block := handle.read(_BLOCK):
-                if not nbytes:
-                    first_bytes.append(time.perf_counter() - started)
-                nbytes += len(block)
+        try:
+            with source.fs.open(shard.path, "rb", block_size=_BLOCK) as handle:
+                while block := handle.read(_BLOCK):
+                    if not nbytes:
+                        first_bytes.append(time.perf_counter() - started)
+                    nbytes += len(block)
+        except PermissionError as exc:  # (a traceback, exit 1)
+            raise SourceError(
+                f"{shard.url}: not readable (permission denied); check its mode and owner"
+            ) from exc
+        except FileNotFoundError as exc:
+            raise SourceError(f"{shard.url}: not found on the source (removed?)") from exc
         return nbytes
 
     started = time.perf_counter()
