@@ -238,7 +238,10 @@ def dataset_name(spec: str | Sequence[str]) -> str:
     an fsspec URL) or a list of shard URLs (``--from-list``). Pure: the same text gives the same
     name on a login node, in the prologue and in every rank.
     """
-    name = posixpath.basename(source_root(spec).rstrip("/"))
+    root = source_root(spec).rstrip("/")
+    while root.endswith("/."):  # (a URL keeps its dots: s3://b/ds/. is ds, as /nfs/ds/. is)
+        root = root[:-2].rstrip("/")
+    name = posixpath.basename(root)
     return name or "dataset"
 
 

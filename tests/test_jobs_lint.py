@@ -72,3 +72,24 @@ def test_a_setting_the_templates_cannot_use_is_one_line_and_exit_2_before_stagin
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], result.stderr
     assert not (tmp_path / "never-read").exists() and "stage-in" not in result.stdout
+
+
+@pytest.mark.parametrize("template", ["train-single-node.sbatch", "train-multi-node.sbatch"])
+@pytest.mark.parametrize(
+    "spelling",
+    ["/nfs/ds", "/nfs/ds/", "/nfs/ds/.", "/nfs/ds/./", "/nfs/ds/./.", "/nfs/ds/train-{0..3}.tar"],
+)
+def test_the_templates_name_the_copy_as_stage_in_does(template: str, spelling: str) -> None:
+    """The templates' DATA_NAME (their default_data_name) is the name stage-in and the loader
+    give the source (stager.layout.dataset_name): ``DATA_SRC=/nfs/ds/.`` gave ``.``, which
+    stage-in refused as a name (exit 2) although ``stage-in /nfs/ds/.`` alone stages ``ds``."""
+    from stager.layout import dataset_name
+
+    text = (REPO / "jobs" / template).read_text()
+    function = text[text.index("default_data_name() {") :]
+    function = function[: function.index("\n}\n") + 3]
+    script = f'{function}default_data_name "$1"\n'
+    named = subprocess.run(
+        ["bash", "-c", script, "_", spelling], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert named == dataset_name(spelling) == "ds"

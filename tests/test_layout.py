@@ -119,6 +119,8 @@ def test_a_list_of_shards_and_from_list_give_the_same_name(tree: Path, tmp_path:
     [
         ("s3://bucket/data/train", "train"),
         ("s3://bucket/data/train/", "train"),
+        ("s3://bucket/data/train/.", "train"),  # (was "."; /nfs/ds/. was always ds)
+        ("s3://bucket/data/train/././", "train"),
         ("s3://bucket/data/train/shard-{0000..0009}.tar", "train"),
         ("s3://bucket/data/train/*.tar", "train"),
         ("s3://bucket/data/train/shard-0001.tar", "train"),
