@@ -239,3 +239,29 @@ def test_a_killed_multipart_upload_is_aborted_by_the_next_run(
     assert "cleaned an interrupted stage-out of big.pt" in again.stderr
     assert not uploads()
     client.close()
+
+
+def test_a_bucket_that_does_not_exist_is_refused_not_created(endpoint: str, tmp_path: Path) -> None:
+    """A typo in DEST's bucket: s3fs's makedirs created the bucket and the checkpoints were
+    committed there, where the requeued job's restore never looks, and a restore from it said
+    "no committed checkpoint yet" (exit 9, a first start). Both are one line, exit 5, and no
+    bucket is made."""
+    from stager.errors import EXIT_DEST
+
+    env = clean_env(**s3_env(endpoint))
+    write_ckpt_file(tmp_path / "scratch" / "last.pt", seed=1)
+    missing = f"no-such-bucket-{uuid.uuid4().hex[:8]}"
+    last = str(tmp_path / "scratch" / "last.pt")
+    out = run_cli("stage-out", last, f"s3://{missing}/run", env=env)
+    assert out.returncode == EXIT_DEST, out.stderr
+    assert "Traceback" not in out.stderr and f"bucket '{missing}' does not exist" in out.stderr
+    restore = run_cli(
+        "stage-in", "--checkpoint", f"s3://{missing}/run", "--dest", str(tmp_path / "r"), env=env
+    )  # (a first start would be exit 9: the job trained from step 0)
+    assert restore.returncode == EXIT_DEST, restore.stderr
+    assert f"bucket '{missing}' does not exist" in restore.stderr
+    client = s3_client(endpoint)
+    try:
+        assert missing not in {b["Name"] for b in client.list_buckets()["Buckets"]}
+    finally:
+        client.close()

@@ -156,6 +156,7 @@ def restore_checkpoint(
             "to start afresh"
         )
     if not records:
+        store.check_container()  # (a bucket that does not exist is a typo: exit 5, not 9)
         raise NoCheckpoint(
             f"no committed checkpoint at {dest_url} yet; start from scratch (exit code 9 means "
             "this)"

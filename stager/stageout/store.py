@@ -357,6 +357,10 @@ class CommitStore:
     def check_writable(self) -> None:
         raise NotImplementedError
 
+    def check_container(self) -> None:
+        """Raise :class:`DestinationError` where DEST's container (an object store's bucket)
+        does not exist: nothing committed there is a typo, not a first start."""
+
     def put_file(
         self,
         attempt: Attempt,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import posixpath
 
-from stager.errors import IntegrityError, SourceError
+from stager.errors import DestinationError, IntegrityError, SourceError
 from stager.stageout.record import CommitRecord
 from stager.stageout.store import Attempt, CommitStore, dest_errors, signals_deferred
 from stager.storage.hashing import new_hasher
@@ -23,6 +23,8 @@ from stager.storage.hashing import new_hasher
 __all__ = ["ObjectCommitStore"]
 
 _BLOCK = 4 << 20
+#: Object stores whose first path component is a bucket, which ``makedirs`` would create.
+_BUCKET_STORES = {"s3", "s3a", "gs", "gcs", "abfs", "az", "abfss"}
 
 
 class ObjectCommitStore(CommitStore):
@@ -31,7 +33,25 @@ class ObjectCommitStore(CommitStore):
 
     def check_writable(self) -> None:
         with dest_errors(self.url, "checking the destination"):
+            self.check_container()
             self.fs.makedirs(self.staging_dir, exist_ok=True)
+
+    def check_container(self) -> None:
+        """Refuse a bucket that does not exist: ``makedirs`` creates one (s3fs, gcsfs), so a
+        typo in DEST made a new bucket and committed the job's checkpoints there, where the
+        requeued job's restore would never look."""
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        if not set(protocols) & _BUCKET_STORES:
+            return
+        bucket = self.staging_dir.lstrip("/").split("/", 1)[0]
+        with dest_errors(self.url, "looking for its bucket"):
+            try:  # (not exists(): it answers False for an endpoint that cannot be reached)
+                self.fs.info(bucket)
+            except FileNotFoundError:
+                raise DestinationError(
+                    f"destination {self.url}: bucket {bucket!r} does not exist (a typo?); "
+                    "create it first, or pass another DEST"
+                ) from None
 
     def _write_small(self, path: str, payload: bytes) -> None:
         self.fs.pipe_file(path, payload)  # one PUT: atomic on object stores
