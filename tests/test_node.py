@@ -356,3 +356,19 @@ def test_ls_counts_a_cached_dataset_by_the_objects_it_has(
     assert row["size_bytes"] == full - gone
     code, out, _err = _stager(capsys, "ls")
     assert "(2 of 3 shards)" in out
+
+
+@pytest.mark.parametrize("command", ["ls", "du", "clean"])
+def test_a_scratch_root_that_is_not_there_is_said_and_a_file_refused(
+    capsys, tmp_path: Path, command: str
+) -> None:
+    """A mistyped --scratch-root listed nothing, silently, with exit 0 (``clean`` asked Slurm
+    first): now one line says there is no scratch root there, and a file there is exit 2."""
+    missing = tmp_path / "scrach"
+    extra = ["--older-than", "1d"] if command == "clean" else []
+    code, out, err = _stager(capsys, command, "--scratch-root", str(missing), *extra)
+    assert code == 0 and f"no scratch root at {missing}" in err, err
+    assert "Traceback" not in err and len(err.splitlines()) == 1
+    (tmp_path / "afile").write_text("")
+    code, _, err = _stager(capsys, command, "--scratch-root", str(tmp_path / "afile"), *extra)
+    assert code == EXIT_USAGE and "is not a directory" in err, err

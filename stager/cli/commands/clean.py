@@ -6,19 +6,17 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 
 from stager.cache.paths import resolve_cache_dir
 from stager.cache.store import ShardCache
 from stager.cache.sweep import sweep
 from stager.cli.argtypes import duration
-from stager.cli.commands.ls import add_node_arguments
+from stager.cli.commands.ls import add_node_arguments, scratch_of
 from stager.errors import DestinationError, StagerError, UsageError, one_line
 from stager.node.clean import choose_job_dirs, remove_tree
 from stager.node.inventory import is_job_id, take_inventory
 from stager.node.jobs import JobStates, query_job_states
 from stager.slurm import SlurmEnv
-from stager.storage.dest import scratch_root
 from stager.units import human_bytes, human_duration
 
 HELP = "remove ended jobs' scratch directories on this node (or, with --cache, unused cache data)"
@@ -71,7 +69,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--job {args.job!r} is not a Slurm job id (digits only)")
     slurm = SlurmEnv.from_environ()
     own_job = slurm.job_id if slurm.in_slurm else None
-    root = scratch_root() if args.scratch_root is None else Path(args.scratch_root)
+    root, there = scratch_of(args)
+    if not there:
+        return 0  # (said: nothing to clean)
     # A job cleaning its own scratch knows it runs, and needs no answer from Slurm.
     if own_job is not None and args.job == own_job:
         states = JobStates(frozenset({own_job}))

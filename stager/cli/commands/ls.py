@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from stager.cache.paths import resolve_cache_dir
+from stager.errors import UsageError
 from stager.node.inventory import NodeInventory, take_inventory
 from stager.node.jobs import query_job_states
 from stager.node.render import LS_COLUMNS, format_table, ls_rows
@@ -60,11 +61,29 @@ def add_listing_arguments(parser: argparse.ArgumentParser, verb: str) -> None:
     parser.add_argument("--no-header", action="store_true", help="no column titles")
 
 
+def scratch_of(args: argparse.Namespace) -> tuple[Path, bool]:
+    """The scratch root ``args`` name, and whether it is there; one line on stderr where it is
+    not (a mistyped ``--scratch-root`` listed nothing, silently, with exit 0). A file there
+    is refused."""
+    root = scratch_root() if args.scratch_root is None else Path(args.scratch_root)
+    if root.is_dir():
+        return root, True
+    if root.exists():
+        raise UsageError(f"scratch root {root} is not a directory; check --scratch-root")
+    print(
+        f"stager: no scratch root at {root}: nothing is staged there "
+        "(--scratch-root, $STAGER_SCRATCH_ROOT)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return root, False
+
+
 def inventory(args: argparse.Namespace) -> NodeInventory:
     """Scan this node as ``args`` say (also used by ``stager du``)."""
     return take_inventory(
         node=SlurmEnv.from_environ().node_name,
-        scratch=scratch_root() if args.scratch_root is None else Path(args.scratch_root),
+        scratch=scratch_of(args)[0],
         cache=resolve_cache_dir(args.cache),
         states=query_job_states(all_users=True),
         job=args.job,
