@@ -266,7 +266,14 @@ def _workers_advice(loader: LoaderProbe, cpus: int, target: float | None) -> lis
         f"faster on these {_plural(cpus, 'CPU')}: num_workers={best}, "
         f"--cpus-per-task={best + 1} per rank (the workers plus the training process)"
     ]
-    if target and loader.per_worker_rate > 0:
+    enough = [w for w, measured in loader.samples_per_s.items() if target and measured >= target]
+    if enough:  # (measured: num_workers=1 was advised where 0 workers reached the rate)
+        fewest = min(enough)
+        out.append(
+            f"to feed {target:,.0f} samples/s per rank: num_workers={fewest} is enough "
+            f"(measured {loader.samples_per_s[fewest]:,.0f}/s), --cpus-per-task={fewest + 1}"
+        )
+    elif target and loader.per_worker_rate > 0:
         need = max(1, math.ceil(target / loader.per_worker_rate))
         out.append(
             f"to feed {target:,.0f} samples/s per rank: num_workers={need}, "

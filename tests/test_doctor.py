@@ -210,3 +210,14 @@ def test_a_shard_its_user_cannot_read_is_a_source_error_not_a_corrupt_tar(tmp_pa
         assert result.returncode == 3, result.stderr
         assert "Traceback" not in result.stderr
         assert f"{shard}: not readable (permission denied)" in result.stderr.splitlines()[-1]
+
+
+def test_worker_advice_for_a_rate_already_reached_names_the_workers_that_reached_it() -> None:
+    """0 workers measured at 6,000 samples/s against a target of 2,000: the first line said
+    num_workers=0, the next "to feed 2,000 samples/s per rank: num_workers=1"."""
+    verdict = _verdict(_diagnosis(50.0, 6_000.0), epochs=1, nodes=1, target=2_000.0)
+    (line,) = [v for v in verdict if "to feed" in v]
+    assert "num_workers=0 is enough (measured 3,000/s), --cpus-per-task=1" in line, line
+    verdict = _verdict(_diagnosis(50.0, 6_000.0), epochs=1, nodes=1, target=5_000.0)
+    (line,) = [v for v in verdict if "to feed" in v]
+    assert "num_workers=1 is enough (measured 6,000/s)" in line, line
