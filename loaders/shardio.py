@@ -112,6 +112,7 @@ class MappedShards(_PerProcess):
 
     def _reset(self) -> None:
         self._maps: dict[int, np.ndarray] = {}
+        self._mmaps: dict[int, mmap.mmap] = {}
 
     def _map(self, shard: int) -> np.ndarray:
         array = self._maps.get(shard)
@@ -122,15 +123,44 @@ class MappedShards(_PerProcess):
                     mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
             except (OSError, ValueError) as exc:  # ValueError: an empty file cannot be mapped
                 raise _refused(path, exc) from exc
+            self._mmaps[shard] = mapped
             array = self._maps[shard] = np.frombuffer(mapped, dtype=np.uint8)
         return array
+
+    def _cut_short(self, ends: dict[int, int]) -> dict[int, int]:
+        """The mapped shards whose file now ends before ``ends[shard]``, with that length.
+
+        A map keeps the length the file had when it was mapped (an earlier epoch, with
+        persistent workers or ``num_workers=0``): touching its pages past a truncated file's
+        new end raises SIGBUS, which killed the training process (or a worker, reported as
+        "insufficient shared memory") instead of an IntegrityError naming the shard. One
+        ``fstat`` per shard of the batch (``mmap.size()``) asks for the file's length now.
+        """
+        short = {}
+        for shard, end in ends.items():
+            try:
+                now = self._mmaps[shard].size()
+            except OSError:  # (the descriptor the map keeps cannot be asked: treat as gone)
+                now = 0
+            if now < end:
+                short[shard] = now
+        return short
 
     def copy_members(
         self, shards: list[int], offsets: list[int], sizes: list[int], out: np.ndarray
     ) -> int:
         """Members back to back into ``out``; -1, or the first member that came up short."""
         self._check_pid()
-        views = [self._map(s)[a : a + n] for s, a, n in zip(shards, offsets, sizes, strict=True)]
+        views: list[np.ndarray] = []
+        ends: dict[int, int] = {}
+        for s, a, n in zip(shards, offsets, sizes, strict=True):
+            views.append(self._map(s)[a : a + n])
+            if a + n > ends.get(s, 0):
+                ends[s] = a + n
+        short = self._cut_short(ends)
+        if short:  # name the first member past its shard's end now
+            members = enumerate(zip(shards, offsets, sizes, strict=True))
+            return next(i for i, (s, a, n) in members if s in short and a + n > short[s])
         try:
             # one C loop copies them all (half the time of assigning slice by slice)
             np.concatenate(views, out=out) if views else None
@@ -140,7 +170,10 @@ class MappedShards(_PerProcess):
 
     def read(self, shard: int, offset: int, size: int) -> bytes:
         self._check_pid()
-        return self._map(shard)[offset : offset + size].tobytes()
+        array = self._map(shard)
+        if self._cut_short({shard: offset + size}):
+            return b""
+        return array[offset : offset + size].tobytes()
 
     def __len__(self) -> int:
         """Shards mapped now."""
