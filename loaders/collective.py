@@ -19,14 +19,15 @@ one node compare what they see, and counting is each node's own.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from stager.errors import IntegrityError, SourceError, UsageError, one_line
 from stager.plan.ranks import WorldLayout
 
-__all__ = ["agree_on_dataset", "count_in_shares", "layout_group"]
+__all__ = ["agree_on_dataset", "count_in_shares", "failing_together", "layout_group"]
 
 
 def layout_group(layout: WorldLayout) -> tuple[Any, str] | None:
@@ -86,6 +87,40 @@ def agree_on_dataset(
         raise _differ(group[2], source)
     job = hashlib.sha256(b"node subsets\0" + "\0".join(n[0] for n in nodes).encode())
     return job.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def failing_together(layout: WorldLayout, source: object) -> Iterator[None]:
+    """Run the block on every rank; where it raises on some rank, every rank raises.
+
+    A rank that fails opening the dataset on its own (a shard corrupt or missing on its node
+    only) raised before the collectives that compare what the ranks see, and the others waited
+    in them for it: a hang instead of the error. One all-reduce of a flag after the block
+    (none outside a group of several ranks): the failing rank raises its own error, the others
+    a :class:`SourceError` pointing at it. The block must hold no collective that a failing
+    rank could skip (a streaming reader's counts share their errors, so all ranks fail alike).
+    """
+    group = _group(layout)
+    try:
+        yield
+    except Exception:
+        if group is not None:
+            _any_failed(group, True)
+        raise
+    if group is not None and _any_failed(group, False):
+        raise SourceError(
+            f"another of the {group[2]} ranks could not open {source} (its own error says why: "
+            "a shard corrupt or missing on its node?); every rank stops rather than wait for it"
+        )
+
+
+def _any_failed(group: tuple[Any, int, int, str], failed: bool) -> bool:
+    import torch
+
+    dist, _, _, device = group
+    flag = torch.tensor([int(failed)], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 #: What node-subset ranks put in the shards' slot of the first all-reduce: their shards differ.

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
+from stager.errors import IntegrityError, SourceError
 from stager.layout import CORRUPT_META, StagedDataset
 
-__all__ = ["recorded_corrupt", "recorded_failures"]
+__all__ = ["recorded_corrupt", "recorded_failures", "refuse_nothing"]
 
 
 def recorded_failures(dataset_dir: Path) -> list[dict[str, str]]:
@@ -36,3 +38,18 @@ def recorded_corrupt(meta: dict[str, str], failures: list[dict[str, str]]) -> li
     urls = [f"{root}/{relpath}" for relpath in relpaths if isinstance(relpath, str)]
     reason = "found corrupt by an earlier stage-in"
     return [{"url": u, "kind": "corrupt", "reason": reason} for u in urls if u not in named]
+
+
+def refuse_nothing(source: object, counts: Any, skipped: list[str], subset: str) -> None:
+    """Refuse a dataset with nothing to train on, rather than epochs of no batch."""
+    if subset == "all" and not int(counts.sum()) and not skipped:
+        # (a node's share may be empty; the dataset not)
+        raise SourceError(
+            f"the {len(counts)} shard(s) of {source} hold no sample: nothing to train on "
+            "(empty tars?)"
+        )
+    if skipped and not int(counts.sum()):
+        raise IntegrityError(  # else a training loop of no steps, said only in a log line
+            f"every shard of {source} with samples was left out as corrupt ({len(skipped)}, "
+            f"first: {skipped[0]}): nothing to train on"
+        )

@@ -19,15 +19,22 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from stager.errors import IntegrityError, ResumeMismatch, SourceError, StagingStopped, UsageError
+from stager.errors import ResumeMismatch, StagingStopped, UsageError
 from stager.gcpause import collection_paused
 from stager.plan.elastic import remaining_after
 from stager.plan.ranks import PlanOptions, WorldLayout, fingerprint
 
-from .collective import agree_on_dataset
+from .collective import agree_on_dataset, failing_together
 from .dataset import PackedBatch
+from .failed import refuse_nothing
 from .metrics import LoaderMetrics, batch_length
-from .options import DATALOADER_KEYWORDS, DROP_LAST_HINT, LEGACY_KEYWORDS, LoaderOptions
+from .options import (
+    DROP_LAST_HINT,
+    LEGACY_KEYWORDS,
+    LoaderOptions,
+    refuse_batch_size,
+    to_dataloader,
+)
 from .orders import EpochOrders
 from .readers import Reader, open_reader
 from .resolve import DatasetShards, resolve_dataset
@@ -103,31 +110,6 @@ def _ended_by_a_newer_one(inner: Iterator[Any], ended: Callable[[], bool]) -> It
         yield batch
 
 
-def _to_dataloader(keywords: dict[str, Any]) -> dict[str, Any]:
-    """Take DataLoader's own keywords the loader passes on as they are out of ``keywords``, and
-    refuse in one line those that would undo its plan (a bare TypeError named none of them)."""
-    if keywords.pop("generator", None) is not None:
-        raise UsageError(
-            "ShardedLoader shuffles with its own seeded order (the same on every rank, another "
-            "each epoch): pass seed= instead of generator="
-        )
-    if not keywords.pop("in_order", True):
-        raise UsageError(
-            "in_order=False would let batches arrive out of the planned order, which exact "
-            "resume and equal epochs rely on; it is not offered"
-        )
-    return {name: keywords.pop(name) for name in DATALOADER_KEYWORDS if name in keywords}
-
-
-def _refuse_batch_size(batch_size: Any) -> None:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise UsageError(
-            f"batch_size must be a positive integer, not {batch_size!r}: the loader plans every "
-            "rank's batches (equal counts on every rank), so unbatched loading "
-            "(DataLoader's batch_size=None) is not offered; use batch_size=1"
-        )
-
-
 class ShardedLoader(DataLoader):
     """Sharded, shuffled, equal-length epochs for every DDP rank; a drop-in DataLoader.
 
@@ -161,9 +143,9 @@ class ShardedLoader(DataLoader):
         options: LoaderOptions | None = None,
         **legacy: Any,
     ):
-        passed = _to_dataloader(legacy)  # (timeout=, worker_init_fn=, multiprocessing_context=)
+        passed = to_dataloader(legacy)  # (timeout=, worker_init_fn=, multiprocessing_context=)
         options = _with_legacy(options or LoaderOptions(), legacy)
-        _refuse_batch_size(batch_size)
+        refuse_batch_size(batch_size)
         make_decoder(decode)  # refuse a bad spec now, not in a worker
         if isinstance(shuffle, str) and shuffle not in ("none", "global", "blocked"):
             raise UsageError(f"shuffle must be True, False, 'global' or 'blocked', not {shuffle!r}")
@@ -190,29 +172,20 @@ class ShardedLoader(DataLoader):
         # imported (~170k tracked objects) each full collection pass they trigger costs ~0.1 s:
         # three of them, 0.3 s of a 100k-shard start. Nothing built here holds a cycle (see
         # stager.gcpause); the pass the imports left due runs in __iter__, before forking.
-        with collection_paused():
+        # (a rank failing alone fails every rank: else they wait for it in the collectives)
+        with collection_paused(), failing_together(self.layout, source):
             self.shards: DatasetShards = resolve_dataset(
                 source, dest=options.dest, name=options.name, on_error=options.on_error
             )
+        with collection_paused(), failing_together(self.layout, source):
             self.reader: Reader = open_reader(
                 self.shards, options, pipeline, collate_fn, num_workers, self._to_tuple, self.layout
             )
-        #: (the reader's list: a streaming reader adds to it as it reads)
-        self.skipped_shards: list[str] = self.reader.skipped_shards
-        self.skipped_shards[:0] = self.shards.left_out  # found corrupt by stage-in
-        self.shard_samples = self.reader.counts
-        if self.shards.subset == "all" and not int(self.shard_samples.sum()):
-            if not self.skipped_shards:  # (a node's share may be empty; the dataset not)
-                raise SourceError(
-                    f"the {len(self.shard_samples)} shard(s) of {source} hold no sample: "
-                    "nothing to train on (empty tars?)"
-                )
-        if self.skipped_shards and not int(self.shard_samples.sum()):
-            raise IntegrityError(  # else a training loop of no steps, said only in a log line
-                f"every shard of {source} with samples was left out as corrupt "
-                f"({len(self.skipped_shards)}, first: {self.skipped_shards[0]}): nothing to "
-                "train on"
-            )
+            #: (the reader's list: a streaming reader adds to it as it reads)
+            self.skipped_shards: list[str] = self.reader.skipped_shards
+            self.skipped_shards[:0] = self.shards.left_out  # found corrupt by stage-in
+            self.shard_samples = self.reader.counts
+            refuse_nothing(source, self.shard_samples, self.skipped_shards, self.shards.subset)
         self.plan_options = PlanOptions(
             batch_size=batch_size,
             seed=seed,

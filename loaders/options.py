@@ -8,10 +8,18 @@ the constructor stays short and the settings can be built once and passed around
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from stager.errors import UsageError
 
-__all__ = ["LoaderOptions", "LEGACY_KEYWORDS", "DROP_LAST_HINT", "DATALOADER_KEYWORDS"]
+__all__ = [
+    "LoaderOptions",
+    "LEGACY_KEYWORDS",
+    "DROP_LAST_HINT",
+    "DATALOADER_KEYWORDS",
+    "refuse_batch_size",
+    "to_dataloader",
+]
 
 #: Constructor keywords of earlier versions that now live in ``LoaderOptions``; still accepted.
 LEGACY_KEYWORDS = ("rank", "world_size", "persistent_workers", "prefetch_factor")
@@ -72,3 +80,28 @@ class LoaderOptions:
         for name in ("buffer_samples", "log_every"):
             if getattr(self, name) < 0:
                 raise UsageError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+def to_dataloader(keywords: dict[str, Any]) -> dict[str, Any]:
+    """Take DataLoader's own keywords the loader passes on as they are out of ``keywords``, and
+    refuse in one line those that would undo its plan (a bare TypeError named none of them)."""
+    if keywords.pop("generator", None) is not None:
+        raise UsageError(
+            "ShardedLoader shuffles with its own seeded order (the same on every rank, another "
+            "each epoch): pass seed= instead of generator="
+        )
+    if not keywords.pop("in_order", True):
+        raise UsageError(
+            "in_order=False would let batches arrive out of the planned order, which exact "
+            "resume and equal epochs rely on; it is not offered"
+        )
+    return {name: keywords.pop(name) for name in DATALOADER_KEYWORDS if name in keywords}
+
+
+def refuse_batch_size(batch_size: Any) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise UsageError(
+            f"batch_size must be a positive integer, not {batch_size!r}: the loader plans every "
+            "rank's batches (equal counts on every rank), so unbatched loading "
+            "(DataLoader's batch_size=None) is not offered; use batch_size=1"
+        )

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from stager.errors import IntegrityError, ResumeMismatch, UsageError
+from stager.errors import IntegrityError, ResumeMismatch, SourceError, UsageError
 from stager.layout import StagedDataset
 from stager.plan.elastic import RemainingSamples
 from stager.plan.ranks import PlanOptions, WorldLayout
@@ -101,6 +101,21 @@ class _Collate:
         return (self.user or collate_samples)(batch)
 
 
+def _source_unreadable(shards: DatasetShards, exc: OSError) -> SourceError | None:
+    """A shard read from the source because its staged copy is missing or not whole (cut
+    short, another size than the manifest's), where the source cannot be read either: say
+    that in one line (SourceError) rather than a bare FileNotFoundError from a stat, which
+    named only the source path and left out why the staged copy was passed by."""
+    where = [i for i, loc in enumerate(shards.locations) if loc == exc.filename]
+    if not where or not shards.from_source_flags[where[0]]:
+        return None
+    return SourceError(
+        f"shard {shards.relpaths[where[0]]}: its staged copy in {shards.staged_dir} is missing "
+        f"or not whole, and the source {exc.filename} cannot be read ({exc.strerror}); "
+        "re-run stage-in with the source reachable"
+    )
+
+
 class StagedReader:
     """Local uncompressed tars: read by offset from the mapped dataset index."""
 
@@ -115,14 +130,20 @@ class StagedReader:
     ):
         self.locations = shards.locations  # str: pathlib costs 25 us each
         staged = shards.staged_dir
-        self.index, self.skipped_shards = build_flat_index(
-            self.locations,
-            relpaths=shards.relpaths,
-            expected_samples=shards.samples,
-            cache_dir=StagedDataset.of(staged).index_dir if staged is not None else None,
-            on_error=options.on_error,
-            stats=shards.stats,
-        )
+        try:
+            self.index, self.skipped_shards = build_flat_index(
+                self.locations,
+                relpaths=shards.relpaths,
+                expected_samples=shards.samples,
+                cache_dir=StagedDataset.of(staged).index_dir if staged is not None else None,
+                on_error=options.on_error,
+                stats=shards.stats,
+            )
+        except (FileNotFoundError, PermissionError, NotADirectoryError) as exc:
+            error = _source_unreadable(shards, exc)
+            if error is None:
+                raise
+            raise error from exc
         self.counts = self.index.shard_samples
         self._pipeline = pipeline
         self._collate = collate_fn

@@ -101,6 +101,11 @@ class LoaderState:
             for name in names
             if getattr(self, name) != getattr(current, name)
         ]
+        if "world_size" in names and self.world_size != current.world_size:
+            differences.append(  # (the one difference the loader can take, when asked)
+                "to spread the rest of the epoch over the new world, pass "
+                "load_state_dict(state, elastic=True)"
+            )
         if self.order is not None and self.order != current.order:
             differences.append(
                 f"the order's settings were {self.order!r}, are now {current.order!r} (the "

@@ -392,3 +392,67 @@ def test_a_streamed_shard_that_changed_since_it_was_counted_is_refused(
     keys = _keys(loaders[1])  # (the rest of it left out, with a warning)
     assert "corrupt shard" in caplog.text and "part-001.tar.gz" in caplog.text
     assert len(keys) == 66 - 22 + min(now, 22)
+
+
+_TRUNCATE_BETWEEN_EPOCHS = """
+import os, sys
+from stager.errors import IntegrityError
+from stager_loaders import LoaderOptions, ShardedLoader
+root, workers = sys.argv[1], int(sys.argv[2])
+options = LoaderOptions(rank=0, world_size=1, persistent_workers=workers > 0)
+loader = ShardedLoader(root, batch_size=8, num_workers=workers, to_tuple=("__key__",),
+                       options=options)
+loader.set_epoch(0)
+assert sum(len(keys) for (keys,) in loader) == 66
+shard = os.path.join(root, "part-001.tar")
+os.truncate(shard, os.path.getsize(shard) // 3)  # cut inside its members
+loader.set_epoch(1)
+try:
+    list(loader)
+except IntegrityError as exc:
+    print("IntegrityError:", str(exc).splitlines()[-1])
+"""
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_shard_truncated_between_epochs_is_an_integrity_error(
+    tmp_path: Path, workers: int
+) -> None:
+    """With ``num_workers=0`` (or persistent workers) a shard stays mapped from the first epoch
+    at the length it had: reading it after it was truncated touched pages past its new end,
+    and SIGBUS killed the training process (a worker's death was reported as "insufficient
+    shared memory") instead of the IntegrityError naming the shard."""
+    import subprocess
+    import sys
+
+    from .conftest import REPO, clean_env
+
+    root = _dataset(tmp_path / "ds", shards=3, per_shard=22)
+    done = subprocess.run(
+        [sys.executable, "-c", _TRUNCATE_BETWEEN_EPOCHS, str(root), str(workers)],
+        cwd=REPO,
+        env=clean_env(TMPDIR=str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "IntegrityError:" in done.stdout and "part-001.tar" in done.stdout
+    assert "is truncated" in done.stdout, done.stdout
+
+
+def test_a_cut_staged_copy_with_the_source_gone_is_one_source_error(tmp_path: Path) -> None:
+    """A staged copy cut short is passed by for the source; where the source cannot be read
+    either, the loader raised a bare FileNotFoundError from a stat, naming only the source
+    path, after a warning calling the staged copy missing."""
+    from stager.cli.main import main
+    from stager.errors import SourceError
+
+    src = _dataset(tmp_path / "data", shards=3, per_shard=5)
+    dest = tmp_path / "scratch"
+    assert main(["stage-in", str(src), "--dest", str(dest), "--quiet"]) == 0
+    staged = dest / "data" / "part-001.tar"
+    os.truncate(staged, staged.stat().st_size // 3)
+    src.rename(tmp_path / "gone")  # the shared filesystem unreachable since the copy
+    with pytest.raises(SourceError, match=r"part-001.tar: its staged copy .* not whole"):
+        ShardedLoader(str(src), batch_size=4, options=_options(dest=str(dest)))

@@ -478,8 +478,9 @@ def test_elastic_resume_on_a_smaller_world_repeats_and_loses_nothing(
         consumed += [k for _ in range(4) for k in next(it)[0]]
         state = loader.state_dict()
     assert state is not None
-    with pytest.raises(ResumeMismatch, match="world_size was 3, is now 2"):
+    with pytest.raises(ResumeMismatch, match="world_size was 3, is now 2") as refused:
         make(0, 2).load_state_dict(state)
+    assert "load_state_dict(state, elastic=True)" in str(refused.value)  # says what to do
     new_keys, lengths = [], set()
     for rank in range(2):
         loader = make(rank, 2)

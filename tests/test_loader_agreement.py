@@ -37,7 +37,9 @@ def rank_main(rank: int, job: dict[str, Any]) -> None:
         "gloo", init_method=f"file://{job['out']}/rendezvous", rank=rank, world_size=WORLD
     )
     try:
-        options = LoaderOptions(dest=job["dest"], force_streaming=True, on_error=job["on_error"])
+        options = LoaderOptions(
+            dest=job["dest"], force_streaming=job.get("stream", True), on_error=job["on_error"]
+        )
         if job.get("solo"):  # rank 0 alone reads the whole dataset (a validation pass there)
             options = LoaderOptions(**{**vars(options), "rank": 0, "world_size": 1})
         try:
@@ -109,6 +111,27 @@ def test_ranks_that_see_different_shards_all_raise(tmp_path: Path) -> None:
     for rank in ranks:
         assert rank.get("error") == "SourceError", ranks
         assert "ranks do not see the same shards and sample counts" in rank["message"]
+
+
+def test_a_rank_that_fails_opening_its_shards_alone_fails_every_rank(tmp_path: Path) -> None:
+    """Rank 1's node holds a shard with a header overwritten: it raised IntegrityError while
+    indexing, before the all-reduce comparing the ranks' shards, and rank 0 waited in that
+    all-reduce for it (a hang) instead of failing too."""
+    import tarfile
+
+    sources = [tmp_path / name / "ds" for name in ("a", "b")]
+    for source in sources:
+        write_synthetic_dataset(source, SyntheticSpec(num_shards=3, samples_per_shard=6, seed=3))
+    shard = sorted(sources[1].glob("*.tar"))[1]
+    with tarfile.open(shard) as tar:
+        at = tar.getmembers()[5].offset  # a member header in the middle of the shard
+    data = bytearray(shard.read_bytes())
+    data[at : at + 512] = b"\xff" * 512
+    shard.write_bytes(bytes(data))
+    ranks = _world({**_job(tmp_path, sources), "stream": False})
+    assert ranks[1].get("error") == "IntegrityError", ranks
+    assert ranks[0].get("error") == "SourceError", ranks
+    assert "another of the 2 ranks could not open" in ranks[0]["message"]
 
 
 def test_a_corrupt_shard_counted_by_one_rank_fails_or_is_left_out_on_every_rank(
