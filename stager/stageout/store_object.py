@@ -44,14 +44,18 @@ class ObjectCommitStore(CommitStore):
         if not set(protocols) & _BUCKET_STORES:
             return
         bucket = self.staging_dir.lstrip("/").split("/", 1)[0]
+        if not bucket or self.fs.exists(bucket):  # (s3fs probes it two ways, as makedirs does)
+            return
         with dest_errors(self.url, "looking for its bucket"):
-            try:  # (not exists(): it answers False for an endpoint that cannot be reached)
+            try:  # why not: exists() also answers False for an endpoint it cannot reach
                 self.fs.info(bucket)
             except FileNotFoundError:
                 raise DestinationError(
                     f"destination {self.url}: bucket {bucket!r} does not exist (a typo?); "
                     "create it first, or pass another DEST"
                 ) from None
+            except PermissionError:
+                return  # a bucket these credentials may not probe (a prefix's): as before
 
     def _write_small(self, path: str, payload: bytes) -> None:
         self.fs.pipe_file(path, payload)  # one PUT: atomic on object stores
