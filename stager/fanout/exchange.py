@@ -40,7 +40,7 @@ from stager.stagein.journal import Journal
 from stager.stagein.options import StageInOptions
 from stager.stagein.progress import Progress
 from stager.stagein.report import StageInReport
-from stager.storage.copy import CopyResult, copy_file, partial_path
+from stager.storage.copy import CopyResult, copy_file, partial_path, placing_error
 from stager.storage.hashing import hash_file, new_hasher, split_digest
 from stager.storage.paths import discard
 from stager.storage.retry import call_with_retries
@@ -304,11 +304,12 @@ class Exchange:
             self.outcome.failures.append(failure)
             return
         problem = None
-        if item.size is not None and written != item.size:
-            problem = (
-                f"received {written} bytes from {self.node_label(owner)} but the source lists "
-                f"{item.size}"
-            )
+        # A listed size does not bind: the owner's copy took the size the source has now where
+        # the shard changed since the listing (as plain stage-in does); a manifest's does.
+        want = item.size if item.from_manifest else size
+        if want is not None and written != want:
+            origin = "the manifest lists" if item.from_manifest else "it announced"
+            problem = f"received {written} bytes from {self.node_label(owner)}; {origin} {want}"
         elif digest != text:
             problem = (
                 f"hash {digest} of the bytes received from {self.node_label(owner)} differs "
@@ -326,14 +327,17 @@ class Exchange:
             os.replace(partial_path(item.final), item.final)
         except OSError as exc:  # (a directory in its way, ...: this node's scratch; it crashed)
             discard(partial_path(item.final))
-            reason = f"cannot place it in scratch: {one_line(exc)}"
+            reason = one_line(placing_error(exc, str(item.final)))  # (as plain stage-in says)
             self.outcome.failures.append(ShardFailure(item.shard.url, reason, "dest"))
             return
         self._journal(item, written, digest)
         self._staged(index, written, digest)
 
     def _journal(self, item: ExchangeShard, size: int, digest: str) -> None:
-        """Record a shard just published here (:mod:`stager.stagein.journal`)."""
+        """Record and count a shard just published here (:mod:`stager.stagein.journal`)."""
+        with self.lock:  # (now, not when sent: a run a peer fails counts what it left staged)
+            self.report.files_copied += 1
+            self.report.bytes_copied += size
         if self.journal is not None:
             self.journal.record(
                 ManifestEntry(item.shard.relpath, size, digest, None, item.shard.version)
@@ -342,9 +346,6 @@ class Exchange:
     def _staged(self, index: int, size: int, digest: str) -> None:
         self.outcome.staged[index] = (size, digest)
         self.heartbeat()
-        with self.lock:
-            self.report.files_copied += 1
-            self.report.bytes_copied += size
         self.progress.file_done()
 
     @staticmethod

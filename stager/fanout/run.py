@@ -218,6 +218,7 @@ def _run_fanout(
             ).run()
         finally:
             progress.close()
+            report.seconds = time.monotonic() - run.started  # (a failed exchange's, too)
     for index, (size, digest) in outcome.staged.items():
         relpath = items[index].shard.relpath
         run.unverified.add(relpath)

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CopyResult",
     "copy_file",
+    "placing_error",
     "partial_path",
     "SizeMismatch",
     "HashMismatch",
@@ -284,7 +285,7 @@ def copy_file(
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise  # (scratch full, below)
-            raise _placing_error(exc, os.fspath(final)) from exc
+            raise placing_error(exc, os.fspath(final)) from exc
     except OSError as exc:
         full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
         written = _size_of(partial, progress.copied) if full else 0
@@ -312,7 +313,7 @@ def copy_file(
     )
 
 
-def _placing_error(exc: OSError, final: str) -> DestinationError:
+def placing_error(exc: OSError, final: str) -> DestinationError:
     """The rename of a checked copy to its final name failed: scratch's doing, never the
     source's (it was reported as a source error, retried, and exited 3)."""
     if exc.errno in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST):
