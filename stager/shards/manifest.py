@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from stager.errors import SourceError, StagerError, UsageError
+from stager.errors import StagerError, UsageError
 from stager.shards.manifest_entry import FORMAT_VERSION, ManifestEntry, check_entry, json_text
 from stager.storage.hashing import CANONICAL_DIGEST, HEX_DIGITS
+from stager.storage.listing import translate
 from stager.storage.paths import all_canonical
 
 if TYPE_CHECKING:
@@ -266,10 +267,9 @@ def find_manifest(directory: str | os.PathLike[str]) -> Path | None:
         try:
             if candidate.is_file():
                 return candidate
-        except PermissionError as exc:
-            raise SourceError(
-                f"source not readable: {directory} (permission denied); check its mode and owner"
-            ) from exc
+        except PermissionError as exc:  # (the directory's search permission: said of it)
+            denied = PermissionError(exc.errno, exc.strerror)
+            raise translate(denied, os.fspath(directory)) from exc
     return None
 
 
