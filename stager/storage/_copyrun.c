@@ -68,9 +68,14 @@ static int unchanged(const struct stat *a, const struct stat *b, size_t copied) 
            a->st_ctim.tv_nsec == b->st_ctim.tv_nsec && (size_t)b->st_size == copied;
 }
 
-/* Read all of `src` into `buf`; its length, or -1 with errno (EFBIG: it does not fit, or -1
- * in *signalled where a signal handler raised). *first_read: when the first read returned. */
-static ssize_t read_whole(int src, char *buf, size_t capacity, int *signalled,
+/* Read `src` into `buf` until `size` bytes (its size at the open) have come or it ends; the
+ * length read, or -1 with errno (EFBIG: it does not fit, or -1 in *signalled where a signal
+ * handler raised). *first_read: when the first read returned.
+ *
+ * No read is made past `size` to see the end: the fstat after it (copy_job) compares the
+ * size and times with the open's, so a file that grew or changed meanwhile is still never
+ * published, and a 20 KB shard takes one read instead of two (its second returned nothing). */
+static ssize_t read_whole(int src, char *buf, size_t capacity, size_t size, int *signalled,
                           double *first_read, PyThreadState **saved) {
     size_t got = 0;
     for (;;) {
@@ -78,6 +83,7 @@ static ssize_t read_whole(int src, char *buf, size_t capacity, int *signalled,
             errno = EFBIG;
             return -1;
         }
+        if (got && got >= size) return (ssize_t)got;
         ssize_t n = read(src, buf + got, capacity - got);
         if (n < 0) {
             if (errno != EINTR) return -1;
@@ -114,7 +120,8 @@ static int copy_job(Job *job, char *buf, size_t capacity, size_t piece, int do_f
     }
     int signalled = 0, failed = 0;
     double first_read = 0.0;
-    ssize_t got = read_whole(src, buf, capacity, &signalled, &first_read, saved);
+    ssize_t got = read_whole(src, buf, capacity, (size_t)job->opened.st_size, &signalled,
+                             &first_read, saved);
     /* The source at its end, compared with the open's: a file rewritten during the copy is
      * never published. */
     if (got < 0 || fstat(src, &end) < 0 || !unchanged(&job->opened, &end, (size_t)got))
