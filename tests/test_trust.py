@@ -36,6 +36,7 @@ from stager.storage.sourceset import SourceShard, unique_shards
 
 from .conftest import BIN, clean_env, mount_tmpfs, run_cli
 from .inproc import clean_process_env, run_main
+from .trees import tar_bytes
 
 FAST = ["--jitter-max", "0", "--quiet", "--retry-delay", "0.01"]
 
@@ -497,6 +498,45 @@ def test_7_a_hung_lock_holder_makes_waiters_exit_8(tmp_path: Path) -> None:
     assert result.returncode == EXIT_LOCK
     (line,) = error_lines(result.stderr)
     assert "without progress" in line and "--lock-timeout" in line
+
+
+def test_7_a_copier_shows_progress_within_one_slow_shard(tmp_path: Path) -> None:
+    """Waiters (``--lock-timeout``, the loader's ``copier_stall_s``) take a lock file untouched
+    for long for a hung copier. It was touched only when a shard was done, so one large shard
+    copied at a capped rate looked hung for as long as it took: its lock is touched while its
+    bytes arrive, before the shard has its final name."""
+    src = tmp_path / "ds"
+    src.mkdir()
+    (src / "big.tar").write_bytes(tar_bytes([("s0.bin", os.urandom(12 << 20))]))
+    dest = tmp_path / "s"
+    staged = StagedDataset(dest, "ds")
+    final, partial = staged.dir / "big.tar", staged.dir / "big.tar.partial"
+    copier = subprocess.Popen(
+        [str(BIN / "stage-in"), str(src), "--dest", str(dest), "--bw-limit", "3", *FAST],
+        env=clean_env(),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    touched_before_publish = False
+    try:
+        deadline = time.monotonic() + 60
+        while not partial.exists() and not final.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        started = staged.lock_path.stat().st_mtime_ns  # (the copy has begun)
+        while copier.poll() is None and time.monotonic() < deadline:
+            touched = staged.lock_path.stat().st_mtime_ns != started
+            if touched and not final.exists():  # (read in this order: touched before publish)
+                touched_before_publish = True
+                break
+            time.sleep(0.05)
+        _, err = copier.communicate(timeout=120)
+    finally:
+        if copier.poll() is None:
+            copier.kill()
+            copier.communicate()
+    assert copier.returncode == 0, err
+    assert touched_before_publish
+    assert final.read_bytes() == (src / "big.tar").read_bytes()
 
 
 # -- 8. numbers that are not numbers ------------------------------------------------------------

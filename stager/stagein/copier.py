@@ -191,6 +191,11 @@ class Copier:
         with self.lock:
             self.report.bytes_read_source += n
         self.progress.advance(n)
+        # Progress within a shard, for those waiting on the node lock: a shard that takes longer
+        # than --lock-timeout or the loader's copier_stall_s to copy (a large one at a capped
+        # rate) is not a hung copier. (The lock's heartbeat touches its file at most once a
+        # second; a read hung on a dead server calls nothing, and is still given up on.)
+        self.heartbeat()
 
     def on_retry(self, attempt: int, exc: BaseException) -> None:
         with self.lock:

@@ -236,9 +236,10 @@ class CopierWatch:
 
     def quiet_for(self) -> float | None:
         """Seconds since the lock's holder last showed progress, or None while the lock is
-        free (or its time cannot be read). The copier's heartbeat touches the lock file at
-        each shard (:meth:`stager.storage.lock.NodeLock.heartbeat`): a copier stopped, or hung
-        on a read of a dead server, holds the lock and touches it no more."""
+        free (or its time cannot be read). The copier's heartbeat touches the lock file as its
+        bytes arrive (:meth:`stager.storage.lock.NodeLock.heartbeat`, at most once a second):
+        a copier stopped, or hung on a read of a dead server, holds the lock and touches it
+        no more."""
         if not lock_held(self.staged):
             return None
         try:
