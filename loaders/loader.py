@@ -14,10 +14,11 @@ import gc
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Sampler
 
 from stager.errors import ResumeMismatch, StagingStopped, UsageError
 from stager.gcpause import collection_paused
@@ -75,11 +76,21 @@ def _widen_result_pipe(iterator: Any) -> None:
         log.debug("could not widen the workers' result pipe: %s", exc)
 
 
+def _whole(value: object) -> bool:
+    """An integer (numpy's too), not a bool: DataLoader's ``shuffle=True`` in a positional slot."""
+    return not isinstance(value, bool) and hasattr(type(value), "__index__")
+
+
 def _with_legacy(options: LoaderOptions, legacy: dict[str, Any]) -> LoaderOptions:
-    """Fold the keywords earlier versions took (``rank=``, ``persistent_workers=``...) in."""
-    if "drop_last" in legacy:
+    """Fold the keywords earlier versions took (``rank=``, ``persistent_workers=``...) in.
+
+    DataLoader's defaults spelled out (``drop_last=False``, ``sampler=None``,
+    ``batch_sampler=None``, as a script that swaps the class name keeps them) are what the loader
+    does anyway: taken. What would change the plan is refused in one line."""
+    if legacy.pop("drop_last", False):
         raise UsageError(DROP_LAST_HINT)
-    if "sampler" in legacy or "batch_sampler" in legacy:
+    sampler, batch_sampler = legacy.pop("sampler", None), legacy.pop("batch_sampler", None)
+    if sampler is not None or batch_sampler is not None:
         raise UsageError(
             "ShardedLoader plans each rank's batches itself (no overlap, equal counts on every "
             "rank): pass no sampler= or batch_sampler= (a DistributedSampler is not needed)"
@@ -123,7 +134,9 @@ class ShardedLoader(DataLoader):
     ``persistent_workers=`` and ``prefetch_factor=`` are still accepted as keywords.
     DataLoader's ``timeout=``, ``worker_init_fn=`` and ``multiprocessing_context=`` are passed
     on as they are; ``sampler=``, ``batch_sampler=``, ``generator=``, ``in_order=False`` and
-    ``drop_last=`` are refused in one line saying what to pass instead.
+    ``drop_last=True`` are refused in one line saying what to pass instead (DataLoader's
+    defaults, ``sampler=None``, ``drop_last=False``..., are taken). ``loader.sampler.set_epoch``
+    is ``set_epoch``, as a ``DistributedSampler``'s is for a DataLoader.
     """
 
     def __init__(
@@ -146,6 +159,18 @@ class ShardedLoader(DataLoader):
         passed = to_dataloader(legacy)  # (timeout=, worker_init_fn=, multiprocessing_context=)
         options = _with_legacy(options or LoaderOptions(), legacy)
         refuse_batch_size(batch_size)
+        if not _whole(num_workers):
+            raise UsageError(
+                f"num_workers must be a whole number >= 0, not {num_workers!r} (ShardedLoader's "
+                "third argument is num_workers: pass shuffle= by keyword)"
+            )
+        if num_workers < 0:
+            raise UsageError(f"num_workers must be >= 0, got {num_workers}")
+        if not _whole(seed):
+            raise UsageError(
+                f"seed must be an integer, not {seed!r}: the order is a function of (seed, epoch), "
+                "the same on every rank"
+            )
         make_decoder(decode)  # refuse a bad spec now, not in a worker
         if isinstance(shuffle, str) and shuffle not in ("none", "global", "blocked"):
             raise UsageError(f"shuffle must be True, False, 'global' or 'blocked', not {shuffle!r}")
@@ -223,6 +248,8 @@ class ShardedLoader(DataLoader):
         # DataLoader leaves it None beside a batch sampler; code that sizes batches from it
         # (loggers, trainers) reads the loader's (DataLoader refuses a plain assignment).
         object.__setattr__(self, "batch_size", batch_size)
+        # (DataLoader refuses a plain assignment of its sampler too)
+        object.__setattr__(self, "sampler", _EpochSampler(self.sampler, self))
 
     # -- epochs -------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -397,6 +424,32 @@ class ShardedLoader(DataLoader):
         )
         self.reader.resume_elsewhere(epoch, remaining)
         self._elastic_origin = dict(origin)
+
+
+class _EpochSampler(Sampler[Any]):
+    """``loader.sampler``: DataLoader's own sampler, plus the ``set_epoch`` of a
+    ``DistributedSampler``, which tells the loader the epoch.
+
+    DDP scripts call ``loader.sampler.set_epoch(epoch)`` (an AttributeError on the
+    ``SequentialSampler`` DataLoader leaves beside a batch sampler), and Lightning, Accelerate
+    and the like tell a loader the epoch only that way: each epoch of a ShardedLoader handed to
+    ``Trainer.fit`` read epoch 0's order again, without a word. (A weak reference: no cycle.)
+    """
+
+    def __init__(self, inner: Any, loader: ShardedLoader):
+        self.inner = inner
+        self._loader = weakref.ref(loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.inner)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def set_epoch(self, epoch: int) -> None:
+        loader = self._loader()
+        if loader is not None:
+            loader.set_epoch(epoch)
 
 
 def _said_by_worker(exc: StagingStopped) -> str | None:

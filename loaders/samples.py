@@ -237,12 +237,28 @@ def unpack_ragged(batch: Any) -> Any:
     if isinstance(batch, RaggedBatch):
         return batch.unpack()
     if isinstance(batch, tuple):
-        return tuple(unpack_ragged(v) for v in batch)
+        return _same_kind(batch, [unpack_ragged(v) for v in batch])
     if isinstance(batch, list):
         return [unpack_ragged(v) for v in batch]
     if isinstance(batch, dict):
-        return {k: unpack_ragged(v) for k, v in batch.items()}
+        return _same_kind(batch, {k: unpack_ragged(v) for k, v in batch.items()})
     return batch
+
+
+def _same_kind(like: Any, values: Any) -> Any:
+    """``values`` (a list for a tuple, a dict for a mapping) as the type of ``like``, as
+    torch's default_collate keeps a namedtuple (``batch.image``) or an ``OrderedDict``; a
+    plain tuple or dict where that type cannot be built from them."""
+    if isinstance(like, tuple):
+        if hasattr(like, "_fields"):  # a namedtuple
+            return type(like)(*values)
+        return tuple(values)
+    if type(like) is not dict:
+        try:
+            return type(like)(values)
+        except TypeError:
+            pass
+    return values
 
 
 def _kind(value: Any) -> Any:
@@ -282,13 +298,13 @@ def collate_samples(samples: list[Any]) -> Any:
     first = samples[0]
     if isinstance(first, (tuple, list)):  # (transposed as default_collate does, each column ours)
         columns = [collate_samples(list(column)) for column in zip(*samples, strict=True)]
-        return tuple(columns) if isinstance(first, tuple) else columns
+        return _same_kind(first, columns) if isinstance(first, tuple) else columns
     if isinstance(first, dict):
         # Every member any sample has, None where one lacks it, as a raw batch gives them: the
         # first sample's keys raised KeyError when it had more, and dropped the others' extra
         # members (a caption) when it had fewer, by the shuffle's order.
         keys = dict.fromkeys(k for s in samples for k in s)
-        return {k: collate_samples([s.get(k) for s in samples]) for k in keys}
+        return _same_kind(first, {k: collate_samples([s.get(k) for s in samples]) for k in keys})
     if isinstance(first, (bytes, str)) or not isinstance(first, _COLLATABLE):
         return list(samples)
     if isinstance(first, (torch.Tensor, np.ndarray)) and len({tuple(s.shape) for s in samples}) > 1:

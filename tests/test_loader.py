@@ -646,8 +646,9 @@ def test_constructor_is_dataloader_like_with_one_options_object(
     with pytest.raises(UsageError, match="even='drop'") as caught:
         ShardedLoader(small_dataset, batch_size=8, drop_last=True)
     assert "\n" not in str(caught.value)
+    # (sampler=None, the default, is taken)
     with pytest.raises(UsageError, match="sampler"):
-        ShardedLoader(small_dataset, batch_size=8, sampler=None)
+        ShardedLoader(small_dataset, batch_size=8, sampler=range(3))
     with pytest.raises(TypeError, match="samplr"):
         ShardedLoader(small_dataset, batch_size=8, samplr=None)
     with pytest.raises(UsageError, match="on_error"):
