@@ -132,11 +132,12 @@ class ShardedLoader(DataLoader):
     is ``even="drop"``). Rarer settings (rank and world overrides, worker tuning, where the
     staged copy is) are in :class:`LoaderOptions`; ``rank=``, ``world_size=``,
     ``persistent_workers=`` and ``prefetch_factor=`` are still accepted as keywords.
-    DataLoader's ``timeout=``, ``worker_init_fn=`` and ``multiprocessing_context=`` are passed
-    on as they are; ``sampler=``, ``batch_sampler=``, ``generator=``, ``in_order=False`` and
-    ``drop_last=True`` are refused in one line saying what to pass instead (DataLoader's
-    defaults, ``sampler=None``, ``drop_last=False``..., are taken). ``loader.sampler.set_epoch``
-    is ``set_epoch``, as a ``DistributedSampler``'s is for a DataLoader.
+    DataLoader's ``timeout=``, ``worker_init_fn=``, ``multiprocessing_context=`` and
+    ``pin_memory_device=`` are passed on as they are; ``sampler=``, ``batch_sampler=``,
+    ``generator=``, ``in_order=False`` and ``drop_last=True`` are refused in one line saying
+    what to pass instead (DataLoader's defaults, ``sampler=None``, ``drop_last=False``..., are
+    taken). ``loader.sampler.set_epoch`` is ``set_epoch``, as a ``DistributedSampler``'s is
+    for a DataLoader.
     """
 
     def __init__(
@@ -157,6 +158,11 @@ class ShardedLoader(DataLoader):
         **legacy: Any,
     ):
         passed = to_dataloader(legacy)  # (timeout=, worker_init_fn=, multiprocessing_context=)
+        if options is not None and not isinstance(options, LoaderOptions):
+            raise UsageError(
+                f"options must be a LoaderOptions, not {type(options).__name__}: "
+                "options=LoaderOptions(...)"
+            )
         options = _with_legacy(options or LoaderOptions(), legacy)
         refuse_batch_size(batch_size)
         if not _whole(num_workers):
@@ -170,6 +176,14 @@ class ShardedLoader(DataLoader):
             raise UsageError(
                 f"seed must be an integer, not {seed!r}: the order is a function of (seed, epoch), "
                 "the same on every rank"
+            )
+        for name, given in (("map", map), ("collate_fn", collate_fn)):
+            if given is not None and not callable(given):  # (else a TypeError at the first batch)
+                raise UsageError(f"{name} must be callable, not {given!r}")
+        if passed.get("timeout") and num_workers == 0:  # (torch: an AssertionError at iter())
+            raise UsageError(
+                f"timeout={passed['timeout']!r} bounds the wait for a worker's batch: it needs "
+                "num_workers >= 1 (with num_workers=0 the batches are made in this process)"
             )
         make_decoder(decode)  # refuse a bad spec now, not in a worker
         if isinstance(shuffle, str) and shuffle not in ("none", "global", "blocked"):

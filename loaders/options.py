@@ -24,7 +24,7 @@ __all__ = [
 #: Constructor keywords of earlier versions that now live in ``LoaderOptions``; still accepted.
 LEGACY_KEYWORDS = ("rank", "world_size", "persistent_workers", "prefetch_factor")
 #: DataLoader's own keywords that ShardedLoader passes on to it as they are.
-DATALOADER_KEYWORDS = ("timeout", "worker_init_fn", "multiprocessing_context")
+DATALOADER_KEYWORDS = ("timeout", "worker_init_fn", "multiprocessing_context", "pin_memory_device")
 
 DROP_LAST_HINT = (
     "ShardedLoader has no drop_last: pass even='drop' (every rank drops the same number of "

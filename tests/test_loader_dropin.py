@@ -91,6 +91,10 @@ def test_dataloader_defaults_spelled_out_are_taken(source: Path) -> None:
         ({"num_workers": True}, "third argument is num_workers: pass shuffle= by keyword"),
         ({"num_workers": -1}, "num_workers must be >= 0"),
         ({"seed": None}, "seed must be an integer, not None"),
+        ({"options": {"rank": 0}}, "options must be a LoaderOptions, not dict"),
+        ({"map": "npy"}, "map must be callable"),
+        ({"collate_fn": 3}, "collate_fn must be callable"),
+        ({"timeout": 5.0}, r"timeout=5.0 .* needs num_workers >= 1"),
     ],
 )
 def test_misuse_is_refused_in_one_line_naming_the_argument(
@@ -101,6 +105,13 @@ def test_misuse_is_refused_in_one_line_naming_the_argument(
     with pytest.raises(UsageError, match=says) as raised:
         ShardedLoader(source, batch_size=4, **arguments)
     assert "\n" not in str(raised.value)
+
+
+def test_pin_memory_device_is_passed_on_as_dataloader_takes_it(source: Path) -> None:
+    from stager_loaders import ShardedLoader
+
+    loader = ShardedLoader(source, batch_size=4, pin_memory_device="cpu")
+    assert loader.pin_memory_device == "cpu" and sum(1 for _ in loader) == len(loader)
 
 
 def test_the_third_positional_argument_of_dataloader_is_not_taken_for_workers(
