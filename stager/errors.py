@@ -166,6 +166,11 @@ class ShardFailure:
     reason: str
     kind: str = "source"  # one of FAILURE_KINDS
 
+    def __post_init__(self) -> None:
+        # "FAILED url: url: ..." where the error's own text begins with the URL (an OSError's
+        # filename, a fan-out owner's line passed on): the FAILED line names it already.
+        object.__setattr__(self, "reason", self.reason.removeprefix(f"{self.url}: "))
+
     def __str__(self) -> str:
         return f"FAILED {one_line(self.url)}: {self.reason}"
 

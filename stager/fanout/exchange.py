@@ -265,7 +265,8 @@ class Exchange:
         if status != wire.OK:
             if not item.have:
                 kind = "corrupt" if status == wire.CORRUPT else "source"
-                reason = f"its owner {self.node_label(owner)} could not read it: {text}"
+                said = text.removeprefix(f"{item.shard.url}: ")  # (the FAILED line names it)
+                reason = f"its owner {self.node_label(owner)} could not read it: {said}"
                 self.outcome.failures.append(ShardFailure(item.shard.url, reason, kind))
             return
         writing: Future[tuple[int, str]] | None = None
