@@ -177,6 +177,8 @@ class ShardedLoader(DataLoader):
                 f"seed must be an integer, not {seed!r}: the order is a function of (seed, epoch), "
                 "the same on every rank"
             )
+        if not -(1 << 63) <= seed < 1 << 64:  # (the order keys take 64 bits of it: 2**64 was 0)
+            raise UsageError(f"seed must fit in 64 bits (-2**63 <= seed < 2**64), got {seed}")
         for name, given in (("map", map), ("collate_fn", collate_fn)):
             if given is not None and not callable(given):  # (else a TypeError at the first batch)
                 raise UsageError(f"{name} must be callable, not {given!r}")

@@ -91,6 +91,8 @@ def test_dataloader_defaults_spelled_out_are_taken(source: Path) -> None:
         ({"num_workers": True}, "third argument is num_workers: pass shuffle= by keyword"),
         ({"num_workers": -1}, "num_workers must be >= 0"),
         ({"seed": None}, "seed must be an integer, not None"),
+        ({"seed": 1 << 64}, r"seed must fit in 64 bits .* got 18446744073709551616"),
+        ({"seed": -(1 << 63) - 1}, "seed must fit in 64 bits"),
         ({"options": {"rank": 0}}, "options must be a LoaderOptions, not dict"),
         ({"map": "npy"}, "map must be callable"),
         ({"collate_fn": 3}, "collate_fn must be callable"),
