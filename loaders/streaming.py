@@ -28,7 +28,7 @@ from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from stager.errors import IntegrityError, SourceError
+from stager.errors import IntegrityError, SourceError, one_line
 from stager.plan.order import seeded_rng
 from stager.plan.streaming import StreamingPlan
 from stager.shards.members import SampleRuns, split_message
@@ -50,13 +50,46 @@ def _open(location: str) -> Any:
     import fsspec
 
     try:
-        return fsspec.open(location, "rb").open()
+        return _SourceReads(fsspec.open(location, "rb").open(), location)
     except FileNotFoundError as exc:
         raise SourceError(
             f"shard not found: {location}; re-run stage-in or check the source"
         ) from exc
-    except OSError as exc:
-        raise SourceError(f"cannot open shard {location}: {exc}; check the source") from exc
+    except Exception as exc:  # noqa: BLE001 - a store's own errors (botocore's are no OSError)
+        raise SourceError(
+            f"cannot open shard {location}: {one_line(exc)}; check the source"
+        ) from exc
+
+
+class _SourceReads:
+    """A shard's handle whose failed reads are the source's (:class:`SourceError`), never the
+    tar's: a store refusing an object (403 AccessDenied, 503 SlowDown, a dropped endpoint) was
+    called a corrupt shard ("re-create this shard"), and with ``on_error='skip'`` the loader
+    left it out and trained without it."""
+
+    def __init__(self, handle: Any, location: str):
+        self.handle = handle
+        self.location = location
+        self.name = getattr(handle, "name", location)
+        self.mode = "rb"
+
+    def read(self, size: int = -1) -> bytes:
+        try:
+            return self.handle.read(size)
+        except Exception as exc:  # noqa: BLE001 - whatever the store raised
+            raise SourceError(
+                f"cannot read shard {self.location}: {one_line(exc)}; check the source and "
+                "its credentials"
+            ) from exc
+
+    def close(self) -> None:
+        self.handle.close()
+
+    def __enter__(self) -> _SourceReads:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 def iter_tar_samples(location: str) -> Iterator[dict[str, Any]]:
@@ -97,6 +130,8 @@ def iter_tar_samples(location: str) -> Iterator[dict[str, Any]]:
                         )
                     member = stream.extractfile(info)
                     current[ext] = member.read() if member is not None else b""
+        except SourceError:
+            raise  # (the store's failure, not the shard's: SourceError is an OSError)
         except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
             raise IntegrityError(
                 f"{location}: corrupt or truncated after member {last_name!r} ({exc}); "

@@ -12,10 +12,18 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-__all__ = ["FlakyProxy", "moto_server", "s3_client", "s3_env", "free_port", "refusing_proxy"]
+__all__ = [
+    "FlakyProxy",
+    "moto_server",
+    "s3_client",
+    "s3_env",
+    "free_port",
+    "refusing_proxy",
+    "hooked_proxy",
+]
 
 
 def free_port() -> int:
@@ -204,6 +212,71 @@ def refusing_proxy(upstream: str, suffix: str) -> Iterator[str]:
             for key, value in headers.items():
                 self.send_header(key, value)
             self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(data)
+
+        do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = forward
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@contextmanager
+def hooked_proxy(
+    upstream: str, hook: Callable[[str, str], tuple[int, str, str] | None]
+) -> Iterator[str]:
+    """An HTTP proxy on loopback in front of ``upstream`` that calls ``hook(method, path)``
+    before each request (``path`` without its query): None forwards the request (after
+    whatever the hook did to the store, e.g. rewrite the object), ``(status, code, message)``
+    answers with that S3 error instead. A HEAD keeps the upstream's Content-Length (the
+    object's size). Yields its URL."""
+    import http.server
+    import threading
+    import urllib.error
+    import urllib.request
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def forward(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            body = self.rfile.read(length) if length else None
+            refusal = hook(self.command, self.path.split("?")[0])
+            size = None
+            if refusal is not None:
+                status, code, message = refusal
+                data = f"<Error><Code>{code}</Code><Message>{message}</Message></Error>".encode()
+                headers: dict[str, str] = {}
+            else:
+                skip = ("host", "content-length")
+                sent = {k: v for k, v in self.headers.items() if k.lower() not in skip}
+                request = urllib.request.Request(
+                    upstream + self.path, data=body, method=self.command, headers=sent
+                )
+                try:
+                    response = urllib.request.urlopen(request)  # noqa: S310 - loopback only
+                except urllib.error.HTTPError as exc:
+                    response = exc
+                status, data = response.status, response.read()
+                size = response.headers.get("Content-Length")
+                drop = ("content-length", "transfer-encoding", "connection", "server", "date")
+                headers = {k: v for k, v in response.headers.items() if k.lower() not in drop}
+            self.send_response(status)
+            for key, value in headers.items():
+                self.send_header(key, value)
+            head = self.command == "HEAD" and size is not None
+            self.send_header("Content-Length", size if head else str(len(data)))
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(data)

@@ -10,6 +10,9 @@ from __future__ import annotations
 import dataclasses
 import filecmp
 import json
+import subprocess
+import sys
+import tarfile
 import uuid
 from pathlib import Path
 
@@ -24,7 +27,7 @@ from stager.storage.hashing import hash_file
 from stager.storage.sources import resolve_source
 
 from .conftest import clean_env, run_cli
-from .s3server import FlakyProxy, moto_server, refusing_proxy, s3_client, s3_env
+from .s3server import FlakyProxy, hooked_proxy, moto_server, refusing_proxy, s3_client, s3_env
 
 pytestmark = pytest.mark.s3
 
@@ -404,3 +407,113 @@ def test_a_list_over_two_buckets_is_loaded_from_its_staged_copy(
     options = LoaderOptions(dest=str(dest), name="two", world_size=1)
     loader = ShardedLoader(urls, batch_size=4, options=options)
     assert loader.shards.from_source == 0 and len(loader.shards) == 2
+
+
+def test_a_key_that_is_also_a_prefix_stages_the_prefix(
+    endpoint: str, prefix: str, local_ds: Path, tmp_path: Path
+) -> None:
+    """An object ``ds`` beside the keys under ``ds/`` (a marker some tools write): ``s3://b/ds``
+    and even ``s3://b/ds/`` staged that object alone, "as it is" (11 bytes, no tar), exit 0,
+    leaving the dataset out without a word, and the loader refused the copy."""
+    s3_client(endpoint).put_object(Bucket=BUCKET, Key=prefix, Body=b"not a shard")
+    names = [p.name for p in sorted(local_ds.glob("*.tar"))]
+    for spec in (f"s3://{BUCKET}/{prefix}", f"s3://{BUCKET}/{prefix}/"):
+        dest = tmp_path / ("slash" if spec.endswith("/") else "plain")
+        result = run_cli("stage-in", spec, "--dest", str(dest), *FAST, env=_env(endpoint))
+        assert result.returncode == 0, result.stderr
+        _assert_staged(local_ds, dest / "ds", names)
+        assert sorted(p.name for p in (dest / "ds").iterdir() if p.is_file()) == names
+    env = _env(endpoint)
+    code = (
+        "import sys\n"
+        "from stager_loaders import LoaderOptions, ShardedLoader\n"
+        "options = LoaderOptions(dest=sys.argv[2], world_size=1)\n"
+        "loader = ShardedLoader(sys.argv[1], batch_size=4, options=options)\n"
+        "print(loader.shards.from_source, len(loader.shards))\n"
+    )
+    spec = f"s3://{BUCKET}/{prefix}"
+    done = subprocess.run(
+        [sys.executable, "-c", code, spec, str(tmp_path / "plain")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0", str(len(names))]  # (it refused the copy before)
+
+
+def test_an_object_rewritten_after_its_listing_is_copied_with_a_cache_too(
+    endpoint: str, prefix: str, local_ds: Path, tmp_path: Path
+) -> None:
+    """With ``--cache`` a retry kept the claim made for the version listed, and s3fs read the
+    object on that ETag, which the store refuses once the object is rewritten: every retry
+    failed the same way, exit 3, where without a cache the retry reads it as it is now."""
+    shard = sorted(local_ds.glob("*.tar"))[2]
+    key = f"{prefix}/{shard.name}"
+    with tarfile.open(shard) as tar:
+        member = max(tar.getmembers(), key=lambda m: m.size)
+    tampered = bytearray(shard.read_bytes())
+    tampered[member.offset_data + member.size // 2] ^= 0x55  # (a valid tar, other bytes)
+    client = s3_client(endpoint)
+    rewritten: list[str] = []
+
+    def rewrite_on_first_read(method: str, path: str) -> None:
+        if method == "GET" and path.endswith(key) and not rewritten:
+            rewritten.append(path)  # (after the listing, before the copy's first read)
+            client.put_object(Bucket=BUCKET, Key=key, Body=bytes(tampered))
+        return None
+
+    with hooked_proxy(endpoint, rewrite_on_first_read) as url:
+        argv = ["--dest", str(tmp_path / "d"), "--cache", str(tmp_path / "cache"), *FAST]
+        result = run_cli("stage-in", f"s3://{BUCKET}/{prefix}", *argv, env=_env(url))
+    assert rewritten, "the copy never read the object"
+    assert result.returncode == 0, result.stderr
+    staged = tmp_path / "d" / "ds"
+    assert (staged / shard.name).read_bytes() == bytes(tampered)  # the store's bytes now
+    others = [p.name for p in sorted(local_ds.glob("*.tar")) if p.name != shard.name]
+    for name in others:
+        assert filecmp.cmp(local_ds / name, staged / name, shallow=False), name
+    assert not list(tmp_path.rglob("*.partial"))
+
+
+def test_a_shard_the_store_refuses_is_the_sources_failure_for_the_loader(
+    endpoint: str, prefix: str, tmp_path: Path
+) -> None:
+    """A store refusing one object's reads (403 AccessDenied; 503 SlowDown the same) while it
+    lists and HEADs it: the loader called the shard corrupt ("re-create this shard"), and with
+    ``on_error='skip'`` left it out and trained without it, where a shard the process may not
+    read raises SourceError, with "skip" too (docs/loader.md)."""
+    victim = f"{prefix}/train-000001.tar"
+
+    def refuse(method: str, path: str) -> tuple[int, str, str] | None:
+        if method == "GET" and path.endswith(victim):
+            return 403, "AccessDenied", "Access Denied"
+        return None
+
+    code = (
+        "import sys\n"
+        "from stager.errors import IntegrityError, SourceError\n"
+        "from stager_loaders import LoaderOptions, ShardedLoader\n"
+        "options = LoaderOptions(dest=sys.argv[2], world_size=1, on_error=sys.argv[3])\n"
+        "try:\n"
+        "    loader = ShardedLoader(sys.argv[1], batch_size=4, options=options)\n"
+        "    print('read', sum(1 for _ in loader), loader.skipped_shards)\n"
+        "except (SourceError, IntegrityError) as exc:\n"
+        "    print(type(exc).__name__, exc)\n"
+    )
+    with hooked_proxy(endpoint, refuse) as url:
+        env = clean_env(**s3_env(url))
+        env["AWS_MAX_ATTEMPTS"] = "1"
+        for on_error in ("raise", "skip"):
+            done = subprocess.run(
+                [sys.executable, "-c", code, f"s3://{BUCKET}/{prefix}", str(tmp_path), on_error],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=240,
+            )
+            assert done.returncode == 0, done.stderr
+            out = done.stdout.strip()
+            assert out.startswith("SourceError cannot read shard"), (on_error, out)
+            assert victim in out and "Access Denied" in out and "\n" not in out

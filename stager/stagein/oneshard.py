@@ -27,6 +27,14 @@ if TYPE_CHECKING:
 __all__ = ["copy_one", "relisted"]
 
 
+class _Rewritten(Exception):  # noqa: N818 - a signal between on_retry and copy_one, not an error
+    """The object a cache claim was made for was rewritten: claim it again as ``item``."""
+
+    def __init__(self, item: CopyItem):
+        super().__init__(item.shard.url)
+        self.item = item
+
+
 def relisted(source: SourceSet, item: CopyItem) -> CopyItem:
     """``item`` with the size and version its object store lists now (a manifest's size stays:
     a different one is the manifest's to refuse); ``item`` itself for a local source."""
@@ -37,7 +45,12 @@ def relisted(source: SourceSet, item: CopyItem) -> CopyItem:
     return item.sized(size, info.version)
 
 
-def copy_one(copier: Copier, item: CopyItem) -> None:
+#: How many times one shard is claimed again at a new version (:class:`_Rewritten`) before its
+#: retries go on as they are and fail it: an object rewritten without end is a failed shard.
+MAX_RECLAIMS = 3
+
+
+def copy_one(copier: Copier, item: CopyItem, reclaims: int = 0) -> None:
     """Copy ``item`` with :func:`copy_file` and book it, or report why it failed."""
     if not copier.still_wanted(item):
         return
@@ -94,18 +107,28 @@ def copy_one(copier: Copier, item: CopyItem) -> None:
 
     def on_retry(number: int, exc: BaseException) -> None:
         copier.on_retry(number, exc)
-        if claim is None:  # (a cache claim is for the version listed: its copy must be that)
-            with contextlib.suppress(Exception):  # (a failed listing: the retry says what)
-                current[0] = relisted(copier.source, current[0])
+        now = current[0]
+        with contextlib.suppress(Exception):  # (a failed listing: the retry says what)
+            now = relisted(copier.source, current[0])
+        if claim is None:
+            current[0] = now
+        elif now.shard.version != current[0].shard.version and reclaims < MAX_RECLAIMS:
+            # A cache claim is for the version listed, and s3fs reads on its ETag: once the
+            # object is rewritten no retry of this claim can succeed (each failed, exit 3).
+            # The shard is claimed again at the version the store lists now.
+            raise _Rewritten(now)
 
     copier.slots.take()  # (again, if given back waiting for the walk, a size or the cache)
     result = None
     past_the_cache = False
+    rewritten: CopyItem | None = None
     try:
         retry = copier.options.retry
         result = call_with_retries(attempt, retry, on_retry=on_retry, sleep=copier.halt.pause)
         if claim is not None:  # copied into the cache: record it, place it in scratch
             result = claim.publish(result, counters[0].samples if counters else None)
+    except _Rewritten as exc:
+        rewritten = exc.item
     except Exception as exc:  # noqa: BLE001 - every failure becomes one report line
         cache = copier.cache if claim is not None else None
         past_the_cache = cache is not None and (cache.ran_out_of_space(exc) or cache.refused(exc))
@@ -121,6 +144,9 @@ def copy_one(copier: Copier, item: CopyItem) -> None:
             claim.release()
     if past_the_cache:  # the cache's filesystem filled up: this shard again, straight to scratch
         copy_one(copier, item)
+        return
+    if rewritten is not None:  # the object changed since its listing: claimed at its new version
+        copy_one(copier, rewritten, reclaims + 1)
         return
     if result is None:
         return  # (failed: reported above)

@@ -109,6 +109,22 @@ def _from_paths(
     return SourceSet(where, name, distinct, tuple(missing), fs, spec, tuple(skipped), named=True)
 
 
+def _also_a_prefix(fs: fsspec.AbstractFileSystem | None, path: str, spec: str) -> bool:
+    """Whether an object store's key ``path`` is also the prefix of other keys (an object
+    ``ds`` beside ``ds/x.tar``: a marker some tools write, or a stray upload), where the prefix
+    is what SOURCE means: it ends in ``/``, or the object is no shard. ``info`` answers with
+    the object, so that object alone was staged, as a file "as it is", with exit 0, the
+    dataset under the prefix left out without a word, and the loader refused that copy."""
+    if fs is None or protocol_of(fs) in ("http", "https"):
+        return False
+    if not spec.endswith("/") and is_shard_name(posixpath.basename(path)):
+        return False
+    try:
+        return bool(fs.isdir(path))
+    except Exception:  # noqa: BLE001 - the object is there: staged as named, as before
+        return False
+
+
 def _refuse_cased(paths: list[str], spec: str) -> None:
     """Refuse a shard named explicitly with its suffix not in lower case (``X.TAR``), as a
     walk and a glob leave such a file out: it was staged as a file "as it is", its samples
@@ -366,7 +382,7 @@ def _resolve(
         raise translate(exc, spec) from exc
     if info is None:
         raise translate(FileNotFoundError(path), spec)
-    if info.kind == DIRECTORY:
+    if info.kind == DIRECTORY or _also_a_prefix(fs, path, spec):
         return _walk(spec, fs, path.rstrip("/") or "/", name, jobs, stat_listed)
     if fs is not None and protocol_of(fs) in ("http", "https") and not is_shard_name(path):
         # (HTTP has no directories: http://host/ds answers with its listing page, which was
