@@ -76,6 +76,7 @@ def test_usr1_before_the_trap_is_set_is_acted_on(slurm_cluster, data: Path, temp
     slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job.job_id])
     text = _done(slurm_cluster, job)  # (unfixed: FAILED 0:10, nothing in the log)
     assert "USR1 at" in text and "no checkpoint on scratch yet" in text, text
+    assert "warning: USR1 came before training started" in text, text  # (and says why)
     assert "stage-in:" not in text, text  # acted on before anything was staged
 
 
