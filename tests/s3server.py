@@ -180,56 +180,14 @@ def refusing_proxy(upstream: str, suffix: str) -> Iterator[str]:
     """An HTTP proxy on loopback in front of ``upstream`` that answers every GET of a key ending
     in ``suffix`` with 503 SlowDown (S3's "reduce your request rate"), and forwards the rest:
     a store that throttles one object's reads while it serves the others. Yields its URL."""
-    import http.server
-    import threading
-    import urllib.error
-    import urllib.request
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+    def refuse(method: str, path: str) -> tuple[int, str, str] | None:
+        if method == "GET" and path.endswith(suffix):
+            return 503, "SlowDown", "Please reduce your request rate."
+        return None
 
-        def forward(self) -> None:
-            length = int(self.headers.get("Content-Length") or 0)
-            body = self.rfile.read(length) if length else None
-            if self.command == "GET" and self.path.split("?")[0].endswith(suffix):
-                status, headers = 503, {}
-                data = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate."
-                data += b"</Message></Error>"
-            else:
-                skip = ("host", "content-length")
-                sent = {k: v for k, v in self.headers.items() if k.lower() not in skip}
-                request = urllib.request.Request(
-                    upstream + self.path, data=body, method=self.command, headers=sent
-                )
-                try:
-                    response = urllib.request.urlopen(request)  # noqa: S310 - loopback only
-                except urllib.error.HTTPError as exc:
-                    response = exc
-                status, data = response.status, response.read()
-                drop = ("content-length", "transfer-encoding", "connection", "server", "date")
-                headers = {k: v for k, v in response.headers.items() if k.lower() not in drop}
-            self.send_response(status)
-            for key, value in headers.items():
-                self.send_header(key, value)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(data)
-
-        do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = forward
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with hooked_proxy(upstream, refuse) as url:
+        yield url
 
 
 @contextmanager
