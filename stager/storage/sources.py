@@ -110,11 +110,9 @@ def _from_paths(
 
 
 def _also_a_prefix(fs: fsspec.AbstractFileSystem | None, path: str, spec: str) -> bool:
-    """Whether an object store's key ``path`` is also the prefix of other keys (an object
-    ``ds`` beside ``ds/x.tar``: a marker some tools write, or a stray upload), where the prefix
-    is what SOURCE means: it ends in ``/``, or the object is no shard. ``info`` answers with
-    the object, so that object alone was staged, as a file "as it is", with exit 0, the
-    dataset under the prefix left out without a word, and the loader refused that copy."""
+    """Whether an object store's key ``path`` is also the prefix of other keys (``ds`` beside
+    ``ds/x.tar``, a folder marker) that SOURCE means: it ends in ``/``, or the object is no
+    shard. (That object alone was staged, exit 0, the dataset under the prefix left out.)"""
     if fs is None or protocol_of(fs) in ("http", "https"):
         return False
     if not spec.endswith("/") and is_shard_name(posixpath.basename(path)):
