@@ -2,7 +2,8 @@
 # Set up a fresh machine for this project: a virtualenv in .venv with the package installed.
 #   scripts/setup.sh          runtime only (enough for the demo)
 #   scripts/setup.sh --test   also test dependencies and the Debian packages the test tiers
-#                             start for real (Slurm, munge, rsync); needs root for apt.
+#                             start for real (Slurm, munge, rsync; strace for a commit's
+#                             order of system calls); needs root for apt.
 # torch is installed first, pinned to 2.13.0, only when it is not importable: a bare "torch"
 # requirement would otherwise pull a multi-GB CUDA build. Users bring their own torch.
 set -euo pipefail
@@ -13,7 +14,7 @@ want_test=0
 
 if [[ $want_test == 1 ]] && [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
     need=()
-    for pkg in munge slurmctld slurmd slurm-client rsync util-linux iproute2 procps shellcheck; do
+    for pkg in munge slurmctld slurmd slurm-client rsync util-linux iproute2 procps shellcheck strace; do
         dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || need+=("$pkg")
     done
     if (( ${#need[@]} )); then

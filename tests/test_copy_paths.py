@@ -253,3 +253,29 @@ def test_the_version_recorded_is_the_sources_even_past_the_year_2262(
         pytest.skip("this filesystem does not keep times past 2262")
     result = copy_file(None, str(src), tmp_path / "d.bin", inspect=_Recorder(byte_path))
     assert result.version == local_version(os.stat(src))
+
+
+@pytest.mark.parametrize("delta", [-1000, 1000])
+def test_a_remote_source_whose_bytes_differ_from_its_listed_size_is_never_published(
+    tmp_path: Path, delta: int
+) -> None:
+    """A source read through fsspec (an object store; ``faulty://`` here) has no local stat to
+    compare at the end of the copy: a response cut short that the client took for the end, or
+    an object rewritten after the listing, is caught only by the listed size. Without a
+    manifest hash, that check alone keeps the wrong bytes from the final name."""
+    from .faulty_fs import FaultyFileSystem
+
+    src = tmp_path / "src.bin"
+    src.write_bytes(_data(100_000))
+    final = tmp_path / "out" / "dst.bin"
+    with pytest.raises(SizeMismatch, match="source listed"):
+        copy_file(
+            FaultyFileSystem(),
+            str(src),
+            final,
+            url=f"faulty://{src}",
+            expected_size=100_000 + delta,
+        )
+    assert not final.exists() and not list(tmp_path.rglob("*.partial"))
+    copy_file(FaultyFileSystem(), str(src), final, url=f"faulty://{src}", expected_size=100_000)
+    assert final.read_bytes() == src.read_bytes()

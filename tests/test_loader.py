@@ -369,6 +369,30 @@ def test_resume_mismatch_is_refused_with_what_differs(
         make().load_state_dict({**state, "version": 1})  # saved before the keyed epoch order
 
 
+@pytest.mark.parametrize("knob", ["seed", "shuffle", "even"])
+def test_resume_refuses_a_state_of_another_order(
+    small_dataset: Path, tmp_path: Path, knob: str
+) -> None:
+    """The seed, the shuffle mode and the evening fix which samples batch k holds: a state saved
+    under other values names a position in another order (resumed, some samples would come
+    twice and some never), so it is refused naming the knob, before the loader moves."""
+    changed: dict[str, object] = {"seed": 4, "shuffle": False, "even": "drop"}
+
+    def make(**kwargs: object) -> ShardedLoader:
+        options = LoaderOptions(dest=str(tmp_path))
+        return ShardedLoader(small_dataset, batch_size=8, options=options, **kwargs)  # type: ignore[arg-type]
+
+    saved = make()
+    saved.set_epoch(2)
+    it = iter(saved)
+    next(it)
+    state = saved.state_dict()
+    other = make(**{knob: changed[knob]})
+    with pytest.raises(ResumeMismatch, match=f"{knob} was"):
+        other.load_state_dict(state)
+    assert other.epoch == 0 and other.state_dict()["batches_consumed"] == 0
+
+
 def test_resume_in_process_and_set_epoch_keeps_position(
     small_dataset: Path, tmp_path: Path
 ) -> None:

@@ -228,6 +228,38 @@ def test_kill_mid_copy_leaves_no_partial_visible_and_rerun_completes(
     assert all(staged.joinpath(name).stat().st_ino == ino for name, ino in survivors.items())
 
 
+def test_a_partial_left_by_a_kill_goes_even_when_its_shard_left_the_source(
+    big_dataset: Path, tmp_path: Path
+) -> None:
+    """The rerun deletes every ``.partial`` a killed run left, not only those it copies over:
+    a shard whose copy was killed and that the source has dropped since is never copied
+    again, so its ``.partial`` (a part of a shard, in scratch for the rest of the job) goes only
+    because the rerun looks for leftovers."""
+    dest = tmp_path / "scratch"
+    proc = subprocess.Popen(
+        [str(BIN / "stage-in"), str(big_dataset), "--dest", str(dest), "--bw-limit", "2"]
+        + ["--jobs", "2", "--quiet"],
+        env=clean_env(),
+        stderr=subprocess.DEVNULL,
+    )
+    staged = dest / "big"
+    deadline = time.monotonic() + 30
+    while not list(staged.glob("*.partial")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    left = sorted(staged.glob("*.partial"))
+    assert left, "the copy should have been caught in flight"
+    for partial in left:  # the source drops the shards whose copies were cut
+        (big_dataset / partial.name.removesuffix(".partial")).unlink()
+
+    result = run_cli("stage-in", str(big_dataset), "--dest", str(dest), "--quiet")
+    assert result.returncode == 0, result.stderr
+    assert not list(staged.rglob("*.partial")), "a killed run's .partial outlived the rerun"
+    _assert_identical(big_dataset, staged)
+
+
 def test_concurrent_stage_in_on_one_node_copies_each_shard_once(
     big_dataset: Path, tmp_path: Path
 ) -> None:

@@ -10,6 +10,8 @@ import io
 import json
 import os
 import random
+import re
+import shutil
 import socket
 import subprocess
 import time
@@ -469,3 +471,75 @@ def test_keep_says_when_it_skips_the_newest_checkpoint_here(tmp_path: Path) -> N
     warning = [line for line in log.getvalue().splitlines() if "warning" in line]
     assert len(warning) == 1 and "step-200" in warning[0] and "step-100 (" in warning[0], log
     assert "dated in the future" in warning[0]
+
+
+_TRACED = "fsync,fdatasync,rename,renameat,renameat2,unlink,unlinkat"
+
+
+def _traced_stage_out(ckpt: Path, dest: Path, log: Path) -> list[tuple[str, list[str]]]:
+    """Run the real ``stage-out`` under strace; its ``(call, [paths])`` in order: the durable
+    order of a commit is only seen in the system calls (a test of the outcome cannot tell a
+    record written before its data, or data never fsynced, until a crash comes)."""
+    strace = shutil.which("strace")
+    if strace is None:
+        pytest.skip("strace is not installed (apt-get install strace)")
+    cmd = [strace, "-f", "-qq", "-e", "signal=none", "-y", "-s", "4096", "-e", f"trace={_TRACED}"]
+    out = subprocess.run(
+        [*cmd, "-o", str(log), str(BIN / "stage-out"), str(ckpt), str(dest)],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+    )
+    if "PTRACE" in out.stderr or "Operation not permitted" in out.stderr:
+        pytest.skip(f"strace cannot trace here: {out.stderr.strip()}")
+    assert out.returncode == 0, out.stderr
+    calls = []
+    for line in log.read_text().splitlines():
+        match = re.match(r"\d+\s+(\w+)\((.*)\)\s+=\s+0\b", line)
+        if match:  # quoted paths, and the paths -y shows for descriptors (fsync(5</a/b>))
+            paths = re.findall(r'"((?:[^"\\]|\\.)*)"|<(/[^>]*)>', match.group(2))
+            calls.append((match.group(1), [q or d for q, d in paths]))
+    return calls
+
+
+def test_a_commit_fsyncs_every_file_moves_the_data_in_then_writes_the_record(
+    tmp_path: Path,
+) -> None:
+    """The order that makes a commit durable and atomic (store_posix): every file's bytes are
+    fsynced before the checkpoint is renamed to ``DEST/NAME``, the old record goes before the
+    new data takes its place, and the new record lands last. Recommitting a changed ``step-1``
+    exercises all three."""
+    dest = tmp_path / "persist"
+    ckpt = write_ckpt_dir(tmp_path / "scratch" / "step-1", seed=1)
+    assert stage(dest, ckpt) == ["committed"]
+    write_ckpt_dir(ckpt, seed=2)  # the same name, other bytes
+    calls = _traced_stage_out(ckpt, dest, tmp_path / "strace.log")
+
+    target = os.path.realpath(dest / ckpt.name)
+    record = os.path.realpath(dest / META_DIR / "commits" / f"{ckpt.name}.json")
+
+    def first(found: list[int], what: str) -> int:
+        assert found, f"no {what} in the trace: {calls}"
+        return found[0]
+
+    data_in = first(
+        [i for i, (c, p) in enumerate(calls) if c.startswith("rename") and p[-1] == target],
+        f"rename to {target}",
+    )
+    record_in = first(
+        [i for i, (c, p) in enumerate(calls) if c.startswith("rename") and p[-1] == record],
+        f"rename to {record}",
+    )
+    old_record_out = first(
+        [i for i, (c, p) in enumerate(calls) if c.startswith("unlink") and p[-1] == record],
+        f"unlink of {record}",
+    )
+    assert old_record_out < data_in < record_in, "the record must be removed first, written last"
+    synced = {
+        os.path.basename(p[0]).removesuffix(".partial")
+        for c, p in calls[:data_in]
+        if c in ("fsync", "fdatasync") and p and "/data/" in p[0]
+    }
+    files = {p.name for p in ckpt.rglob("*") if p.is_file()}
+    assert files <= synced, f"not fsynced before the commit: {sorted(files - synced)}"
+    assert same_tree(ckpt, dest / ckpt.name) and list(assert_committed_whole(dest)) == ["step-1"]
