@@ -471,6 +471,10 @@ def test_an_object_rewritten_after_its_listing_is_copied_with_a_cache_too(
     assert result.returncode == 0, result.stderr
     staged = tmp_path / "d" / "ds"
     assert (staged / shard.name).read_bytes() == bytes(tampered)  # the store's bytes now
+    # Copied past the cache: filled under the key its listing made (of the old version), the
+    # cache held the new bytes where that key says the old ones.
+    cached = [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+    assert not [p for p in cached if p.read_bytes() == bytes(tampered)], cached
     others = [p.name for p in sorted(local_ds.glob("*.tar")) if p.name != shard.name]
     for name in others:
         assert filecmp.cmp(local_ds / name, staged / name, shallow=False), name

@@ -45,17 +45,14 @@ def relisted(source: SourceSet, item: CopyItem) -> CopyItem:
     return item.sized(size, info.version)
 
 
-#: How many times one shard is claimed again at a new version (:class:`_Rewritten`) before its
-#: retries go on as they are and fail it: an object rewritten without end is a failed shard.
-MAX_RECLAIMS = 3
-
-
-def copy_one(copier: Copier, item: CopyItem, reclaims: int = 0) -> None:
-    """Copy ``item`` with :func:`copy_file` and book it, or report why it failed."""
+def copy_one(copier: Copier, item: CopyItem, past_the_cache: bool = False) -> None:
+    """Copy ``item`` with :func:`copy_file` and book it, or report why it failed; with
+    ``past_the_cache``, straight to scratch (the cache's room ran out, or the object was
+    rewritten during its fill)."""
     if not copier.still_wanted(item):
         return
     claim: Claim | None = None
-    if copier.cache is not None:
+    if copier.cache is not None and not past_the_cache:
         try:
             claim = copier.cache.claim(item)  # may wait while another job fills the shard
         except Exception as exc:  # noqa: BLE001 - one report line, as for a copy
@@ -112,15 +109,16 @@ def copy_one(copier: Copier, item: CopyItem, reclaims: int = 0) -> None:
             now = relisted(copier.source, current[0])
         if claim is None:
             current[0] = now
-        elif now.shard.version != current[0].shard.version and reclaims < MAX_RECLAIMS:
-            # A cache claim is for the version listed, and s3fs reads on its ETag: once the
-            # object is rewritten no retry of this claim can succeed (each failed, exit 3).
-            # The shard is claimed again at the version the store lists now.
+        elif now.shard.version != current[0].shard.version:
+            # A cache claim is for the version listed (its key is made of it), and s3fs reads
+            # on its ETag: once the object is rewritten no retry of this claim can succeed
+            # (each failed, exit 3). The shard is copied at its new version past the cache:
+            # filled under the listed version's key, the cache would hold other bytes there.
             raise _Rewritten(now)
 
     copier.slots.take()  # (again, if given back waiting for the walk, a size or the cache)
     result = None
-    past_the_cache = False
+    cache_failed = False
     rewritten: CopyItem | None = None
     try:
         retry = copier.options.retry
@@ -131,8 +129,8 @@ def copy_one(copier: Copier, item: CopyItem, reclaims: int = 0) -> None:
         rewritten = exc.item
     except Exception as exc:  # noqa: BLE001 - every failure becomes one report line
         cache = copier.cache if claim is not None else None
-        past_the_cache = cache is not None and (cache.ran_out_of_space(exc) or cache.refused(exc))
-        if not past_the_cache:
+        cache_failed = cache is not None and (cache.ran_out_of_space(exc) or cache.refused(exc))
+        if not cache_failed:
             kind = failure_kind(exc)
             if kind in ("full", "dest") and not isinstance(exc, PathBlocked):
                 copier.full.set()  # no later copy can land either
@@ -142,11 +140,11 @@ def copy_one(copier: Copier, item: CopyItem, reclaims: int = 0) -> None:
         copier.slots.finished(*timing)
         if claim is not None:
             claim.release()
-    if past_the_cache:  # the cache's filesystem filled up: this shard again, straight to scratch
+    if cache_failed:  # the cache's filesystem filled up: this shard again, straight to scratch
         copy_one(copier, item)
         return
-    if rewritten is not None:  # the object changed since its listing: claimed at its new version
-        copy_one(copier, rewritten, reclaims + 1)
+    if rewritten is not None:  # the object changed since its listing: at its new version
+        copy_one(copier, rewritten, past_the_cache=True)
         return
     if result is None:
         return  # (failed: reported above)
