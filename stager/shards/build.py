@@ -156,9 +156,8 @@ def build_manifest(
             )
         except Exception as exc:  # noqa: BLE001 - every failure becomes one report line
             kind = "corrupt" if isinstance(exc, IntegrityError) and not exc.transient else "source"
-            reason = one_line(exc).removeprefix(f"{shard.url}: ")  # FAILED names the shard already
-            with lock:
-                failures.append(ShardFailure(shard.url, reason, kind))
+            with lock:  # (ShardFailure drops a leading URL: the FAILED line names it already)
+                failures.append(ShardFailure(shard.url, one_line(exc), kind))
             return
         with lock:
             results[shard.relpath] = entry

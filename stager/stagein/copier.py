@@ -182,8 +182,7 @@ class Copier:
 
     # -- one shard, on a copy thread -------------------------------------------------------
     def fail(self, item: CopyItem, reason: str, kind: str = "source") -> None:
-        reason = reason.removeprefix(f"{item.shard.url}: ")  # the FAILED line names it already
-        with self.lock:
+        with self.lock:  # (ShardFailure drops a leading URL: the FAILED line names it already)
             self.report.add_failure(ShardFailure(item.shard.url, reason, kind))
 
     def on_bytes(self, n: int) -> None:

@@ -28,7 +28,8 @@ __all__ = ["copy_one", "relisted"]
 
 
 class _Rewritten(Exception):  # noqa: N818 - a signal between on_retry and copy_one, not an error
-    """The object a cache claim was made for was rewritten: claim it again as ``item``."""
+    """The object a cache claim was made for was rewritten: copy it as ``item``, past the
+    cache."""
 
     def __init__(self, item: CopyItem):
         super().__init__(item.shard.url)
@@ -140,11 +141,10 @@ def copy_one(copier: Copier, item: CopyItem, past_the_cache: bool = False) -> No
         copier.slots.finished(*timing)
         if claim is not None:
             claim.release()
-    if cache_failed:  # the cache's filesystem filled up: this shard again, straight to scratch
-        copy_one(copier, item)
-        return
-    if rewritten is not None:  # the object changed since its listing: at its new version
-        copy_one(copier, rewritten, past_the_cache=True)
+    # Again, straight to scratch: the cache filled up or refused the shard, or the object changed
+    # since its listing (then at its new version).
+    if cache_failed or rewritten is not None:
+        copy_one(copier, rewritten or item, past_the_cache=True)
         return
     if result is None:
         return  # (failed: reported above)
