@@ -24,6 +24,7 @@ import pytest
 from stager.shards.synth import SyntheticSpec, write_synthetic_dataset
 
 from .test_slurm_byo import JOBS, ONE_TASK, SAVER_THEN_SLEEPER, Job, _done, _script, _submit
+from .test_slurm_jobs import _wait_for_log
 
 pytestmark = pytest.mark.slurm
 
@@ -35,14 +36,6 @@ def data(slurm_cluster) -> Path:
         path, SyntheticSpec(num_shards=2, samples_per_shard=16, image_bytes=200, seed=3)
     )
     return path
-
-
-def _wait_text(cluster, job: Job, text: str, timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while text not in job.text():
-        assert time.monotonic() < deadline, f"no {text!r} in time:\n{job.text()}"
-        assert cluster.job(job.job_id).get("JobState") in ("PENDING", "RUNNING"), job.text()
-        time.sleep(0.2)
 
 
 @pytest.mark.parametrize("template", ["train-single-node.sbatch", "train-multi-node.sbatch"])
@@ -116,7 +109,7 @@ def _saver_job(cluster, data: Path, name: str, *sbatch_args: str, **env: str) ->
         TRAIN_SCRIPT=str(script),
         **env,
     )
-    _wait_text(cluster, job, "saved, training on")
+    _wait_for_log(cluster, job, "saved, training on")
     cluster.run(["scancel", "--signal=USR1", "--batch", job.job_id])
     return job
 
@@ -154,7 +147,7 @@ def test_usr1_with_torchrun_on_two_nodes_lets_training_save(slurm_cluster, data:
         REQUEUE_ON_SIGNAL="0",
         TRAIN_ARGS="--steps 400 --ckpt-every 1000 --batch-size 4 --workers 0 --step-sleep-s 0.2",
     )
-    _wait_text(slurm_cluster, job, "train: rank 0 of 4")
+    _wait_for_log(slurm_cluster, job, "train: rank 0 of 4")
     time.sleep(3)  # (a few steps, no checkpoint yet: --ckpt-every 1000)
     slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job.job_id])
     text = _done(slurm_cluster, job)

@@ -180,33 +180,31 @@ def big_dataset(tmp_path: Path) -> Path:
     return src
 
 
+def _killed_mid_copy(dataset: Path, dest: Path, settle_s: float) -> Path:
+    """Start stage-in of ``dataset`` at a capped rate, kill -9 it ``settle_s`` after its first
+    ``.partial`` appears, and return the staged directory (holding that ``.partial``)."""
+    proc = subprocess.Popen(
+        [str(BIN / "stage-in"), str(dataset), "--dest", str(dest), "--bw-limit", "2"]
+        + ["--jobs", "2", "--quiet"],
+        env=clean_env(),
+        stderr=subprocess.DEVNULL,
+    )
+    staged = dest / dataset.name
+    deadline = time.monotonic() + 30
+    while not list(staged.glob("*.partial")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(settle_s)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert list(staged.glob("*.partial")), "the copy should have been caught in flight"
+    return staged
+
+
 def test_kill_mid_copy_leaves_no_partial_visible_and_rerun_completes(
     big_dataset: Path, tmp_path: Path
 ) -> None:
     dest = tmp_path / "scratch"
-    proc = subprocess.Popen(
-        [
-            str(BIN / "stage-in"),
-            str(big_dataset),
-            "--dest",
-            str(dest),
-            "--bw-limit",
-            "2",
-            "--jobs",
-            "2",
-            "--quiet",
-        ],
-        env=clean_env(),
-        stderr=subprocess.DEVNULL,
-    )
-    staged = dest / "big"
-    deadline = time.monotonic() + 30
-    while not list(staged.glob("*.partial")) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.5)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert list(staged.glob("*.partial")), "the copy should have been caught in flight"
+    staged = _killed_mid_copy(big_dataset, dest, settle_s=0.5)
     for final in _shards(staged):  # anything with a final name is whole
         assert filecmp.cmp(final, big_dataset / final.name, shallow=False)
     # A shard is kept by the rerun when its source version was journaled after its rename (a
@@ -236,21 +234,8 @@ def test_a_partial_left_by_a_kill_goes_even_when_its_shard_left_the_source(
     again, so its ``.partial`` (a part of a shard, in scratch for the rest of the job) goes only
     because the rerun looks for leftovers."""
     dest = tmp_path / "scratch"
-    proc = subprocess.Popen(
-        [str(BIN / "stage-in"), str(big_dataset), "--dest", str(dest), "--bw-limit", "2"]
-        + ["--jobs", "2", "--quiet"],
-        env=clean_env(),
-        stderr=subprocess.DEVNULL,
-    )
-    staged = dest / "big"
-    deadline = time.monotonic() + 30
-    while not list(staged.glob("*.partial")) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.3)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    staged = _killed_mid_copy(big_dataset, dest, settle_s=0.3)
     left = sorted(staged.glob("*.partial"))
-    assert left, "the copy should have been caught in flight"
     for partial in left:  # the source drops the shards whose copies were cut
         (big_dataset / partial.name.removesuffix(".partial")).unlink()
 
